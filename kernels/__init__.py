@@ -1,0 +1,1 @@
+"""Pallas kernels of specjax (installed as `specjax.kernels`)."""

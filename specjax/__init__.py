@@ -1,0 +1,14 @@
+"""specjax: exact speculative decoding in JAX, built for Cloud TPU."""
+
+from specjax.cache import KVCache
+from specjax.generate import generate
+from specjax.models import Model, ModelConfig, RopeScaling, init_params
+from specjax.outputs import DecodeOutput, DecodeStats
+from specjax.sampling import Sampling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
+    "generate", "init_params",
+]

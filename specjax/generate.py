@@ -1,0 +1,117 @@
+"""Plain autoregressive generation, fully on device: prefill, then a `lax.while_loop`.
+
+This is the baseline speculative decoding must reproduce: `decode` at temperature 0 returns exactly
+`generate`'s tokens. One compiled program serves every `max_new_tokens` within a bucket of
+`NEW_TOKEN_BUCKET` and every rng: those are traced values; only shapes, the model config and the
+sampling settings are static.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax import validation
+from specjax.outputs import DecodeOutput, DecodeStats
+from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, sample_token, seed_from_key
+
+NEW_TOKEN_BUCKET = 64  # output/cache capacity is max_new_tokens rounded up to this
+
+# How often each jitted entry point has been traced (a recompilation guard for tests and users).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def check_model(model, name: str = "model"):
+  for attribute in ("vocab_size", "max_len", "init_cache"):
+    if not hasattr(model, attribute):
+      raise ValueError(f"{name} does not follow the specjax model protocol: no `{attribute}` "
+                       "(pass a specjax.Model or wrap your module with specjax.models.adapter)")
+
+
+def check_sampling(sampling):
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
+  return sampling
+
+
+def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+             sampling: Sampling = GREEDY, eos_id: int | None = None,
+             pad_id: int | None = None) -> DecodeOutput:
+  """Generates up to `max_new_tokens` tokens per row with the model alone.
+
+  Args:
+    model: a `specjax.Model` (or anything following the model protocol).
+    tokens: `[B, T]` int prompt ids, right-padded.
+    rng: a JAX PRNG key (unused when greedy).
+    lengths: `[B]` prompt lengths; None means every row is `T` tokens long.
+    max_new_tokens: how many tokens to generate at most per row.
+    sampling: temperature / top-k / top-p; the default is greedy.
+    eos_id: a row stops after emitting this id (it is included in the output); None = never.
+    pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
+
+  Returns:
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+  """
+  check_model(model)
+  tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
+  max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
+  validation.check_context(lengths, tokens.shape[1], max_new_tokens, model.max_len)
+  rng = validation.check_rng(rng)
+  eos = validation.check_eos(eos_id, model.vocab_size)
+  check_sampling(sampling)
+  pad = getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id
+  capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+  out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens), jnp.int32(eos),
+                  sampling=sampling, capacity=capacity, pad_id=int(pad))
+  return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
+
+
+def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
+  """The logits at each row's last prompt token: `[B, T, V]` -> `[B, V]`."""
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id"))
+def _generate(model, tokens, lengths, rng, max_new_tokens, eos_id, *, sampling: Sampling,
+              capacity: int, pad_id: int) -> DecodeOutput:
+  TRACE_COUNTS["generate"] += 1
+  batch, width = tokens.shape
+  rows = jnp.arange(batch, dtype=jnp.int32)
+  seed = seed_from_key(rng)
+
+  cache = model.init_cache(batch, width + capacity)
+  prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
+  cache = prefill.cache.with_lengths(lengths)
+  first = sample_token(last_logits(prefill.logits, lengths), sampling, seed, rows, lengths,
+                       PURPOSE_SAMPLE)
+
+  out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
+  num_tokens = jnp.ones((batch,), jnp.int32)
+  done = (first == eos_id) | (num_tokens >= max_new_tokens)
+
+  def cond(state):
+    _, _, _, _, done = state
+    return ~jnp.all(done)
+
+  def body(state):
+    cache, token, out, num_tokens, done = state
+    step = model(token[:, None], cache.lengths, cache)
+    positions = cache.lengths + 1  # absolute position of the token being sampled
+    new_token = sample_token(step.logits[:, 0], sampling, seed, rows, positions, PURPOSE_SAMPLE)
+    live = ~done
+    cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
+    out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
+    num_tokens = num_tokens + live
+    done = done | (new_token == eos_id) | (num_tokens >= max_new_tokens)
+    token = jnp.where(live, new_token, token)
+    return cache, token, out, num_tokens, done
+
+  _, _, out, num_tokens, _ = jax.lax.while_loop(cond, body, (cache, first, out, num_tokens, done))
+  zeros = jnp.zeros((batch,), jnp.int32)
+  stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
+                      accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
+                      target_calls=num_tokens, draft_calls=zeros)
+  return DecodeOutput(out, num_tokens, stats)

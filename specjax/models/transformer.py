@@ -1,0 +1,271 @@
+"""The built-in decoder: Llama, Mistral, Qwen2/3 and Gemma 2/3 from one config.
+
+Models are plain registered dataclasses rather than Flax modules. A `Model` is a pytree whose leaves
+are the weights (a nested dict, layers stacked on a leading axis and run with `lax.scan`) and whose
+static part is the hashable `ModelConfig`. That keeps three things simple that speculative decoding
+leans on: a model crosses `jax.jit` as an ordinary argument (weights are never baked into the HLO),
+sharding is a tree map over parameter names, and the forward pass is a pure function that takes the
+cache in and gives it back. Flax NNX and Linen models plug in through `specjax.models.adapter`.
+
+The forward pass handles a block of `T` tokens per row starting at per-row offsets. Queries attend
+causally within the block and to every cache slot before their own position; slots at or past a
+row's position are masked, so stale entries left behind by a rollback are never read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.cache import KVCache, write_block
+from specjax.models.config import ModelConfig, RopeScaling
+
+
+class ForwardOutput(NamedTuple):
+  logits: jax.Array  # [B, T, V] float32
+  hidden: jax.Array | None  # [B, T, E] final hidden states (after the last norm), if asked
+  cache: KVCache | None  # updated cache, lengths = starts + T
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """A decoder-only language model: weights (pytree leaves) plus architecture (static).
+
+  Attributes:
+    params: nested dict of weights; per-layer weights are stacked on a leading `num_layers` axis.
+    config: the architecture; hashable, so it is part of the jit cache key.
+  """
+
+  params: dict
+  config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def vocab_size(self) -> int:
+    return self.config.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.config.max_len
+
+  @property
+  def dtype(self):
+    return self.params["embed"].dtype
+
+  def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    cfg = self.config
+    return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
+                          dtype or self.dtype)
+
+  def __call__(self, tokens, starts, cache=None, *, return_hidden=False) -> ForwardOutput:
+    return forward(self, tokens, starts, cache, return_hidden=return_hidden)
+
+  def astype(self, dtype) -> "Model":
+    """The same model with floating-point weights cast to `dtype`."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return Model(jax.tree.map(cast, self.params), self.config)
+
+
+def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model:
+  """Random initialisation (scaled normal), the starting point for training and for tests."""
+  c = config
+  e, d, L = c.embed_dim, c.head_dim, c.num_layers
+  keys = iter(jax.random.split(rng, 16))
+
+  def dense(shape, fan_in):
+    return (jax.random.normal(next(keys), shape, jnp.float32) / math.sqrt(fan_in)).astype(dtype)
+
+  norm_init = jnp.zeros if c.norm_offset else jnp.ones
+  layers = {
+      "attn_norm": norm_init((L, e), dtype),
+      "wq": dense((L, e, c.num_heads * d), e),
+      "wk": dense((L, e, c.num_kv_heads * d), e),
+      "wv": dense((L, e, c.num_kv_heads * d), e),
+      "wo": dense((L, c.num_heads * d, e), c.num_heads * d * 2 * L),
+      "mlp_norm": norm_init((L, e), dtype),
+      "w_gate": dense((L, e, c.mlp_dim), e),
+      "w_up": dense((L, e, c.mlp_dim), e),
+      "w_down": dense((L, c.mlp_dim, e), c.mlp_dim * 2 * L),
+  }
+  if c.qkv_bias:
+    layers["bq"] = jnp.zeros((L, c.num_heads * d), dtype)
+    layers["bk"] = jnp.zeros((L, c.num_kv_heads * d), dtype)
+    layers["bv"] = jnp.zeros((L, c.num_kv_heads * d), dtype)
+  if c.qk_norm:
+    layers["q_norm"] = norm_init((L, d), dtype)
+    layers["k_norm"] = norm_init((L, d), dtype)
+  if c.post_norms:
+    layers["post_attn_norm"] = norm_init((L, e), dtype)
+    layers["post_mlp_norm"] = norm_init((L, e), dtype)
+  params = {
+      "embed": dense((c.vocab_size, e), e),
+      "layers": layers,
+      "final_norm": norm_init((e,), dtype),
+  }
+  if not c.tie_embeddings:
+    params["lm_head"] = dense((e, c.vocab_size), e)
+  return Model(params, config)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+  """Inverse frequencies, `[head_dim // 2]` float32, with optional Llama 3.1 / linear scaling."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  if scaling.kind == "linear":
+    return inv_freq / scaling.factor
+  low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+  wavelen = 2 * jnp.pi / inv_freq
+  smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  return jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+                   jnp.where(wavelen < high_wavelen, inv_freq, smoothed))
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`sin`, `cos` of shape `[B, T, 1, D]` in the rotate-half layout (as Hugging Face Llama)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def attention(q, keys, values, q_pos, k_pos, window, config: ModelConfig):
+  """Grouped-query attention with causal and sliding-window masking.
+
+  Args:
+    q: `[B, T, H, D]` queries.
+    keys, values: `[B, S, KVH, D]`.
+    q_pos: `[B, T]` absolute position of each query.
+    k_pos: `[B, S]` absolute position of each key slot.
+    window: scalar int, 0 for global attention.
+    config: the model config.
+
+  Returns:
+    `[B, T, H * D]`.
+  """
+  b, t, h, d = q.shape
+  kvh = keys.shape[2]
+  q = q.reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
+                      preferred_element_type=jnp.float32) * config.attention_scale
+  scores = _softcap(scores, config.attn_logit_softcap)
+  visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+  visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
+  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+  return out.reshape(b, t, h * d).astype(q.dtype)
+
+
+def _mlp_activation(x, kind):
+  return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
+
+
+def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache | None = None,
+            *, return_hidden: bool = False) -> ForwardOutput:
+  """Runs the decoder on a block of tokens per row.
+
+  Args:
+    model: the model.
+    tokens: `[B, T]` int32 token ids.
+    starts: `[B]` int32 position of each row's first token (its cache offset).
+    cache: the KV cache, or None for a cache-free causal pass over `tokens` (training).
+    return_hidden: also return the final hidden states (for draft heads).
+
+  Returns:
+    `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, cache)`, where the returned
+    cache holds the block's keys/values at slots `starts .. starts + T - 1` and
+    `lengths = starts + T`.
+  """
+  c = model.config
+  p = model.params
+  b, t = tokens.shape
+  starts = jnp.asarray(starts, jnp.int32)
+  q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+
+  x = p["embed"][tokens]
+  if c.scale_embeddings:
+    x = x * jnp.asarray(math.sqrt(c.embed_dim), x.dtype)
+
+  global_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+  local_theta = c.rope_local_theta or c.rope_theta
+  local_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, local_theta,
+                                                 None if c.rope_local_theta else c.rope_scaling))
+  windows = jnp.asarray(c.layer_windows(), jnp.int32)
+
+  if cache is None:
+    k_pos = q_pos
+    stacked_k = stacked_v = None
+  else:
+    k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    stacked_k, stacked_v = cache.k, cache.v
+
+  def project(h, w, bias):
+    out = jnp.einsum("bte,ef->btf", h, w)
+    return out if bias is None else out + bias
+
+  def block(carry, xs):
+    x, cache_k, cache_v = carry
+    lp, index, window = xs
+    h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
+    q = project(h, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
+    k = project(h, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = project(h, lp["wv"], lp.get("bv")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if c.qk_norm:
+      q = rms_norm(q, lp["q_norm"], c.norm_eps, c.norm_offset)
+      k = rms_norm(k, lp["k_norm"], c.norm_eps, c.norm_offset)
+    is_local = window > 0
+    sin = jnp.where(is_local, local_rope[0], global_rope[0])
+    cos = jnp.where(is_local, local_rope[1], global_rope[1])
+    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    if cache_k is None:
+      keys, values = k, v
+    else:
+      layer_k = write_block(cache_k[index], k, starts)
+      layer_v = write_block(cache_v[index], v, starts)
+      cache_k = jax.lax.dynamic_update_index_in_dim(cache_k, layer_k, index, 0)
+      cache_v = jax.lax.dynamic_update_index_in_dim(cache_v, layer_v, index, 0)
+      keys, values = layer_k, layer_v
+    attn = attention(q, keys, values, q_pos, k_pos, window, c)
+    o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
+    if c.post_norms:
+      o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
+    x = x + o
+    h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
+    gate = _mlp_activation(jnp.einsum("bte,ef->btf", h, lp["w_gate"]), c.activation)
+    m = jnp.einsum("btf,fe->bte", gate * jnp.einsum("bte,ef->btf", h, lp["w_up"]), lp["w_down"])
+    if c.post_norms:
+      m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
+    return (x + m, cache_k, cache_v), None
+
+  xs = (p["layers"], jnp.arange(c.num_layers, dtype=jnp.int32), windows)
+  (x, new_k, new_v), _ = jax.lax.scan(block, (x, stacked_k, stacked_v), xs)
+  x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
+  head = p["embed"].T if c.tie_embeddings else p["lm_head"]
+  logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+  logits = _softcap(logits, c.final_logit_softcap)
+  new_cache = None if cache is None else KVCache(new_k, new_v, starts + t)
+  return ForwardOutput(logits, x if return_hidden else None, new_cache)

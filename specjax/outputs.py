@@ -1,0 +1,72 @@
+"""The result types shared by `specjax.generate` and `specjax.decode`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeStats:
+  """Per-row counters of one decoding call.
+
+  Attributes:
+    rounds: `[B]` draft/verify rounds the row took part in (for `generate`: decode steps).
+    drafted: `[B]` draft tokens proposed to the row.
+    accepted: `[B]` draft tokens accepted.
+    accepted_per_position: `[B, k]` how often the draft at position `j` of a round was accepted.
+    target_calls: `[B]` target forward passes (prefill included) while the row was live.
+    draft_calls: `[B]` drafter forward passes while the row was live.
+  """
+
+  rounds: jax.Array
+  drafted: jax.Array
+  accepted: jax.Array
+  accepted_per_position: jax.Array
+  target_calls: jax.Array
+  draft_calls: jax.Array
+
+  @property
+  def acceptance_rate(self) -> jax.Array:
+    """Accepted / drafted, per row (0 where nothing was drafted)."""
+    return jnp.where(self.drafted > 0, self.accepted / jnp.maximum(self.drafted, 1), 0.0)
+
+  @property
+  def mean_accepted_length(self) -> jax.Array:
+    """Tokens produced per round (accepted drafts + the correction or bonus), per row."""
+    return jnp.where(self.rounds > 0,
+                     (self.accepted + self.rounds) / jnp.maximum(self.rounds, 1), 0.0)
+
+  def summary(self) -> dict:
+    """Batch totals as plain Python numbers."""
+    rounds = int(np.sum(self.rounds))
+    drafted = int(np.sum(self.drafted))
+    accepted = int(np.sum(self.accepted))
+    return {
+        "rounds": rounds,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+        "accepted_per_position": np.asarray(self.accepted_per_position).sum(0).tolist(),
+        "target_calls": int(np.max(self.target_calls)) if self.target_calls.size else 0,
+        "draft_calls": int(np.max(self.draft_calls)) if self.draft_calls.size else 0,
+    }
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeOutput:
+  """Attributes:
+    tokens: `[B, max_new_tokens]` int32 new tokens; `pad_id` after each row's end.
+    num_tokens: `[B]` int32 new tokens per row (an EOS token is included and counted).
+    stats: per-row `DecodeStats`.
+  """
+
+  tokens: jax.Array
+  num_tokens: jax.Array
+  stats: DecodeStats

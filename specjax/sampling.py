@@ -1,0 +1,263 @@
+"""Sampling and the exact speculative verify rule, in pure jnp.
+
+Everything that decides which token comes out lives here, so that plain generation, speculative
+decoding, the Pallas kernel's reference and the exactness audit all share one definition:
+
+* `Sampling`: temperature, top-k and top-p. `warp_logits` applies them, in that order, identically
+  to the target's and the drafter's logits.
+* Random numbers are a counter-based hash of `(seed, row, position, index, purpose)` built from
+  32-bit integer ops. The same numbers can be computed inside a Pallas kernel on TPU, on GPU and in
+  interpret mode, so the fused kernel and this reference return identical tokens.
+* Categorical sampling is a Gumbel-max race over the vocabulary: `argmax(logits + G_v)`. Each
+  vocabulary entry has its own noise, so the race can be run tile by tile without a softmax or a
+  sort.
+* `verify_reference`: accept draft `x` with probability `min(1, p(x) / q(x))`; at the first
+  rejection sample from `normalize(max(p - q, 0))` (falling back to `p` when the residual has no
+  mass); if every draft is accepted sample a bonus token from `p`. Temperature 0 is greedy.
+
+Tie semantics (shared with the kernel): top-k keeps every token whose warped logit is `>=` the k-th
+largest; top-p keeps every token whose probability is `>=` the probability of the token at which the
+descending cumulative mass first reaches `top_p`. Tied tokens are kept or dropped together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+# Purposes: each draws from its own random stream.
+PURPOSE_SAMPLE = 1  # plain autoregressive sampling from the target
+PURPOSE_DRAFT = 2  # the drafter's proposal
+PURPOSE_ACCEPT = 3  # the uniform of the ratio test
+PURPOSE_RESIDUAL = 4  # the correction (residual) or bonus token
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How tokens are chosen. `temperature=0` is greedy (top-k / top-p are then irrelevant).
+
+  Attributes:
+    temperature: >= 0. Logits are divided by it.
+    top_k: keep the `top_k` most likely tokens (ties at the boundary kept); None = all.
+    top_p: nucleus sampling, in (0, 1]; None or 1.0 = all.
+  """
+
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  def __post_init__(self):
+    t = self.temperature
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+      raise ValueError(f"Sampling.temperature must be a finite number >= 0, got {t!r}")
+    object.__setattr__(self, "temperature", float(t))
+    if self.top_k is not None:
+      if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+        raise ValueError(f"Sampling.top_k must be a positive int or None, got {self.top_k!r}")
+    if self.top_p is not None:
+      p = self.top_p
+      if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 < p <= 1.0:
+        raise ValueError(f"Sampling.top_p must be in (0, 1] or None, got {p!r}")
+      object.__setattr__(self, "top_p", float(p))
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0.0
+
+
+GREEDY = Sampling()
+
+
+# --------------------------------------------------------------------------------------------
+# Counter-based random numbers.
+# --------------------------------------------------------------------------------------------
+
+def _rotl(x, r):
+  return (x << jnp.uint32(r)) | (x >> jnp.uint32(32 - r))
+
+
+def _fmix32(h):
+  h = h ^ (h >> jnp.uint32(16))
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> jnp.uint32(13))
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> jnp.uint32(16))
+
+
+def hash_bits(seed0, seed1, *counters) -> jax.Array:
+  """32 random bits from a seed pair and integer counters (MurmurHash3's 32-bit word mixing).
+
+  Pure `uint32` multiply / xor / shift, so the same bits come out of a TPU or GPU kernel, the CPU
+  and interpret mode. Arguments broadcast against each other.
+  """
+  h = jnp.asarray(seed0, jnp.uint32)
+  for word in (seed1, *counters):
+    k = jnp.asarray(word).astype(jnp.uint32) * jnp.uint32(0xCC9E2D51)
+    k = _rotl(k, 15) * jnp.uint32(0x1B873593)
+    h = h ^ k
+    h = _rotl(h, 13) * jnp.uint32(5) + jnp.uint32(0xE6546B64)
+  return _fmix32(h ^ jnp.uint32(4 * (len(counters) + 1)))
+
+
+def bits_to_uniform(bits: jax.Array) -> jax.Array:
+  """Maps 32 random bits to a float32 uniform in the open interval (0, 1)."""
+  return ((bits >> jnp.uint32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -24)
+
+
+def uniform(seed, *counters) -> jax.Array:
+  """A float32 uniform in (0, 1) for each counter tuple; `seed` is `uint32[2]`."""
+  return bits_to_uniform(hash_bits(seed[0], seed[1], *counters))
+
+
+def gumbel(seed, *counters) -> jax.Array:
+  return -jnp.log(-jnp.log(uniform(seed, *counters)))
+
+
+def seed_from_key(key: jax.Array) -> jax.Array:
+  """`uint32[2]` seed words from a JAX PRNG key (typed or raw)."""
+  return jax.random.bits(key, (2,), jnp.uint32)
+
+
+# --------------------------------------------------------------------------------------------
+# Warping.
+# --------------------------------------------------------------------------------------------
+
+def warp_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
+  """Temperature, then top-k, then top-p. Dropped tokens get `-inf`.
+
+  Args:
+    logits: `[..., V]` raw logits.
+    sampling: the sampling settings; must not be greedy.
+
+  Returns:
+    `[..., V]` float32 warped logits; `softmax` of them is the sampling distribution.
+  """
+  if sampling.greedy:
+    raise ValueError("warp_logits is for temperature > 0; greedy decoding uses argmax")
+  x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
+  vocab = x.shape[-1]
+  if sampling.top_k is not None and sampling.top_k < vocab:
+    kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
+    x = jnp.where(x >= kth, x, -jnp.inf)
+  if sampling.top_p is not None and sampling.top_p < 1.0:
+    probs = jax.nn.softmax(x, axis=-1)
+    sorted_probs = -jnp.sort(-probs, axis=-1)
+    cumulative = jnp.cumsum(sorted_probs, axis=-1)
+    # Index of the token at which the cumulative mass first reaches top_p.
+    cutoff = jnp.sum(cumulative < sampling.top_p, axis=-1, keepdims=True)
+    cutoff = jnp.minimum(cutoff, vocab - 1)
+    threshold = jnp.take_along_axis(sorted_probs, cutoff, axis=-1)
+    x = jnp.where(probs >= threshold, x, -jnp.inf)
+  return x
+
+
+def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
+  """The sampling distribution `[..., V]` float32 (one-hot at the argmax when greedy)."""
+  if sampling.greedy:
+    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+  return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
+
+
+def sample_race(scores: jax.Array, seed: jax.Array, rows: jax.Array, positions: jax.Array,
+                purpose: int) -> jax.Array:
+  """Gumbel-max: `argmax_v(scores_v + G(seed, row, position, v, purpose))`.
+
+  Args:
+    scores: `[..., V]` float32 log-weights (unnormalised; `-inf` = excluded).
+    seed: `uint32[2]`.
+    rows, positions: int32 arrays of shape `scores.shape[:-1]`.
+    purpose: one of the `PURPOSE_*` stream ids.
+
+  Returns:
+    int32 ids of shape `scores.shape[:-1]`.
+  """
+  vocab_ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
+  noise = gumbel(seed, rows[..., None], positions[..., None], vocab_ids, purpose)
+  return jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+
+
+def sample_token(logits: jax.Array, sampling: Sampling, seed: jax.Array, rows: jax.Array,
+                 positions: jax.Array, purpose: int = PURPOSE_SAMPLE) -> jax.Array:
+  """One token per leading index from raw logits `[..., V]`: argmax if greedy, else a race."""
+  if sampling.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  return sample_race(warp_logits(logits, sampling), seed, rows, positions, purpose)
+
+
+# --------------------------------------------------------------------------------------------
+# The verify rule.
+# --------------------------------------------------------------------------------------------
+
+class VerifyResult(NamedTuple):
+  num_accepted: jax.Array  # [B] int32 in [0, k]
+  tokens: jax.Array  # [B, k + 1] int32: accepted drafts, then the correction or bonus, then 0
+
+
+def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
+                     draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
+                     positions: jax.Array, rows: jax.Array | None = None) -> VerifyResult:
+  """The exact speculative accept/reject rule.
+
+  Args:
+    target_logits: `[B, k + 1, V]` target logits at the k draft positions and one past them.
+    draft_logits: `[B, k, V]` the drafter's raw logits for its proposals, or None when the drafter
+      proposes deterministically (a point mass: n-gram lookup, argmax drafts).
+    draft_tokens: `[B, k]` int32 proposals.
+    sampling: applied identically to both models' logits.
+    seed: `uint32[2]` seed for this round.
+    positions: `[B]` int32 absolute sequence position of each row's first draft token.
+    rows: `[B]` int32 row ids of the random streams (default `arange(B)`).
+
+  Returns:
+    `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
+    `tokens[b, n]` the correction (or the bonus when `n == k`), zeros after.
+  """
+  b, k = draft_tokens.shape
+  vocab = target_logits.shape[-1]
+  rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+  draft_tokens = draft_tokens.astype(jnp.int32)
+  index = jnp.arange(k + 1, dtype=jnp.int32)
+  token_positions = positions.astype(jnp.int32)[:, None] + index  # [B, k+1]
+
+  if sampling.greedy:
+    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
+    accepted = draft_tokens == target_argmax[:, :k]
+    num_accepted = _leading_true(accepted)
+    final = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]
+  else:
+    warped_p = warp_logits(target_logits, sampling)  # [B, k+1, V]
+    p = jax.nn.softmax(warped_p, axis=-1)
+    p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, k]
+    if draft_logits is None:
+      q_draft = jnp.ones_like(p_draft)
+      q = jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.float32)
+    else:
+      q = jax.nn.softmax(warp_logits(draft_logits, sampling), axis=-1)  # [B, k, V]
+      q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    u = uniform(seed, rows[:, None], token_positions[:, :k], 0, PURPOSE_ACCEPT)  # [B, k]
+    accepted = u * q_draft < p_draft  # u < p/q without dividing; q = 0 < p always accepts
+    num_accepted = _leading_true(accepted)
+    # Correction at the first rejection, or bonus from p after k acceptances.
+    p_n = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_padded = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q = 0 at the bonus slot
+    q_n = jnp.take_along_axis(q_padded, num_accepted[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_n - q_n, 0.0)
+    has_mass = jnp.sum(residual, axis=-1, keepdims=True) > 0
+    weights = jnp.where(has_mass, residual, p_n)
+    scores = jnp.where(weights > 0, jnp.log(weights), -jnp.inf)
+    final_positions = positions.astype(jnp.int32) + num_accepted
+    final = sample_race(scores, seed, rows, final_positions, PURPOSE_RESIDUAL)
+
+  tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens, 0)
+  tokens = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  tokens = jnp.where(index[None] == num_accepted[:, None], final[:, None], tokens)
+  return VerifyResult(num_accepted, tokens)
+
+
+def _leading_true(mask: jax.Array) -> jax.Array:
+  """Number of leading True entries along the last axis, int32."""
+  return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)

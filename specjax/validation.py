@@ -1,0 +1,101 @@
+"""Checks that turn bad input into a clear `ValueError` before anything is traced or compiled.
+
+Shapes and dtypes are always checked. Values (prompt lengths, token ids) are checked when they are
+concrete; inside a user's own `jax.jit` they are tracers and only their shapes can be checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
+  """Validates a right-padded prompt batch.
+
+  Returns:
+    `(tokens [B, T] int32, lengths [B] int32)`.
+  """
+  if not hasattr(tokens, "dtype"):
+    tokens = np.asarray(tokens)
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of token ids, got dtype {tokens.dtype}")
+  if tokens.ndim != 2:
+    raise ValueError(f"{name} must have shape [batch, length], got shape {tuple(tokens.shape)}")
+  batch, width = tokens.shape
+  if batch == 0 or width == 0:
+    raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): every row needs a prompt "
+                     "of at least one token")
+  if is_concrete(tokens):
+    values = np.asarray(tokens)
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= vocab_size:
+      raise ValueError(f"{name} holds ids outside [0, {vocab_size}): min {low}, max {high}")
+  if lengths is None:
+    lengths = jnp.full((batch,), width, jnp.int32)
+  else:
+    if not hasattr(lengths, "dtype"):
+      lengths = np.asarray(lengths)
+    if not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise ValueError(f"lengths must be an integer array, got dtype {lengths.dtype}")
+    if tuple(lengths.shape) != (batch,):
+      raise ValueError(f"lengths must have shape [{batch}] (one per row), got "
+                       f"{tuple(lengths.shape)}")
+    if is_concrete(lengths):
+      values = np.asarray(lengths)
+      if values.min() < 1:
+        raise ValueError(f"empty prompt: lengths must be >= 1, got {values.tolist()}")
+      if values.max() > width:
+        raise ValueError(f"lengths ({values.max()}) exceed the token array width ({width})")
+  return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+
+
+def check_count(value, name: str, minimum: int = 1) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name} must be an int, got {value!r}")
+  if value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value}")
+  return int(value)
+
+
+def check_context(lengths, width: int, max_new_tokens: int, max_len: int, what: str = "model"):
+  """Prompt plus new tokens must fit the model's context."""
+  longest = int(np.max(np.asarray(lengths))) if is_concrete(lengths) else width
+  if longest + max_new_tokens > max_len:
+    raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
+                     f"{longest + max_new_tokens} exceeds the {what}'s context of {max_len} "
+                     "tokens")
+
+
+def check_rng(rng):
+  if not hasattr(rng, "dtype"):
+    raise ValueError(f"rng must be a JAX PRNG key (jax.random.key(0)), got {type(rng).__name__}")
+  if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
+    if rng.shape != ():
+      raise ValueError(f"rng must be a single PRNG key, got a key array of shape {rng.shape}")
+    return rng
+  if rng.dtype == jnp.uint32 and tuple(rng.shape) == (2,):
+    return rng
+  raise ValueError("rng must be a JAX PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)),"
+                   f" got dtype {rng.dtype} shape {tuple(rng.shape)}")
+
+
+def check_eos(eos_id, vocab_size: int):
+  if eos_id is None:
+    return -1
+  if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)):
+    raise ValueError(f"eos_id must be an int or None, got {eos_id!r}")
+  if not 0 <= eos_id < vocab_size:
+    raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
+  return int(eos_id)
+
+
+def round_up(value: int, multiple: int) -> int:
+  return int(math.ceil(value / multiple) * multiple)
