@@ -35,7 +35,20 @@ def _run_demo(args):
   return demo.run(args)
 
 
-SUBCOMMANDS = [_add_demo]
+def _add_train(subparsers):
+  parser = subparsers.add_parser(
+      "train", help="train the tokenizer, a target LM, or a draft distilled from a target")
+  from specjax import train
+  train.add_arguments(parser)
+  parser.set_defaults(func=_run_train)
+
+
+def _run_train(args):
+  from specjax import train
+  return train.run_cli(args)
+
+
+SUBCOMMANDS = [_add_demo, _add_train]
 
 
 def build_parser() -> argparse.ArgumentParser:
