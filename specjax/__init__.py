@@ -1,7 +1,7 @@
 """specjax: exact speculative decoding in JAX, built for Cloud TPU."""
 
 from specjax.cache import KVCache
-from specjax.checkpoint import load, save
+from specjax.checkpoint import from_hf, load, save
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
@@ -12,5 +12,5 @@ __version__ = "0.1.0"
 __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
     "generate", "init_params",
-    "load", "save",
+    "from_hf", "load", "save",
 ]

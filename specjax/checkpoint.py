@@ -253,3 +253,430 @@ def load(path: str | os.PathLike, sharding=None, dtype=None) -> Model:
       raise ValueError(f"corrupt checkpoint {params_dir}: restore failed "
                        f"({type(error).__name__}: {error})") from None
   return Model(params, config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face import
+
+SUPPORTED_HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text",
+                         "gemma3")
+_MIXTURE_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3",
+                       "dbrx", "jamba", "olmoe", "granitemoe", "phimoe", "llama4")
+_GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_GEMMA3_TEXT_DEFAULTS = dict(
+    vocab_size=262_208, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    query_pre_attn_scalar=256, rms_norm_eps=1e-6, max_position_embeddings=131_072,
+    sliding_window=4096, sliding_window_pattern=6, rope_local_base_freq=10_000.0,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
+
+# Hugging Face dtype names in safetensors headers -> numpy dtypes (bfloat16 via ml_dtypes).
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                       "BOOL": "bool"}
+
+
+class _SafetensorsFiles:
+  """Zero-copy, memory-mapped access to the tensors of one or more `.safetensors` files.
+
+  The `safetensors` package validates each file and lists its tensors; the arrays themselves are
+  read through `numpy.memmap` so that bfloat16 (which NumPy's safetensors backend cannot return)
+  maps onto `ml_dtypes.bfloat16` without a copy or a detour through another framework.
+  """
+
+  def __init__(self, files: list[pathlib.Path]):
+    from safetensors import safe_open
+
+    self._where: dict[str, tuple[pathlib.Path, str, tuple[int, ...], int, int]] = {}
+    self._maps: dict[pathlib.Path, np.memmap] = {}
+    for file in files:
+      if not file.is_file():
+        raise ValueError(f"safetensors file {file} is missing")
+      try:
+        with safe_open(str(file), framework="numpy") as handle:
+          listed = set(handle.keys())
+        with open(file, "rb") as stream:
+          header_len = int.from_bytes(stream.read(8), "little")
+          header = json.loads(stream.read(header_len))
+      except Exception as error:  # SafetensorError, JSON, OS errors: all mean the same here.
+        raise ValueError(f"corrupt safetensors file {file}: {error}") from None
+      data_start = 8 + header_len
+      for name, entry in header.items():
+        if name == "__metadata__":
+          continue
+        if name not in listed or entry["dtype"] not in _SAFETENSORS_DTYPES:
+          raise ValueError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']}")
+        begin, end = entry["data_offsets"]
+        self._where[name] = (file, entry["dtype"], tuple(entry["shape"]), data_start + begin,
+                             data_start + end)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._where
+
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._where[name][2]
+
+  def dtype(self, name: str) -> np.dtype:
+    return jnp.dtype(_SAFETENSORS_DTYPES[self._where[name][1]])
+
+  def get(self, name: str) -> np.ndarray:
+    file, dtype, shape, begin, end = self._where[name]
+    if file not in self._maps:
+      self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
+    return self._maps[file][begin:end].view(self.dtype(name)).reshape(shape)
+
+
+def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
+  index = path / "model.safetensors.index.json"
+  if index.is_file():
+    try:
+      weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+      raise ValueError(f"corrupt {index}: {error!r}") from None
+    return [path / name for name in sorted(set(weight_map.values()))]
+  single = path / "model.safetensors"
+  if single.is_file():
+    return [single]
+  found = sorted(path.glob("*.safetensors"))
+  if found:
+    return found
+  other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
+  hint = f" (found {other}: re-save with safe_serialization=True)" if other else ""
+  raise ValueError(f"no safetensors weights in {path}{hint}")
+
+
+def _rope_parameters(hf: dict, layer_type: str | None) -> dict:
+  """Merges the legacy (`rope_theta`, `rope_scaling`) and current (`rope_parameters`) formats."""
+  merged: dict = {}
+  if hf.get("rope_theta") is not None:
+    merged["rope_theta"] = hf["rope_theta"]
+  if hf.get("rope_scaling"):
+    if layer_type in (None, "full_attention"):
+      merged.update(hf["rope_scaling"])
+  params = hf.get("rope_parameters") or {}
+  if layer_type is not None and isinstance(params.get(layer_type), dict):
+    params = params[layer_type]
+  elif layer_type is not None and any(isinstance(v, dict) for v in params.values()):
+    params = {}
+  merged.update(params)
+  if "type" in merged and "rope_type" not in merged:
+    merged["rope_type"] = merged["type"]
+  merged.setdefault("rope_type", "default")
+  return merged
+
+
+def _rope_scaling(rope: dict, family: str) -> RopeScaling | None:
+  kind = rope["rope_type"]
+  if kind not in _SUPPORTED_ROPE_TYPES:
+    raise ValueError(f"{family}: rope_type {kind!r} is not supported (supported: "
+                     f"{', '.join(_SUPPORTED_ROPE_TYPES)})")
+  if rope.get("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError(f"{family}: partial_rotary_factor={rope['partial_rotary_factor']} is not "
+                     "supported (RoPE on the whole head only)")
+  if kind == "default":
+    return None
+  if kind == "linear":
+    return RopeScaling(kind="linear", factor=float(rope["factor"]))
+  return RopeScaling(kind="llama3", factor=float(rope["factor"]),
+                     low_freq_factor=float(rope["low_freq_factor"]),
+                     high_freq_factor=float(rope["high_freq_factor"]),
+                     original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+
+
+def _layer_types(hf: dict, family: str, num_layers: int) -> list[str]:
+  if hf.get("layer_types"):
+    return list(hf["layer_types"])
+  window = hf.get("sliding_window")
+  if family == "mistral":
+    sliding = [window is not None] * num_layers
+  elif family == "gemma2":
+    sliding = [bool((i + 1) % 2) for i in range(num_layers)]
+  elif family == "gemma3_text":
+    pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
+    sliding = [bool((i + 1) % pattern) for i in range(num_layers)]
+  elif family in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+    sliding = [i >= hf.get("max_window_layers", 28) for i in range(num_layers)]
+  else:
+    sliding = [False] * num_layers
+  return ["sliding_attention" if s else "full_attention" for s in sliding]
+
+
+def _window_fields(hf: dict, family: str, num_layers: int) -> dict:
+  """`sliding_window` and `sliding_window_pattern` reproducing the checkpoint's layer types."""
+  types = _layer_types(hf, family, num_layers)
+  unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+  if unknown:
+    raise ValueError(f"{family}: attention layer types {unknown} are not supported")
+  if len(types) != num_layers:
+    raise ValueError(f"{family}: layer_types has {len(types)} entries for {num_layers} layers")
+  window = hf.get("sliding_window")
+  if family in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+    window = None
+  if "sliding_attention" not in types or window is None:
+    return dict(sliding_window=None, sliding_window_pattern=1)
+  for pattern in range(1, num_layers + 2):
+    candidate = ModelConfig(vocab_size=1, embed_dim=1, num_layers=num_layers, num_heads=1,
+                            num_kv_heads=1, head_dim=2, mlp_dim=1, sliding_window=int(window),
+                            sliding_window_pattern=pattern)
+    if [w > 0 for w in candidate.layer_windows()] == [t == "sliding_attention" for t in types]:
+      return dict(sliding_window=int(window), sliding_window_pattern=pattern)
+  raise ValueError(f"{family}: this arrangement of sliding-window layers is not supported "
+                   f"(every n-th layer global only): {types}")
+
+
+def _activation(hf: dict, family: str) -> str:
+  name = hf.get("hidden_activation") or hf.get("hidden_act") or (
+      "gelu_pytorch_tanh" if family in _GEMMA_FAMILIES else "silu")
+  if family == "gemma" and name == "gelu":
+    name = "gelu_pytorch_tanh"  # the legacy value of Gemma 1 configs means the tanh form
+  if name in ("silu", "swish"):
+    return "silu"
+  if name in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+    return "gelu_tanh"
+  raise ValueError(f"{family}: MLP activation {name!r} is not supported (silu or tanh-gelu)")
+
+
+def _first_id(value) -> int | None:
+  if isinstance(value, list):
+    return int(value[0]) if value else None
+  return None if value is None else int(value)
+
+
+def hf_config_to_model_config(hf: dict) -> ModelConfig:
+  """The `ModelConfig` equivalent to a Hugging Face `config.json` of a supported family.
+
+  Raises:
+    ValueError: naming the architecture, RoPE type or feature that is not supported.
+  """
+  family = hf.get("model_type")
+  if family == "gemma3":
+    if not isinstance(hf.get("text_config"), dict):
+      raise ValueError("gemma3: config.json has no text_config")
+    hf = dict(hf["text_config"], model_type="gemma3_text")
+    family = "gemma3_text"
+  if family == "gemma3_text":
+    # Multimodal Gemma 3 configs list only the text fields that differ from these defaults.
+    hf = {**_GEMMA3_TEXT_DEFAULTS, **hf}
+  if family in _MIXTURE_OF_EXPERTS or hf.get("num_local_experts") or hf.get("num_experts"):
+    raise ValueError(f"unsupported architecture {family!r}: mixture-of-experts layers are not "
+                     "implemented by the built-in decoder")
+  if family not in SUPPORTED_HF_FAMILIES:
+    architectures = hf.get("architectures")
+    raise ValueError(f"unsupported architecture {family!r} ({architectures}); supported "
+                     f"model_type values: {', '.join(SUPPORTED_HF_FAMILIES)}")
+  if hf.get("attention_bias") and family != "qwen2":
+    raise ValueError(f"{family}: attention_bias=True (a bias on o_proj) is not supported")
+  if hf.get("mlp_bias"):
+    raise ValueError(f"{family}: mlp_bias=True is not supported")
+  if hf.get("use_bidirectional_attention"):
+    raise ValueError(f"{family}: use_bidirectional_attention=True is not supported "
+                     "(decoder-only models only)")
+  gemma = family in _GEMMA_FAMILIES
+  num_layers = int(hf["num_hidden_layers"])
+  num_heads = int(hf["num_attention_heads"])
+  head_dim = hf.get("head_dim") or int(hf["hidden_size"]) // num_heads
+  if family == "gemma3_text":
+    global_rope = _rope_parameters(hf, "full_attention")
+    local_rope = _rope_parameters(hf, "sliding_attention")
+    if "rope_theta" not in local_rope:
+      local_rope["rope_theta"] = hf.get("rope_local_base_freq", 10_000.0)
+    if local_rope["rope_type"] != "default":
+      raise ValueError(f"gemma3: rope scaling on sliding-window layers ({local_rope['rope_type']}) "
+                       "is not supported")
+    global_rope.setdefault("rope_theta", 1_000_000.0)
+    rope_local_theta = float(local_rope["rope_theta"])
+  else:
+    global_rope = _rope_parameters(hf, None)
+    global_rope.setdefault("rope_theta", 10_000.0)
+    rope_local_theta = None
+  query_pre_attn_scalar = hf.get("query_pre_attn_scalar") if family in ("gemma2",
+                                                                          "gemma3_text") else None
+  pad_id = _first_id(hf.get("pad_token_id"))
+  return ModelConfig(
+      vocab_size=int(hf["vocab_size"]),
+      embed_dim=int(hf["hidden_size"]),
+      num_layers=num_layers,
+      num_heads=num_heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+      head_dim=int(head_dim),
+      mlp_dim=int(hf["intermediate_size"]),
+      max_len=int(hf.get("max_position_embeddings", 2048)),
+      rope_theta=float(global_rope["rope_theta"]),
+      rope_scaling=_rope_scaling(global_rope, family),
+      rope_local_theta=rope_local_theta,
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      norm_offset=1.0 if gemma else 0.0,
+      activation=_activation(hf, family),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", gemma)),
+      scale_embeddings=gemma,
+      qkv_bias=family == "qwen2",
+      qk_norm=family in ("qwen3", "gemma3_text"),
+      post_norms=family in ("gemma2", "gemma3_text"),
+      attn_logit_softcap=hf.get("attn_logit_softcapping") if family != "gemma" else None,
+      final_logit_softcap=hf.get("final_logit_softcapping") if family != "gemma" else None,
+      query_pre_attn_scalar=None if query_pre_attn_scalar is None else float(query_pre_attn_scalar),
+      bos_id=_first_id(hf.get("bos_token_id")),
+      eos_id=_first_id(hf.get("eos_token_id")),
+      pad_id=0 if pad_id is None else pad_id,
+      family=family,
+      **_window_fields(hf, family, num_layers),
+  )
+
+
+def _hf_layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+  """specjax layer weight -> (Hugging Face name inside a layer, transpose?)."""
+  names = {
+      "attn_norm": ("input_layernorm.weight", False),
+      "wq": ("self_attn.q_proj.weight", True),
+      "wk": ("self_attn.k_proj.weight", True),
+      "wv": ("self_attn.v_proj.weight", True),
+      "wo": ("self_attn.o_proj.weight", True),
+      "w_gate": ("mlp.gate_proj.weight", True),
+      "w_up": ("mlp.up_proj.weight", True),
+      "w_down": ("mlp.down_proj.weight", True),
+  }
+  if config.post_norms:  # Gemma 2/3: four norms per block
+    names["post_attn_norm"] = ("post_attention_layernorm.weight", False)
+    names["mlp_norm"] = ("pre_feedforward_layernorm.weight", False)
+    names["post_mlp_norm"] = ("post_feedforward_layernorm.weight", False)
+  else:
+    names["mlp_norm"] = ("post_attention_layernorm.weight", False)
+  if config.qkv_bias:
+    names.update(bq=("self_attn.q_proj.bias", False), bk=("self_attn.k_proj.bias", False),
+                 bv=("self_attn.v_proj.bias", False))
+  if config.qk_norm:
+    names.update(q_norm=("self_attn.q_norm.weight", False), k_norm=("self_attn.k_norm.weight", False))
+  return names
+
+
+def _find_prefix(files: _SafetensorsFiles) -> str:
+  """The name prefix of the decoder (`model.`, `model.language_model.`, ...)."""
+  candidates = sorted((n[:-len("embed_tokens.weight")] for n in files.names()
+                       if n.endswith("embed_tokens.weight")), key=len)
+  if not candidates:
+    raise ValueError("missing tensor embed_tokens.weight: no token embedding in the checkpoint")
+  return candidates[0]
+
+
+def _ignored_hf_tensor(name: str) -> bool:
+  """Tensors of a Hugging Face checkpoint that the text decoder does not use."""
+  return (name.endswith("rotary_emb.inv_freq")
+          or name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                              "model.multi_modal_projector.")))
+
+
+def _put(array: np.ndarray, sharding) -> jax.Array:
+  if sharding is None:
+    return jnp.asarray(array)
+  # Each device copies only its own shard from host memory.
+  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+
+
+def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
+            progress: Callable[[int, int, str], None] | None = None) -> Model:
+  """Imports a Hugging Face checkpoint directory (config.json + safetensors).
+
+  Supported `model_type`s: llama (incl. Llama 3.x `llama3` RoPE scaling), mistral, qwen2 (q/k/v
+  bias), qwen3 (q/k norm), gemma, gemma2 (soft-capping, alternating sliding windows, post norms),
+  gemma3_text and the text part of gemma3 (q/k norm, local/global RoPE, linear RoPE scaling).
+  Hugging Face's Llama rotate-half RoPE layout is the built-in decoder's, so q/k weights are only
+  transposed, never permuted.
+
+  Args:
+    path: the checkpoint directory (`model.safetensors` or a sharded
+      `model.safetensors.index.json`).
+    dtype: cast floating-point weights to this dtype; None keeps the checkpoint's dtype.
+    sharding: where the weights go; as for `load` (None, a Sharding, a pytree of shardings or a
+      Mesh).
+    progress: called as `progress(done, total, name)` after each weight is read.
+
+  Returns:
+    The `specjax.Model`.
+
+  Raises:
+    FileNotFoundError: `path` or its config.json does not exist.
+    ValueError: unsupported architecture/feature, corrupt files, missing or mis-shaped tensors.
+  """
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise FileNotFoundError(f"no checkpoint directory at {path}")
+  config_path = path / "config.json"
+  if not config_path.is_file():
+    raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
+  try:
+    hf = json.loads(config_path.read_text())
+  except json.JSONDecodeError as error:
+    raise ValueError(f"corrupt {config_path}: {error}") from None
+  try:
+    config = hf_config_to_model_config(hf)
+  except KeyError as error:
+    raise ValueError(f"{config_path} lacks the field {error.args[0]!r}") from None
+  files = _SafetensorsFiles(_safetensors_files(path))
+  prefix = _find_prefix(files)
+  # specjax name -> list of (Hugging Face name, transpose?): one entry, or one per layer.
+  layer_names = _hf_layer_names(config)
+  plan: dict[str, list[tuple[str, bool]]] = {
+      "embed": [(prefix + "embed_tokens.weight", False)],
+      "final_norm": [(prefix + "norm.weight", False)],
+  }
+  if not config.tie_embeddings:
+    heads = sorted((n for n in files.names() if n.endswith("lm_head.weight")), key=len)
+    plan["lm_head"] = [(heads[0] if heads else "lm_head.weight", True)]
+  for name, (hf_name, transpose) in layer_names.items():
+    plan["layers/" + name] = [(f"{prefix}layers.{i}.{hf_name}", transpose)
+                              for i in range(config.num_layers)]
+
+  missing = [hf_name for entries in plan.values() for hf_name, _ in entries
+             if hf_name not in files]
+  if missing:
+    shown = missing[:8] + (["..."] if len(missing) > 8 else [])
+    raise ValueError(f"{path}: missing tensors {shown} for {config.family} with "
+                     f"{config.num_layers} layers")
+  used = {hf_name for entries in plan.values() for hf_name, _ in entries}
+  if config.tie_embeddings:
+    used |= {n for n in files.names() if n.endswith("lm_head.weight")}
+  unused = sorted(n for n in files.names() if n not in used and not _ignored_hf_tensor(n))
+  if unused:
+    shown = unused[:8] + (["..."] if len(unused) > 8 else [])
+    raise ValueError(f"{path}: tensors the {config.family} import does not understand (an "
+                     f"unsupported feature?): {shown}")
+
+  expected = expected_shapes(config)
+  found = {}
+  for name, entries in plan.items():
+    shape = files.shape(entries[0][0])
+    shape = shape[::-1] if entries[0][1] else shape
+    shapes = {files.shape(hf_name) for hf_name, _ in entries}
+    if len(shapes) > 1:
+      raise ValueError(f"{path}: shape mismatch: the layers' {entries[0][0]} have shapes "
+                       f"{sorted(shapes)}")
+    found[name] = (len(entries),) + shape if name.startswith("layers/") else shape
+  check_param_shapes(found, config, str(path))
+
+  target_dtype = jnp.dtype(dtype) if dtype is not None else files.dtype(plan["embed"][0][0])
+  abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
+  shardings = None if sharding is None else _flatten(_resolve_sharding(sharding, abstract))
+  total = sum(len(entries) for entries in plan.values())
+  done = 0
+  flat = {}
+  for name, entries in plan.items():
+    out = np.empty(expected[name], target_dtype)
+    target = out if name.startswith("layers/") else out[None]
+    for i, (hf_name, transpose) in enumerate(entries):
+      tensor = files.get(hf_name)
+      target[i] = tensor.T if transpose else tensor  # one vectorised copy (and cast) per tensor
+      done += 1
+      if progress is not None:
+        progress(done, total, hf_name)
+    flat[name] = _put(out, None if shardings is None else shardings[name])
+    del out, target
+  params: dict = {"layers": {}}
+  for name, value in flat.items():
+    if name.startswith("layers/"):
+      params["layers"][name[len("layers/"):]] = value
+    else:
+      params[name] = value
+  return Model(params, config)
