@@ -8,7 +8,6 @@ sampling settings are static.
 
 from __future__ import annotations
 
-import collections
 import functools
 
 import jax
@@ -17,11 +16,9 @@ import jax.numpy as jnp
 from specjax import validation
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, sample_token, seed_from_key
+from specjax.tracing import TRACE_COUNTS
 
 NEW_TOKEN_BUCKET = 64  # output/cache capacity is max_new_tokens rounded up to this
-
-# How often each jitted entry point has been traced (a recompilation guard for tests and users).
-TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
 def check_model(model, name: str = "model"):

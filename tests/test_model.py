@@ -1,0 +1,130 @@
+"""Consistency of the decoder and its KV cache: cached, blocked and full passes agree."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.models import gemma_style, tiny_config
+from specjax.models.transformer import forward
+
+TOL = dict(atol=2e-5, rtol=2e-5)
+
+CONFIGS = {
+    "llama": tiny_config(vocab_size=97),
+    "llama_tied_bias_qknorm": tiny_config(vocab_size=97, tie_embeddings=True, qkv_bias=True,
+                                          qk_norm=True, num_kv_heads=1),
+    "gemma2": gemma_style(tiny_config(vocab_size=97), sliding_window=5),
+    "llama31_rope": tiny_config(vocab_size=97, rope_theta=500_000.0,
+                                rope_scaling=sj.RopeScaling(factor=8.0,
+                                                            original_max_position_embeddings=16)),
+}
+
+
+def _model(name, seed=0):
+  model = sj.init_params(CONFIGS[name], jax.random.key(seed))
+  if CONFIGS[name].qkv_bias:  # give the zero-initialised biases real values
+    layers = dict(model.params["layers"])
+    for key in ("bq", "bk", "bv"):
+      layers[key] = 0.1 * jax.random.normal(jax.random.key(7), layers[key].shape)
+    model = sj.Model(dict(model.params, layers=layers), model.config)
+  return model
+
+
+def _tokens(batch, width, vocab, seed=1):
+  return jax.random.randint(jax.random.key(seed), (batch, width), 0, vocab, jnp.int32)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_prefill_then_steps_equals_full_forward(name):
+  model = _model(name)
+  tokens = _tokens(3, 12, model.vocab_size)
+  full = forward(model, tokens, jnp.zeros(3, jnp.int32)).logits  # [3, 12, V], no cache
+  prompt_lengths = jnp.array([3, 6, 4], jnp.int32)
+  cache = model.init_cache(3, 16)
+  prefill = forward(model, tokens[:, :6], jnp.zeros(3, jnp.int32), cache)
+  for b, length in enumerate(np.asarray(prompt_lengths)):
+    np.testing.assert_allclose(prefill.logits[b, :length], full[b, :length], **TOL)
+  cache = prefill.cache.with_lengths(prompt_lengths)
+  step_fn = jax.jit(forward)
+  for _ in range(5):  # each row continues from its own length
+    positions = cache.lengths
+    step_tokens = jnp.take_along_axis(tokens, positions[:, None], axis=1)
+    out = step_fn(model, step_tokens, positions, cache)
+    expected = jnp.take_along_axis(full, positions[:, None, None], axis=1)
+    np.testing.assert_allclose(out.logits, expected, **TOL)
+    cache = out.cache
+  np.testing.assert_array_equal(cache.lengths, prompt_lengths + 5)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_block_forward_equals_single_token_steps(name):
+  model = _model(name)
+  tokens = _tokens(2, 14, model.vocab_size, seed=2)
+  offsets = jnp.array([4, 7], jnp.int32)
+  cache = model.init_cache(2, 20)
+  cache = forward(model, tokens[:, :7], jnp.zeros(2, jnp.int32), cache).cache.with_lengths(offsets)
+  block = 5
+  block_tokens = jax.vmap(lambda row, start: jax.lax.dynamic_slice(row, (start,), (block,)))(
+      tokens, offsets)
+  blocked = forward(model, block_tokens, offsets, cache)
+  stepped_cache = cache
+  for i in range(block):
+    out = forward(model, block_tokens[:, i:i + 1], offsets + i, stepped_cache)
+    np.testing.assert_allclose(blocked.logits[:, i], out.logits[:, 0], **TOL)
+    stepped_cache = out.cache
+  np.testing.assert_array_equal(blocked.cache.lengths, offsets + block)
+  # Both paths leave the same keys in the valid slots.
+  for b in range(2):
+    end = int(offsets[b]) + block
+    np.testing.assert_allclose(blocked.cache.k[:, b, :end], stepped_cache.k[:, b, :end], **TOL)
+
+
+def test_rollback_then_rewrite_equals_never_written():
+  model = _model("llama")
+  tokens = _tokens(2, 8, model.vocab_size, seed=3)
+  cache = model.init_cache(2, 16)
+  base = forward(model, tokens[:, :5], jnp.zeros(2, jnp.int32), cache).cache
+  base = base.with_lengths(jnp.array([5, 3], jnp.int32))
+  junk = _tokens(2, 4, model.vocab_size, seed=4)
+  dirty = forward(model, junk, base.lengths, base).cache  # written, then rejected
+  rolled_back = dirty.with_lengths(base.lengths)
+  block = _tokens(2, 3, model.vocab_size, seed=5)
+  clean = forward(model, block, base.lengths, base)
+  reused = forward(model, block, rolled_back.lengths, rolled_back)
+  np.testing.assert_allclose(reused.logits, clean.logits, atol=1e-6, rtol=1e-6)
+  # Partial rollback: keep the first junk token, drop the rest; equals writing only it.
+  one = forward(model, junk[:, :1], base.lengths, base).cache
+  partial = dirty.with_lengths(base.lengths + 1)
+  np.testing.assert_allclose(forward(model, block, partial.lengths, partial).logits,
+                             forward(model, block, one.lengths, one).logits, atol=1e-6, rtol=1e-6)
+
+
+def test_stale_slots_past_length_are_never_read():
+  model = _model("llama")
+  tokens = _tokens(1, 6, model.vocab_size, seed=6)
+  cache = model.init_cache(1, 12)
+  poisoned = sj.KVCache(cache.k.at[:, :, 6:].set(1e4), cache.v.at[:, :, 6:].set(-1e4),
+                        cache.lengths)
+  a = forward(model, tokens, jnp.zeros(1, jnp.int32), cache).logits
+  b = forward(model, tokens, jnp.zeros(1, jnp.int32), poisoned).logits
+  np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_sliding_window_limits_attention():
+  config = gemma_style(tiny_config(vocab_size=31), sliding_window=3, sliding_window_pattern=100)
+  model = sj.init_params(config, jax.random.key(0))
+  tokens = _tokens(1, 10, 31, seed=8)
+  changed = tokens.at[0, 0].set((tokens[0, 0] + 1) % 31)
+  a = forward(model, tokens, jnp.zeros(1, jnp.int32)).logits
+  b = forward(model, changed, jnp.zeros(1, jnp.int32)).logits
+  # With every layer local (window 3, 2 layers) token 0 reaches at most positions 0..4.
+  np.testing.assert_allclose(a[0, 5:], b[0, 5:], atol=1e-6)
+  assert np.max(np.abs(a[0, 1:3] - b[0, 1:3])) > 1e-4
+
+
+def test_cache_room_and_write_bounds():
+  cache = sj.KVCache.create(2, 3, 10, 1, 4)
+  cache = cache.with_lengths(jnp.array([0, 4, 10]))
+  np.testing.assert_array_equal(cache.room(), [10, 6, 0])

@@ -1,0 +1,78 @@
+"""Bad input raises a ValueError that names the problem, before anything is compiled."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.tracing import TRACE_COUNTS
+from specjax.models import tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+  return sj.init_params(tiny_config(vocab_size=50, max_len=32), jax.random.key(0))
+
+
+GOOD = jnp.ones((2, 4), jnp.int32)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tokens=GOOD.astype(jnp.float32)), "integer"),
+    (dict(tokens=jnp.ones((4,), jnp.int32)), r"\[batch, length\]"),
+    (dict(tokens=jnp.ones((2, 0), jnp.int32)), "empty"),
+    (dict(lengths=jnp.array([4, 0])), "empty prompt"),
+    (dict(lengths=jnp.array([4, 5])), "exceed"),
+    (dict(lengths=jnp.array([4, 2, 1])), "one per row"),
+    (dict(lengths=jnp.array([4.0, 2.0])), "lengths must be an integer"),
+    (dict(tokens=GOOD.at[0, 0].set(50)), "outside"),
+    (dict(tokens=GOOD.at[0, 0].set(-1)), "outside"),
+    (dict(max_new_tokens=29), "exceeds the model's context of 32"),
+    (dict(max_new_tokens=0), "max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=2.5), "max_new_tokens must be an int"),
+    (dict(rng=0), "PRNG key"),
+    (dict(rng=jnp.zeros(3, jnp.uint32)), "PRNG key"),
+    (dict(eos_id=99), "eos_id"),
+    (dict(sampling="greedy"), "specjax.Sampling"),
+])
+def test_generate_rejects_bad_input_before_compiling(model, kwargs, message):
+  args = dict(tokens=GOOD, rng=jax.random.key(0), max_new_tokens=4)
+  args.update(kwargs)
+  before = TRACE_COUNTS["generate"]
+  with pytest.raises(ValueError, match=message):
+    sj.generate(model, args.pop("tokens"), args.pop("rng"), **args)
+  assert TRACE_COUNTS["generate"] == before
+
+
+def test_context_check_uses_real_prompt_lengths(model):
+  # Width 30 but the rows are only 3 long: 3 + 20 fits in 32.
+  tokens = jnp.ones((2, 30), jnp.int32)
+  out = sj.generate(model, tokens, jax.random.key(0), lengths=jnp.array([3, 2]),
+                    max_new_tokens=20)
+  assert out.tokens.shape == (2, 20)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=1.0, top_k=0), "top_k"),
+    (dict(temperature=1.0, top_k=2.5), "top_k"),
+])
+def test_sampling_rejects_bad_settings(kwargs, message):
+  with pytest.raises(ValueError, match=message):
+    sj.Sampling(**kwargs)
+
+
+def test_model_config_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+    tiny_config(num_heads=4, num_kv_heads=3)
+  with pytest.raises(ValueError, match="head_dim must be even"):
+    tiny_config(head_dim=7)
+
+
+def test_numpy_inputs_are_accepted(model):
+  out = sj.generate(model, np.ones((1, 3), np.int64), jax.random.PRNGKey(0), max_new_tokens=2)
+  assert out.tokens.dtype == jnp.int32
