@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, write_block
+from specjax.sharding import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES, QUERY_AXES,
+                              RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig, RopeScaling
 
 
@@ -209,6 +211,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   x = p["embed"][tokens]
   if c.scale_embeddings:
     x = x * jnp.asarray(math.sqrt(c.embed_dim), x.dtype)
+  x = constrain(x, RESIDUAL_AXES)  # constrain() is a no-op unless a mesh is active
 
   global_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
   local_theta = c.rope_local_theta or c.rope_theta
@@ -221,7 +224,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     stacked_k = stacked_v = None
   else:
     k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
-    stacked_k, stacked_v = cache.k, cache.v
+    stacked_k, stacked_v = constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
 
   def project(h, w, bias):
     out = jnp.einsum("bte,ef->btf", h, w)
@@ -237,6 +240,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if c.qk_norm:
       q = rms_norm(q, lp["q_norm"], c.norm_eps, c.norm_offset)
       k = rms_norm(k, lp["k_norm"], c.norm_eps, c.norm_offset)
+    q, k, v = constrain(q, QUERY_AXES), constrain(k, KEY_VALUE_AXES), constrain(v, KEY_VALUE_AXES)
     is_local = window > 0
     sin = jnp.where(is_local, local_rope[0], global_rope[0])
     cos = jnp.where(is_local, local_rope[1], global_rope[1])
@@ -248,6 +252,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       layer_v = write_block(cache_v[index], v, starts)
       cache_k = jax.lax.dynamic_update_index_in_dim(cache_k, layer_k, index, 0)
       cache_v = jax.lax.dynamic_update_index_in_dim(cache_v, layer_v, index, 0)
+      cache_k, cache_v = constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES)
       keys, values = layer_k, layer_v
     attn = attention(q, keys, values, q_pos, k_pos, window, c)
     o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
@@ -256,16 +261,17 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
     gate = _mlp_activation(jnp.einsum("bte,ef->btf", h, lp["w_gate"]), c.activation)
-    m = jnp.einsum("btf,fe->bte", gate * jnp.einsum("bte,ef->btf", h, lp["w_up"]), lp["w_down"])
+    hidden = constrain(gate * jnp.einsum("bte,ef->btf", h, lp["w_up"]), MLP_AXES)
+    m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
-    return (x + m, cache_k, cache_v), None
+    return (constrain(x + m, RESIDUAL_AXES), cache_k, cache_v), None
 
   xs = (p["layers"], jnp.arange(c.num_layers, dtype=jnp.int32), windows)
   (x, new_k, new_v), _ = jax.lax.scan(block, (x, stacked_k, stacked_v), xs)
   x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
   head = p["embed"].T if c.tie_embeddings else p["lm_head"]
   logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
-  logits = _softcap(logits, c.final_logit_softcap)
+  logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
   new_cache = None if cache is None else KVCache(new_k, new_v, starts + t)
   return ForwardOutput(logits, x if return_hidden else None, new_cache)
