@@ -6,6 +6,7 @@ from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling
+from specjax.sharding import ShardingRules, make_mesh, shard
 
 __version__ = "0.1.0"
 
@@ -13,4 +14,5 @@ __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
     "generate", "init_params",
     "from_hf", "load", "save",
+    "ShardingRules", "make_mesh", "shard",
 ]
