@@ -7,6 +7,7 @@ from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling
 from specjax.sharding import ShardingRules, make_mesh, shard
+from specjax.tokenizer import Tokenizer, load_tokenizer
 
 __version__ = "0.1.0"
 
@@ -14,5 +15,6 @@ __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
     "generate", "init_params",
     "from_hf", "load", "save",
+    "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",
 ]

@@ -193,12 +193,7 @@ def _mesh_shardings(mesh, abstract_params: dict) -> dict:
   except ImportError:
     raise ValueError("loading onto a Mesh needs specjax.sharding; pass a Sharding or a pytree "
                      "of shardings instead") from None
-  for name in ("param_shardings", "params_sharding", "model_shardings"):
-    fn = getattr(sharding_lib, name, None)
-    if fn is not None:
-      return fn(abstract_params, mesh)
-  raise ValueError("specjax.sharding has no param_shardings(params, mesh); pass a Sharding or a "
-                   "pytree of shardings")
+  return sharding_lib.param_shardings(abstract_params, mesh)
 
 
 def load(path: str | os.PathLike, sharding=None, dtype=None) -> Model:

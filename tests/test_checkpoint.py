@@ -234,3 +234,15 @@ def test_config_dict_round_trip():
                                                                               factor=2.0))
   assert checkpoint.config_from_dict(json.loads(json.dumps(
       checkpoint.config_to_dict(config)))) == config
+
+
+def test_restore_onto_a_mesh_by_logical_axis_rules(tmp_path):
+  sharding_lib = pytest.importorskip("specjax.sharding", reason="specjax.sharding not built yet")
+  mesh = _mesh_2x4()
+  model = sj.init_params(CONFIGS["gemma2"], jax.random.key(6))
+  sj.save(model, tmp_path / "ckpt")
+  restored = sj.load(tmp_path / "ckpt", sharding=mesh)
+  _assert_bitwise_equal(model, restored)
+  expected = checkpoint._flatten(sharding_lib.param_shardings(model, mesh))
+  for name, leaf in checkpoint._flatten(restored.params).items():
+    assert leaf.sharding == expected[name], name
