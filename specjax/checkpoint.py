@@ -675,3 +675,44 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
     else:
       params[name] = value
   return Model(params, config)
+
+
+def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:
+  """Copies the tokenizer files found in `source` (tokenizer.json, its configs, ...) to `target`."""
+  import shutil
+
+  from specjax.tokenizer import TOKENIZER_FILES
+
+  source, target = pathlib.Path(source), pathlib.Path(target)
+  copied = []
+  for name in TOKENIZER_FILES + ("tokenizer.model",):
+    if (source / name).is_file():
+      shutil.copyfile(source / name, target / name)
+      copied.append(name)
+  return copied
+
+
+def convert_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype=None,
+               overwrite: bool = False,
+               progress: Callable[[int, int, str], None] | None = None) -> Model:
+  """Converts a Hugging Face checkpoint directory into a specjax (Orbax) checkpoint.
+
+  The tokenizer files found beside the weights (tokenizer.json, tokenizer_config.json, ...) are
+  copied too, so `load_tokenizer(out_dir)` works on the result.
+
+  Args:
+    hf_dir: the Hugging Face directory (config.json + safetensors).
+    out_dir: the specjax checkpoint directory to write.
+    dtype: cast floating-point weights to this dtype; None keeps the checkpoint's.
+    overwrite: replace an existing `out_dir`.
+    progress: called as `progress(done, total, name)` while weights are read.
+
+  Returns:
+    The converted model.
+  """
+  if pathlib.Path(out_dir).exists() and not overwrite:
+    raise ValueError(f"{out_dir} already exists (pass overwrite=True / --overwrite to replace it)")
+  model = from_hf(hf_dir, dtype=dtype, progress=progress)
+  save(model, out_dir, overwrite=overwrite)
+  copy_tokenizer_files(hf_dir, out_dir)
+  return model

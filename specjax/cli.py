@@ -48,7 +48,49 @@ def _run_train(args):
   return train.run_cli(args)
 
 
-SUBCOMMANDS = [_add_demo, _add_train]
+def _add_convert(subparsers):
+  parser = subparsers.add_parser(
+      "convert", help="convert a Hugging Face checkpoint directory to a specjax (Orbax) checkpoint")
+  parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+  parser.add_argument("out_dir", help="the specjax checkpoint directory to create")
+  parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                      help="cast the weights (default: keep the checkpoint's dtype)")
+  parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
+  parser.set_defaults(func=_run_convert)
+
+
+def _run_convert(args):
+  import pathlib
+
+  from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                             TimeElapsedColumn)
+
+  from specjax import checkpoint
+
+  if pathlib.Path(args.out_dir).exists() and not args.overwrite:
+    raise CliError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
+  columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+             TimeElapsedColumn(), TextColumn("{task.fields[tensor]}", style="dim"))
+  with Progress(*columns) as bar:
+    reading = bar.add_task("reading weights", total=None, tensor="")
+
+    def progress(done, total, name):
+      bar.update(reading, completed=done, total=total, tensor=name)
+
+    model = checkpoint.from_hf(args.hf_dir, dtype=args.dtype, progress=progress)
+    bar.update(reading, tensor="")
+    writing = bar.add_task("writing Orbax checkpoint", total=1, tensor=str(args.out_dir))
+    checkpoint.save(model, args.out_dir, overwrite=args.overwrite)
+    copied = checkpoint.copy_tokenizer_files(args.hf_dir, args.out_dir)
+    bar.update(writing, completed=1)
+  config = model.config
+  print(f"wrote {args.out_dir}: {config.family}, {config.num_layers} layers, "
+        f"{config.num_params() / 1e6:.1f}M parameters, {model.dtype}"
+        + (f"; tokenizer files: {', '.join(copied)}" if copied else "; no tokenizer files found"))
+  return 0
+
+
+SUBCOMMANDS = [_add_demo, _add_train, _add_convert]
 
 
 def build_parser() -> argparse.ArgumentParser:

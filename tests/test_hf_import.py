@@ -344,3 +344,42 @@ def test_no_config_or_no_weights(llama, tmp_path):
   (path / "config.json").unlink()
   with pytest.raises(FileNotFoundError, match="no config.json"):
     sj.from_hf(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# `specjax convert`
+
+
+def test_convert_command(llama, tmp_path, capsys):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  from specjax import cli
+
+  hf_model, source = llama
+  hf_dir = _copy(source, tmp_path)
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i + 3 for i in range(125)}}
+  backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Whitespace()
+  backend.save(str(hf_dir / "tokenizer.json"))
+  out = tmp_path / "converted"
+
+  assert cli.main(["convert", str(hf_dir), str(out)]) == 0
+  printed = capsys.readouterr()
+  assert "llama, 3 layers" in printed.out and "tokenizer.json" in printed.out
+  converted, direct = sj.load(out), sj.from_hf(hf_dir)
+  assert converted.config == direct.config
+  for name, leaf in checkpoint._flatten(direct.params).items():
+    np.testing.assert_array_equal(checkpoint._flatten(converted.params)[name], leaf)
+  assert sj.load_tokenizer(out).encode("w4 w7 w1") == [7, 10, 4]
+  assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id) == (
+      converted.config.bos_id, converted.config.eos_id)
+
+  assert cli.main(["convert", str(hf_dir), str(out)]) == 2
+  assert "already exists" in capsys.readouterr().err
+  assert cli.main(["convert", str(hf_dir), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
+  assert sj.load(out).dtype == jnp.bfloat16
+
+  _edit_config(hf_dir, model_type="falcon")
+  assert cli.main(["convert", str(hf_dir), str(tmp_path / "other")]) == 2
+  assert "unsupported architecture 'falcon'" in capsys.readouterr().err
+  assert not (tmp_path / "other").exists()
