@@ -2,10 +2,13 @@
 
 from specjax.cache import KVCache
 from specjax.checkpoint import from_hf, load, save
+from specjax.decode import DecodeState, decode, draft_step, init_state
+from specjax.draft import Drafter, ModelDrafter, NGramDrafter, Proposal
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling
+from specjax.verify import verify_block
 from specjax.sharding import ShardingRules, make_mesh, shard
 from specjax.tokenizer import Tokenizer, load_tokenizer
 
@@ -14,6 +17,8 @@ __version__ = "0.1.0"
 __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
     "generate", "init_params",
+    "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
+    "init_state", "verify_block",
     "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",
