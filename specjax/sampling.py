@@ -15,9 +15,14 @@ decoding, the Pallas kernel's reference and the exactness audit all share one de
   rejection sample from `normalize(max(p - q, 0))` (falling back to `p` when the residual has no
   mass); if every draft is accepted sample a bonus token from `p`. Temperature 0 is greedy.
 
-Tie semantics (shared with the kernel): top-k keeps every token whose warped logit is `>=` the k-th
-largest; top-p keeps every token whose probability is `>=` the probability of the token at which the
-descending cumulative mass first reaches `top_p`. Tied tokens are kept or dropped together.
+Thresholds (shared with the kernel): top-k and top-p each keep the tokens whose (temperature-scaled)
+logit is `>=` a threshold, so tied tokens are kept or dropped together. Top-k's threshold is the k-th
+largest logit. Top-p's is the logit of the token at which the descending cumulative mass of the
+top-k survivors first reaches `top_p`, i.e. the largest `t` with `sum_{x_v >= t} exp(x_v - max) >=
+top_p * sum_v exp(x_v - max)`. Neither is found by sorting: `bisect_threshold` bisects over the
+32-bit order-preserving integer image of float32 (`float_to_key`), one counting or summing pass per
+step, `BISECT_STEPS` steps. That lands exactly on a logit value, needs no sort (slow on TPU), and is
+the same computation the tiled kernel does pass by pass over vocabulary tiles.
 """
 
 from __future__ import annotations
@@ -126,6 +131,70 @@ def seed_from_key(key: jax.Array) -> jax.Array:
 # Warping.
 # --------------------------------------------------------------------------------------------
 
+BISECT_STEPS = 32  # halvings of an int32 key interval; 32 always reach a single value
+
+_SIGN_MAGNITUDE = 0x7FFFFFFF
+
+
+def float_to_key(x: jax.Array) -> jax.Array:
+  """Order-preserving map float32 -> int32: `a < b` iff `key(a) < key(b)` (NaN excluded)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ jnp.int32(_SIGN_MAGNITUDE), bits)
+
+
+def key_to_float(key: jax.Array) -> jax.Array:
+  """Inverse of `float_to_key`."""
+  bits = jnp.where(key < 0, key ^ jnp.int32(_SIGN_MAGNITUDE), key)
+  return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def bisect_midpoint(lo: jax.Array, hi: jax.Array) -> jax.Array:
+  """`ceil((lo + hi) / 2)` of int32 keys without overflow."""
+  return (lo | hi) - ((lo ^ hi) >> 1)
+
+
+def bisect_update(lo: jax.Array, hi: jax.Array, mid: jax.Array, holds: jax.Array):
+  """One step of "largest key where a decreasing predicate holds": keep `mid` if it holds."""
+  return jnp.where(holds, mid, lo), jnp.where(holds, hi, mid - 1)
+
+
+def bisect_threshold(x: jax.Array, holds_at) -> jax.Array:
+  """Largest float `t` with `holds_at(t)`, for a predicate that only gets false as `t` grows.
+
+  The search runs over keys in `[key(-inf), key(max x)]`, so `holds_at(-inf)` must be true.
+
+  Args:
+    x: `[..., V]` float32; only its max is used (the upper end of the search).
+    holds_at: maps a `[..., 1]` float32 threshold to a `[...]` bool.
+
+  Returns:
+    `[..., 1]` float32 threshold, always equal to one of the values tested by `holds_at`.
+  """
+  hi = float_to_key(jnp.max(x, axis=-1, keepdims=True))
+  lo = jnp.full_like(hi, float_to_key(jnp.float32(-jnp.inf)))
+
+  def step(_, bounds):
+    lo, hi = bounds
+    mid = bisect_midpoint(lo, hi)
+    return bisect_update(lo, hi, mid, holds_at(key_to_float(mid))[..., None])
+
+  lo, _ = jax.lax.fori_loop(0, BISECT_STEPS, step, (lo, hi))
+  return key_to_float(lo)
+
+
+def top_k_threshold(x: jax.Array, top_k: int) -> jax.Array:
+  """`[..., 1]` the `top_k`-th largest value of `x [..., V]` (by counting, not sorting)."""
+  return bisect_threshold(x, lambda t: jnp.sum((x >= t).astype(jnp.int32), axis=-1) >= top_k)
+
+
+def top_p_threshold(x: jax.Array, top_p: float) -> jax.Array:
+  """`[..., 1]` the nucleus threshold of `x [..., V]` (`-inf` = dropped): see the module doc."""
+  weights = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # [..., V]; 0 where x = -inf
+  needed = jnp.float32(top_p) * jnp.sum(weights, axis=-1)
+  mass_at = lambda t: jnp.sum(jnp.where(x >= t, weights, 0.0), axis=-1)
+  return bisect_threshold(x, lambda t: mass_at(t) >= needed)
+
+
 def warp_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
   """Temperature, then top-k, then top-p. Dropped tokens get `-inf`.
 
@@ -141,17 +210,9 @@ def warp_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
   x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
   vocab = x.shape[-1]
   if sampling.top_k is not None and sampling.top_k < vocab:
-    kth = jax.lax.top_k(x, sampling.top_k)[0][..., -1:]
-    x = jnp.where(x >= kth, x, -jnp.inf)
+    x = jnp.where(x >= top_k_threshold(x, sampling.top_k), x, -jnp.inf)
   if sampling.top_p is not None and sampling.top_p < 1.0:
-    probs = jax.nn.softmax(x, axis=-1)
-    sorted_probs = -jnp.sort(-probs, axis=-1)
-    cumulative = jnp.cumsum(sorted_probs, axis=-1)
-    # Index of the token at which the cumulative mass first reaches top_p.
-    cutoff = jnp.sum(cumulative < sampling.top_p, axis=-1, keepdims=True)
-    cutoff = jnp.minimum(cutoff, vocab - 1)
-    threshold = jnp.take_along_axis(sorted_probs, cutoff, axis=-1)
-    x = jnp.where(probs >= threshold, x, -jnp.inf)
+    x = jnp.where(x >= top_p_threshold(x, sampling.top_p), x, -jnp.inf)
   return x
 
 

@@ -1,0 +1,69 @@
+"""Which verify implementation runs: the one switch `verify_dispatch(..., impl=...)`.
+
+`impl`:
+  "reference"  `specjax.sampling.verify_reference`, pure jnp, on any platform.
+  "kernel"     the fused Pallas kernel compiled for the platform the computation is lowered for
+               (Mosaic on TPU). There is no compiled CPU kernel: lowering "kernel" for CPU raises
+               (jax: no branch for platform cpu); on CUDA / ROCm it runs the reference (the kernel
+               has no GPU lowering yet).
+  "interpret"  the kernel in Pallas interpret mode (`interpret=True`), any platform; for tests.
+  "auto"       (default) `jax.lax.platform_dependent`: TPU -> the Mosaic kernel, CPU / CUDA / ROCm
+               -> the reference.
+
+The choice follows the platform the computation is *lowered* for, not the host's default backend:
+`jax.export(..., platforms=["tpu"])` from a CPU machine lowers the TPU branch, i.e. the kernel,
+Limitation (jax 0.10): a multi-platform export that includes "cpu" (e.g. `platforms=["cpu",
+"tpu"]`) fails with "Only interpret mode is supported on CPU backend", because jax lowers every
+kept `platform_dependent` branch for every requested platform, so the TPU branch's `pallas_call`
+is lowered for CPU too. Export per platform instead.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from specjax.sampling import Sampling, VerifyResult, verify_reference
+from specjax.kernels.fused_verify import BlockSizes, fused_verify
+
+VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
+
+
+def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
+                    draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
+                    positions: jax.Array, rows: jax.Array | None = None, impl: str = "auto",
+                    block_sizes: BlockSizes | None = None) -> VerifyResult:
+  """The speculative accept/reject rule, by the implementation `impl` names (see module doc).
+
+  Args:
+    target_logits: `[B, k+1, V]` raw target logits.
+    draft_logits: `[B, k, V]` raw draft logits, or None for a point-mass drafter.
+    draft_tokens: `[B, k]` int32.
+    sampling: static sampling settings.
+    seed: `uint32[2]`.
+    positions: `[B]` int32 absolute position of each row's first draft token.
+    rows: `[B]` int32 random-stream ids (default `arange(B)`).
+    impl: "auto" | "reference" | "kernel" | "interpret".
+    block_sizes: the kernel's `BlockSizes` (default: `BlockSizes.get_default`).
+
+  Returns:
+    `VerifyResult(num_accepted [B], tokens [B, k+1])`, the same tokens whichever `impl` runs.
+  """
+  if impl not in VERIFY_IMPLS:
+    raise ValueError(f"verify impl must be one of {VERIFY_IMPLS}, got {impl!r}")
+  kwargs = dict(sampling=sampling, seed=seed, positions=positions, rows=rows)
+  reference = functools.partial(verify_reference, **kwargs)
+  if impl == "reference":
+    return reference(target_logits, draft_logits, draft_tokens)
+  kernel = functools.partial(fused_verify, block_sizes=block_sizes, **kwargs)
+  if impl == "interpret":
+    return kernel(target_logits, draft_logits, draft_tokens, interpret=True)
+
+  def mosaic(target_logits, draft_logits, draft_tokens):
+    return kernel(target_logits, draft_logits, draft_tokens, interpret=False)
+
+  branches = dict(tpu=mosaic, cuda=reference, rocm=reference)
+  if impl == "auto":
+    branches["cpu"] = reference  # "kernel" has no CPU branch: lowering it for CPU is an error
+  return jax.lax.platform_dependent(target_logits, draft_logits, draft_tokens, **branches)
