@@ -1,0 +1,197 @@
+"""Speculative decoding: greedy identity, ragged acceptance, EOS, determinism, recompilation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.decode import NEW_TOKEN_BUCKET
+from specjax.models import tiny_config
+from specjax.tracing import TRACE_COUNTS
+
+VOCAB = 61
+
+
+@pytest.fixture(scope="module")
+def target():
+  return sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(0))
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1, embed_dim=16, mlp_dim=32),
+                        jax.random.key(1))
+
+
+@pytest.fixture(scope="module")
+def batch():
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3], [3, 8, 0, 0, 0, 0], [11, 4, 6, 4, 0, 0]], jnp.int32)
+  return tokens, jnp.array([6, 2, 4], jnp.int32)
+
+
+def _greedy(target, batch, max_new=24, eos_id=None):
+  tokens, lengths = batch
+  return sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=max_new,
+                     eos_id=eos_id)
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 4, 7])
+def test_greedy_equals_generate_with_random_draft(target, draft, batch, num_draft):
+  tokens, lengths = batch
+  expected = _greedy(target, batch)
+  out = sj.decode(target, draft, tokens, jax.random.key(5), lengths=lengths, max_new_tokens=24,
+                  num_draft=num_draft)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  stats = out.stats
+  np.testing.assert_array_equal(stats.drafted, stats.rounds * num_draft)
+  # Every round yields accepted drafts plus one target token (the last round may be cut).
+  assert np.all(np.asarray(stats.accepted + stats.rounds) >= 24)
+  np.testing.assert_array_equal(stats.accepted_per_position.sum(1), stats.accepted)
+  np.testing.assert_array_equal(stats.target_calls, stats.rounds + 1)
+  np.testing.assert_array_equal(stats.draft_calls, stats.rounds * num_draft)
+
+
+@pytest.mark.parametrize("num_draft", [1, 4, 7])
+def test_draft_equal_to_target_accepts_everything(target, batch, num_draft):
+  tokens, lengths = batch
+  expected = _greedy(target, batch)
+  out = sj.decode(target, target, tokens, jax.random.key(5), lengths=lengths, max_new_tokens=24,
+                  num_draft=num_draft)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.stats.accepted, out.stats.drafted)
+  rounds = -(-24 // (num_draft + 1))  # each round yields k + 1 tokens
+  np.testing.assert_array_equal(out.stats.rounds, [rounds] * 3)
+
+
+def test_ngram_drafter_greedy_identity_on_repetitive_prompts(target):
+  pattern = [7, 3, 9, 12, 3]
+  tokens = jnp.array([pattern * 4, (pattern * 4)[:12] + [0] * 8], jnp.int32)
+  lengths = jnp.array([20, 12], jnp.int32)
+  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=40)
+  for num_draft in (2, 4, 7):
+    out = sj.decode(target, sj.NGramDrafter(max_ngram=3), tokens, jax.random.key(0),
+                    lengths=lengths, max_new_tokens=40, num_draft=num_draft)
+    np.testing.assert_array_equal(out.tokens, expected.tokens)
+    np.testing.assert_array_equal(out.stats.draft_calls, [0, 0])
+
+
+def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
+  drafter = sj.NGramDrafter(max_ngram=2, min_ngram=1)
+  #                    0  1  2  3  4  5  6  7  8  9
+  seq = jnp.array([[4, 5, 6, 1, 4, 5, 2, 8, 4, 5, 0, 0, 0, 0]], jnp.int32)
+  _, proposal = drafter.propose((), seq, jnp.array([10]), num_draft=3,
+                                sampling=sj.Sampling(), seed=None, rows=None)
+  # Suffix [4, 5] last occurred at 4..5 (followed by 2, 8, 4), more recently than at 0..1.
+  assert proposal.tokens.tolist() == [[2, 8, 4]]
+  assert proposal.logits is None
+  # Only a 1-gram match: suffix [9]; 9 occurs at slot 1, followed by 3, then the end of the text.
+  seq = jnp.array([[2, 9, 3, 7, 9, 0, 0, 0]], jnp.int32)
+  _, proposal = drafter.propose((), seq, jnp.array([5]), num_draft=4, sampling=sj.Sampling(),
+                                seed=None, rows=None)
+  assert proposal.tokens.tolist() == [[3, 7, 9, 9]]
+  # No match at all: the last token repeated.
+  seq = jnp.array([[1, 2, 3, 0, 0]], jnp.int32)
+  _, proposal = drafter.propose((), seq, jnp.array([3]), num_draft=2, sampling=sj.Sampling(),
+                                seed=None, rows=None)
+  assert proposal.tokens.tolist() == [[3, 3]]
+
+
+def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
+  """One round, built by hand through the public pieces: rows accept 3, 0 and 1 drafts."""
+  tokens, lengths = batch
+  expected = _greedy(target, batch, max_new=8).tokens
+  k = 3
+  state = sj.init_state(target, sj.ModelDrafter(draft), tokens, lengths, jnp.int32(8),
+                        jnp.int32(-1), num_draft=k, capacity=NEW_TOKEN_BUCKET)
+  wrong = (expected + 1) % VOCAB
+  drafts = jnp.stack([expected[0, :3],
+                      jnp.array([wrong[1, 0], expected[1, 1], expected[1, 2]]),
+                      jnp.array([expected[2, 0], wrong[2, 1], expected[2, 2]])])
+  state = sj.verify_block(target, state, sj.Proposal(drafts, None), jax.random.key(0),
+                          sampling=sj.Sampling())
+  np.testing.assert_array_equal(state.stats.accepted, [3, 0, 1])
+  np.testing.assert_array_equal(state.lengths - lengths, [4, 1, 2])
+  for b, count in enumerate([4, 1, 2]):
+    start = int(lengths[b])
+    np.testing.assert_array_equal(state.tokens[b, start:start + count], expected[b, :count])
+  np.testing.assert_array_equal(state.target_cache.lengths, state.lengths - 1)
+  # Keep going with the draft model from this ragged state: still exactly greedy.
+  drafter = sj.ModelDrafter(draft)
+  for round_index in range(8):
+    key = jax.random.fold_in(jax.random.key(0), round_index)
+    state, proposal = sj.draft_step(drafter, state, key, num_draft=k, sampling=sj.Sampling())
+    state = sj.verify_block(target, state, proposal, key, sampling=sj.Sampling())
+  assert bool(jnp.all(state.done))
+  for b in range(3):
+    start = int(lengths[b])
+    np.testing.assert_array_equal(state.tokens[b, start:start + 8], expected[b])
+
+
+def test_eos_stops_one_row_while_others_continue(target, draft, batch):
+  tokens, lengths = batch
+  free = _greedy(target, batch)
+  eos = int(free.tokens[1, 5])
+  expected = _greedy(target, batch, eos_id=eos)
+  assert int(expected.num_tokens[1]) <= 6
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=24,
+                  num_draft=4, eos_id=eos)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  assert int(out.num_tokens.max()) > int(out.num_tokens[1])  # someone kept going
+  for b in range(3):  # each row alone gives the same answer
+    alone = sj.decode(target, draft, tokens[b:b + 1, :int(lengths[b])], jax.random.key(0),
+                      max_new_tokens=24, num_draft=4, eos_id=eos)
+    np.testing.assert_array_equal(alone.tokens[0], out.tokens[b])
+
+
+def test_sampled_decode_is_seeded_and_bit_identical(target, draft, batch):
+  tokens, lengths = batch
+  sampling = sj.Sampling(temperature=0.8, top_k=20, top_p=0.9)
+  run = lambda seed: sj.decode(target, draft, tokens, jax.random.key(seed), lengths=lengths,
+                               max_new_tokens=30, num_draft=3, sampling=sampling)
+  a, b, c = run(11), run(11), run(12)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  for field in dataclasses.fields(sj.DecodeStats):
+    np.testing.assert_array_equal(getattr(a.stats, field.name), getattr(b.stats, field.name))
+  assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_decode_traces_once_per_shape_bucket(target, draft, batch):
+  tokens, lengths = batch
+  before = TRACE_COUNTS["decode"]
+  for new, seed in [(5, 0), (33, 1), (64, 2)]:
+    sj.decode(target, draft, tokens, jax.random.key(seed), lengths=lengths, max_new_tokens=new,
+              num_draft=3, sampling=sj.Sampling(1.0), eos_id=seed + 1)
+  assert TRACE_COUNTS["decode"] - before == 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_draft=0), "num_draft must be >= 1"),
+    (dict(num_draft=2.0), "num_draft must be an int"),
+    (dict(max_new_tokens=300), "exceeds the target's context"),
+    (dict(verify_impl="fast"), "verify_impl"),
+    (dict(sampling=sj.Sampling(1.0), rng="seed"), "PRNG key"),
+])
+def test_decode_rejects_bad_input_before_compiling(target, draft, batch, kwargs, message):
+  tokens, lengths = batch
+  rng = kwargs.pop("rng", jax.random.key(0))
+  before = TRACE_COUNTS["decode"]
+  with pytest.raises(ValueError, match=message):
+    sj.decode(target, draft, tokens, rng, lengths=lengths, **kwargs)
+  assert TRACE_COUNTS["decode"] == before
+
+
+def test_decode_rejects_vocab_mismatch_and_short_draft_context(target, batch):
+  tokens, lengths = batch
+  other = sj.init_params(tiny_config(vocab_size=VOCAB + 1), jax.random.key(2))
+  with pytest.raises(ValueError, match=r"draft vocabulary \(62\) does not match the target's \(61\)"):
+    sj.decode(target, other, tokens, jax.random.key(0), lengths=lengths)
+  short = sj.init_params(tiny_config(vocab_size=VOCAB, max_len=32), jax.random.key(2))
+  with pytest.raises(ValueError, match="exceeds the draft's context of 32"):
+    sj.decode(target, short, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=40)
+  with pytest.raises(ValueError, match="draft must be"):
+    sj.decode(target, "tiny", tokens, jax.random.key(0), lengths=lengths)
