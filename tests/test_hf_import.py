@@ -165,6 +165,35 @@ def test_greedy_decode_matches_transformers(saved):
                   f"logit gap there is {top2[1] - top2[0]:.2e}")
 
 
+def test_gemma3_multimodal_checkpoint_text_part(tmp_path):
+  """A Gemma3ForConditionalGeneration checkpoint: the text decoder is imported, the vision tower
+  and projector are skipped, and text-only logits match."""
+  text = dict(_COMMON, head_dim=16, num_hidden_layers=4, sliding_window=5,
+              query_pre_attn_scalar=16, rope_theta=100_000.0, rope_local_base_freq=1_000.0,
+              rope_scaling=dict(rope_type="linear", factor=4.0), sliding_window_pattern=3)
+  vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                image_size=28, patch_size=14)
+  hf_config = transformers.Gemma3Config(text_config=text, vision_config=vision,
+                                        mm_tokens_per_image=4, image_token_index=127,
+                                        boi_token_index=125, eoi_token_index=126)
+  torch.manual_seed(0)
+  hf_model = transformers.Gemma3ForConditionalGeneration(hf_config).eval()
+  with torch.no_grad():
+    for name, param in hf_model.named_parameters():
+      if "norm" in name and "language_model" in name:
+        param.copy_(0.2 * torch.randn_like(param))
+  hf_model.save_pretrained(tmp_path)
+  model = sj.from_hf(tmp_path)
+  assert model.config.family == "gemma3_text"
+  assert (model.config.sliding_window_pattern, model.config.rope_local_theta) == (3, 1_000.0)
+  tokens, lengths = _prompts(120)
+  expected = _hf_logits(hf_model, tokens, lengths)
+  got = np.asarray(model(jnp.asarray(tokens), jnp.zeros(len(lengths), jnp.int32)).logits)
+  diff = max(np.abs(got[row, :n] - expected[row, :n]).max() for row, n in enumerate(lengths))
+  print(f"gemma3 (multimodal checkpoint, text only): max abs logit diff {diff:.2e}")
+  assert diff < LOGIT_ATOL
+
+
 # ----------------------------------------------------------------------------------------------
 # Loading details: sharded safetensors, dtypes, shardings
 
