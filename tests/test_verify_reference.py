@@ -1,0 +1,134 @@
+"""The verify rule alone, against its closed form.
+
+For fixed p and q over a small vocabulary the theory says: a draft x ~ q is accepted with
+probability min(1, p(x)/q(x)), so the acceptance rate is beta = sum_x min(p(x), q(x)); a rejected
+position is resampled from normalize(max(p - q, 0)); and the emitted token is distributed exactly as
+p. The decision of every single row is checked exactly against the uniform it drew (the counter-
+based stream is public); the distributions are checked with chi-square / binomial tests over
+N = 50,000 rows at significance 1e-3, each with a power check against a wrong answer (p < 1e-6).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.sampling import PURPOSE_ACCEPT, uniform, verify_reference
+
+stats = pytest.importorskip("scipy.stats")
+
+N = 50_000
+ALPHA = 1e-3
+SEED = jnp.array([2024, 7], jnp.uint32)
+P_LOGITS = np.log(np.array([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]))
+Q_LOGITS = np.log(np.array([0.05, 0.10, 0.40, 0.30, 0.05, 0.10]))
+P = np.exp(P_LOGITS)
+Q = np.exp(Q_LOGITS)
+V = len(P)
+
+
+def _chi2(observed, probs):
+  expected = probs / probs.sum() * observed.sum()
+  keep = expected > 0
+  return stats.chisquare(observed[keep], expected[keep]).pvalue
+
+
+def _one_position(q_logits=Q_LOGITS, draft_tokens=None, sampling=sj.Sampling(1.0)):
+  rng = np.random.default_rng(0)
+  if draft_tokens is None:
+    draft_tokens = rng.choice(V, size=N, p=np.exp(q_logits) / np.exp(q_logits).sum())
+  target = jnp.broadcast_to(jnp.asarray(np.stack([P_LOGITS, P_LOGITS]), jnp.float32), (N, 2, V))
+  draft = None if q_logits is None else jnp.broadcast_to(
+      jnp.asarray(q_logits, jnp.float32), (N, 1, V))
+  result = verify_reference(target, draft, jnp.asarray(draft_tokens, jnp.int32)[:, None],
+                            sampling=sampling, seed=SEED, positions=jnp.zeros(N, jnp.int32))
+  return np.asarray(draft_tokens), np.asarray(result.num_accepted), np.asarray(result.tokens)
+
+
+def test_every_decision_is_u_below_p_over_q():
+  drafts, accepted, _ = _one_position()
+  u = np.asarray(uniform(SEED, jnp.arange(N, dtype=jnp.int32)[:, None],
+                         jnp.zeros((N, 1), jnp.int32), 0, PURPOSE_ACCEPT))[:, 0]
+  ratio = np.minimum(1.0, P[drafts] / Q[drafts])
+  expected = u < ratio
+  clear = np.abs(u - ratio) > 1e-6  # float32 vs float64 at the boundary
+  np.testing.assert_array_equal(accepted[clear].astype(bool), expected[clear])
+
+
+def test_acceptance_rate_and_output_distribution_match_the_closed_form():
+  drafts, accepted, tokens = _one_position()
+  beta = np.minimum(P, Q).sum()  # 0.62
+  assert stats.binomtest(int(accepted.sum()), N, beta).pvalue > ALPHA
+  emitted = np.bincount(tokens[:, 0], minlength=V)
+  assert _chi2(emitted, P) > ALPHA
+  assert _chi2(emitted, Q) < 1e-6  # power: q is far from p
+  residual = np.maximum(P - Q, 0)
+  corrections = np.bincount(tokens[accepted == 0, 0], minlength=V)
+  assert corrections[residual == 0].sum() == 0  # never where q >= p
+  assert _chi2(corrections, residual) > ALPHA
+  bonus = np.bincount(tokens[accepted == 1, 1], minlength=V)  # all accepted -> bonus from p
+  assert _chi2(bonus, P) > ALPHA
+
+
+def test_point_mass_draft_accepts_with_p_and_resamples_without_the_draft():
+  x = 2
+  drafts, accepted, tokens = _one_position(q_logits=None, draft_tokens=np.full(N, x))
+  assert stats.binomtest(int(accepted.sum()), N, P[x]).pvalue > ALPHA
+  assert _chi2(np.bincount(tokens[:, 0], minlength=V), P) > ALPHA
+  assert not np.any(tokens[accepted == 0, 0] == x)
+
+
+def test_number_accepted_over_k_positions_is_geometric():
+  k = 3
+  rng = np.random.default_rng(1)
+  drafts = rng.choice(V, size=(N, k), p=Q)
+  target = jnp.broadcast_to(jnp.asarray(P_LOGITS, jnp.float32), (N, k + 1, V))
+  draft = jnp.broadcast_to(jnp.asarray(Q_LOGITS, jnp.float32), (N, k, V))
+  result = verify_reference(target, draft, jnp.asarray(drafts, jnp.int32),
+                            sampling=sj.Sampling(1.0), seed=SEED,
+                            positions=jnp.full(N, 5, jnp.int32))
+  beta = np.minimum(P, Q).sum()
+  probs = np.array([beta ** j * (1 - beta) for j in range(k)] + [beta ** k])
+  counts = np.bincount(np.asarray(result.num_accepted), minlength=k + 1)
+  assert _chi2(counts, probs) > ALPHA
+  tokens = np.asarray(result.tokens)
+  n = np.asarray(result.num_accepted)
+  np.testing.assert_array_equal(np.where(np.arange(k)[None] < n[:, None], tokens[:, :k], -1),
+                                np.where(np.arange(k)[None] < n[:, None], drafts, -1))
+  assert np.all(tokens[np.arange(k + 1)[None] > n[:, None]] == 0)
+
+
+def test_greedy_hand_worked():
+  # Target argmax per position: [3, 1, 4, 0]; drafts [3, 1, 2]: two accepted, correction 4.
+  logits = jnp.full((1, 4, 5), -1.0).at[0, [0, 1, 2, 3], [3, 1, 4, 0]].set(2.0)
+  result = verify_reference(logits, None, jnp.array([[3, 1, 2]]), sampling=sj.Sampling(0.0),
+                            seed=SEED, positions=jnp.zeros(1, jnp.int32))
+  assert int(result.num_accepted[0]) == 2
+  assert result.tokens.tolist() == [[3, 1, 4, 0]]
+  # All three accepted: the bonus is the argmax at the last position.
+  result = verify_reference(logits, None, jnp.array([[3, 1, 4]]), sampling=sj.Sampling(0.0),
+                            seed=SEED, positions=jnp.zeros(1, jnp.int32))
+  assert result.tokens.tolist() == [[3, 1, 4, 0]] and int(result.num_accepted[0]) == 3
+
+
+def test_identical_p_and_q_accept_everything():
+  drafts, accepted, _ = _one_position(q_logits=P_LOGITS)
+  assert accepted.all()
+
+
+@pytest.mark.parametrize("sampling", [sj.Sampling(1.0, top_k=1), sj.Sampling(5.0, top_p=0.3),
+                                      sj.Sampling(0.05), sj.Sampling(1.0, top_k=2, top_p=0.1)])
+def test_ids_always_inside_the_vocabulary(sampling):
+  key = jax.random.key(3)
+  vocab = 37
+  target = 30 * jax.random.normal(key, (512, 4, vocab))
+  target = target.at[:, :, 5:].set(-1e30)  # almost all of the vocabulary is impossible
+  draft = 30 * jax.random.normal(jax.random.fold_in(key, 1), (512, 3, vocab))
+  drafts = jax.random.randint(jax.random.fold_in(key, 2), (512, 3), 0, vocab)
+  result = verify_reference(target, draft, drafts, sampling=sampling, seed=SEED,
+                            positions=jnp.zeros(512, jnp.int32))
+  tokens = np.asarray(result.tokens)
+  n = np.asarray(result.num_accepted)
+  final = tokens[np.arange(512), n]
+  assert final.min() >= 0 and final.max() < 5  # corrections only where the target has mass
