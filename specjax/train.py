@@ -190,7 +190,7 @@ def lm_step(state: dict, batch: jax.Array, *, model_config: ModelConfig,
     return cross_entropy(_logits(params, model_config, batch[:, :-1]), batch[:, 1:])
 
   loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-  return _apply(state, grads, config), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+  return _apply(state, grads, config), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "config"), donate_argnums=(0,))
@@ -220,7 +220,7 @@ def distill_step(state: dict, batch: jax.Array, target: Model, *, model_config: 
   (loss, draft_logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
   state = _apply(dict(state, rng=rng), grads, config)
   agree = jnp.mean(jnp.argmax(draft_logits, -1) == jnp.argmax(target_logits, -1))
-  return state, {"loss": loss, "grad_norm": optax.global_norm(grads), "greedy_agreement": agree}
+  return state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "greedy_agreement": agree}
 
 
 def _apply(state: dict, grads, config: TrainConfig) -> dict:
@@ -424,12 +424,53 @@ def evaluate(model: Model, windows: np.ndarray, target: Model | None = None,
   return result
 
 
+def acceptance(target: Model, draft: Model, windows: np.ndarray, *, prompt_len: int = 64,
+               max_new_tokens: int = 64, num_draft: int = 4, batch_size: int = 8,
+               check_generate: bool = False) -> dict:
+  """Greedy speculative decoding from the first `prompt_len` tokens of each window.
+
+  Returns:
+    `{"acceptance_rate", "tokens_per_round", "accepted_per_position", "rounds", "drafted",
+    "accepted"}` summed over all prompts, plus `"matches_generate"` (every row's tokens equal
+    `specjax.generate`'s) when `check_generate`.
+  """
+  from specjax.decode import decode
+  from specjax.generate import generate
+  from specjax.sampling import Sampling
+  greedy = Sampling(temperature=0.0)
+  target, draft = target.astype(jnp.float32), draft.astype(jnp.float32)
+  rng = jax.random.PRNGKey(0)
+  totals = {"rounds": 0, "drafted": 0, "accepted": 0}
+  per_position = np.zeros((num_draft,), np.int64)
+  matches = True
+  for i in range(0, len(windows), batch_size):
+    prompts = jnp.asarray(windows[i:i + batch_size, :prompt_len])
+    out = decode(target, draft, prompts, rng, max_new_tokens=max_new_tokens,
+                 num_draft=num_draft, sampling=greedy)
+    summary = out.stats.summary()
+    for key in totals:
+      totals[key] += summary[key]
+    per_position += np.asarray(summary["accepted_per_position"], np.int64)
+    if check_generate:
+      reference = generate(target, prompts, rng, max_new_tokens=max_new_tokens, sampling=greedy)
+      matches &= bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens)))
+  result = dict(totals,
+                acceptance_rate=totals["accepted"] / max(totals["drafted"], 1),
+                tokens_per_round=(totals["accepted"] + totals["rounds"]) / max(totals["rounds"], 1),
+                accepted_per_position=per_position.tolist())
+  if check_generate:
+    result["matches_generate"] = matches
+  return result
+
+
 # ----------------------------------------------------------------------------------------------
 # Tokenizer and data.
 
 
 def train_tokenizer(documents, vocab_size: int = 8192, path: str | os.PathLike | None = None):
   """Trains a byte-level BPE (`tokenizers`) with `<pad>`=0, `<bos>`=1, `<eos>`=2.
+
+  Encoding with special tokens prepends `<bos>`, as every training document starts with it.
 
   Args:
     documents: `corpus.Document`s (the training split only).
@@ -439,7 +480,7 @@ def train_tokenizer(documents, vocab_size: int = 8192, path: str | os.PathLike |
   Returns:
     The `tokenizers.Tokenizer`.
   """
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
   tokenizer = Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
@@ -447,6 +488,8 @@ def train_tokenizer(documents, vocab_size: int = 8192, path: str | os.PathLike |
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                 show_progress=False)
   tokenizer.train_from_iterator((d.text for d in documents), trainer, length=len(documents))
+  tokenizer.post_processor = processors.TemplateProcessing(
+      single=f"{BOS} $A", special_tokens=[(BOS, tokenizer.token_to_id(BOS))])
   if path is not None:
     pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path))
@@ -505,14 +548,24 @@ def load_run(directory: str | os.PathLike) -> tuple[Model, TrainConfig, Any]:
 
 def add_arguments(parser) -> None:
   """Declares the arguments of `specjax train`."""
-  parser.add_argument("task", choices=("tokenizer", "lm", "distill"),
+  parser.add_argument("task", choices=("tokenizer", "lm", "distill", "evaluate", "export"),
                       help="tokenizer: train the BPE; lm: cross-entropy on the corpus (target or "
-                      "data-only draft); distill: train a draft to match a trained target")
+                      "data-only draft); distill: train a draft to match a trained target; "
+                      "evaluate: held-out perplexity of --target-run and of each --run-dir draft, "
+                      "and their greedy acceptance; export: write --target-run and --run-dir as "
+                      "the shipped pair into --out")
   parser.add_argument("--tokenizer", default="checkpoints/tokenizer.json",
                       help="tokenizer.json to read (or, for the tokenizer task, to write)")
   parser.add_argument("--vocab-size", type=int, default=8192)
   parser.add_argument("--model", default="target", help="architecture preset: target, draft, tiny")
-  parser.add_argument("--run-dir", help="train-state checkpoints; an existing run is resumed")
+  parser.add_argument("--run-dir", action="append",
+                      help="train-state checkpoints; an existing run is resumed (evaluate: may be "
+                      "repeated, one per draft)")
+  parser.add_argument("--out", default="checkpoints", help="export: destination directory")
+  parser.add_argument("--eval-windows", type=int, default=64,
+                      help="evaluate: held-out windows of --seq-len tokens for perplexity")
+  parser.add_argument("--eval-prompts", type=int, default=32,
+                      help="evaluate: held-out prompts for the acceptance measurement")
   parser.add_argument("--target-run", help="run directory of the target (distill)")
   parser.add_argument("--steps", type=int, default=1000)
   parser.add_argument("--stop-at", type=int, help="stop after this step (resume later)")
@@ -538,7 +591,16 @@ def run_cli(args) -> int:
     return 0
   if not args.run_dir:
     raise ValueError("--run-dir is required")
-  stream = corpus_stream(args.tokenizer, "train", cache_dir=pathlib.Path(args.run_dir) / "cache")
+  if args.task == "evaluate":
+    return _evaluate_cli(args)
+  if args.task == "export":
+    from specjax.default import export
+    target, _, _ = load_run(args.target_run)
+    draft, _, _ = load_run(args.run_dir[0])
+    print(f"wrote {export(target, draft, args.tokenizer, args.out)}")
+    return 0
+  run_dir = args.run_dir[0]
+  stream = corpus_stream(args.tokenizer, "train", cache_dir=pathlib.Path(run_dir) / "cache")
   from tokenizers import Tokenizer
   vocab_size = Tokenizer.from_file(str(args.tokenizer)).get_vocab_size()
   model_config = model_preset(args.model, vocab_size)
@@ -554,7 +616,28 @@ def run_cli(args) -> int:
   print(f"{args.task}: {args.model} ({model_config.num_params() / 1e6:.2f}M params), "
         f"{len(stream):,} training tokens, {config.steps} steps of "
         f"{config.batch_size}x{config.seq_len}", flush=True)
-  train(model_config, config, stream, target=target, checkpoint_dir=args.run_dir,
+  train(model_config, config, stream, target=target, checkpoint_dir=run_dir,
         checkpoint_every_s=args.checkpoint_every, stop_at=args.stop_at,
-        progress=not args.no_progress, log_path=pathlib.Path(args.run_dir) / "log.jsonl")
+        progress=not args.no_progress, log_path=pathlib.Path(run_dir) / "log.jsonl")
+  return 0
+
+
+def _evaluate_cli(args) -> int:
+  heldout = corpus_stream(args.tokenizer, "heldout")
+  windows = corpus.eval_windows(heldout, args.seq_len, args.eval_windows)
+  # Acceptance prompts: evenly spaced held-out windows, not the perplexity windows.
+  spaced = corpus.eval_windows(heldout, args.seq_len)
+  prompts = spaced[np.linspace(0, len(spaced) - 1, args.eval_prompts).astype(int)]
+  target = load_run(args.target_run)[0] if args.target_run else None
+  report = {"heldout_tokens": int(len(heldout)), "eval_tokens": int(windows[:, 1:].size)}
+  if target is not None:
+    report["target"] = evaluate(target, windows)
+    print(json.dumps({"target": report["target"]}), flush=True)
+  for run_dir in args.run_dir:
+    draft = load_run(run_dir)[0]
+    result = evaluate(draft, windows, target=target)
+    if target is not None:
+      result["greedy_k4"] = acceptance(target, draft, prompts, num_draft=4, check_generate=True)
+    report[str(run_dir)] = result
+    print(json.dumps({str(run_dir): result}), flush=True)
   return 0
