@@ -11,6 +11,8 @@ from specjax.sampling import Sampling
 from specjax.verify import verify_block
 from specjax.sharding import ShardingRules, make_mesh, shard
 from specjax.tokenizer import Tokenizer, load_tokenizer
+from specjax.default import DefaultPair, load_default
+from specjax.audit import AuditReport, audit
 
 __version__ = "0.1.0"
 
@@ -22,4 +24,6 @@ __all__ = [
     "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",
+    "DefaultPair", "load_default",
+    "AuditReport", "audit",
 ]
