@@ -42,7 +42,7 @@ class DecodeState:
   lengths: jax.Array  # [B] int32 valid tokens per row
   prompt_lengths: jax.Array  # [B] int32
   limits: jax.Array  # [B] int32: prompt length + max_new_tokens
-  eos_id: jax.Array  # [] int32, -1 = none
+  eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
   done: jax.Array  # [B] bool
   round: jax.Array  # [] int32
   target_cache: KVCache  # [L, B, S, KVH, D] keys/values for tokens[:, :lengths - 1]
@@ -50,7 +50,7 @@ class DecodeState:
   stats: DecodeStats
 
 
-def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_id, *, num_draft: int,
+def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, *, num_draft: int,
                capacity: int) -> DecodeState:
   """Prefills the target and the drafter on the prompts and builds the loop state.
 
@@ -59,7 +59,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_id, *, num_
     drafter: a `Drafter`.
     tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
     max_new_tokens: `[]` int32 (traced) number of new tokens per row at most.
-    eos_id: `[]` int32, -1 for none.
+    eos_ids: `[E]` int32 stop ids, `[-1]` for none.
     num_draft: `k`.
     capacity: static upper bound on `max_new_tokens` (the buffers' size).
   """
@@ -73,7 +73,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_id, *, num_
                       accepted_per_position=jnp.zeros((batch, num_draft), jnp.int32),
                       target_calls=zeros + 1, draft_calls=zeros)
   return DecodeState(tokens=sequence, lengths=lengths, prompt_lengths=lengths,
-                     limits=lengths + max_new_tokens, eos_id=jnp.asarray(eos_id, jnp.int32),
+                     limits=lengths + max_new_tokens,
+                     eos_ids=jnp.atleast_1d(jnp.asarray(eos_ids, jnp.int32)),
                      done=jnp.zeros((batch,), bool), round=jnp.int32(0), target_cache=cache,
                      draft_state=drafter.init(tokens, lengths, buffer_len), stats=stats)
 
@@ -103,7 +104,8 @@ def draft_step(drafter, state: DecodeState, key: jax.Array, *, num_draft: int,
 
 
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-           num_draft: int = 4, sampling: Sampling = GREEDY, eos_id: int | None = None,
+           num_draft: int = 4, sampling: Sampling = GREEDY,
+           eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto") -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
@@ -118,7 +120,8 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     num_draft: draft tokens per round (`k`).
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
-    eos_id: a row stops after emitting it (included in the output); None = never.
+    eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
+      included in the output; None = never.
     pad_id: fills the output after each row's end; defaults to the target config's `pad_id`.
     verify_impl: "auto", "reference", "kernel" or "interpret" (see `specjax.verify.verify_tokens`).
 
@@ -142,7 +145,8 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   check_verify_impl(verify_impl)
   pad = getattr(getattr(target, "config", None), "pad_id", 0) if pad_id is None else pad_id
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  out = _decode(target, drafter, tokens, lengths, rng, jnp.int32(max_new_tokens), jnp.int32(eos),
+  out = _decode(target, drafter, tokens, lengths, rng, jnp.int32(max_new_tokens),
+                jnp.array(eos, jnp.int32),
                 sampling=sampling, num_draft=num_draft, capacity=capacity, pad_id=int(pad),
                 verify_impl=verify_impl)
   return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
@@ -150,10 +154,10 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
                                              "verify_impl"))
-def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_id, *, sampling,
+def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling,
             num_draft, capacity, pad_id, verify_impl) -> DecodeOutput:
   TRACE_COUNTS["decode"] += 1
-  state = init_state(target, drafter, tokens, lengths, max_new_tokens, eos_id,
+  state = init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids,
                      num_draft=num_draft, capacity=capacity)
 
   def cond(state):

@@ -35,7 +35,7 @@ def check_sampling(sampling):
 
 
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-             sampling: Sampling = GREEDY, eos_id: int | None = None,
+             sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int | None = None) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with the model alone.
 
@@ -46,7 +46,8 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
     lengths: `[B]` prompt lengths; None means every row is `T` tokens long.
     max_new_tokens: how many tokens to generate at most per row.
     sampling: temperature / top-k / top-p; the default is greedy.
-    eos_id: a row stops after emitting this id (it is included in the output); None = never.
+    eos_id: a row stops after emitting this id, or any id of a sequence of them (the stop token is
+      included in the output); None = never.
     pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
 
   Returns:
@@ -61,8 +62,8 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   check_sampling(sampling)
   pad = getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens), jnp.int32(eos),
-                  sampling=sampling, capacity=capacity, pad_id=int(pad))
+  out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens),
+                  jnp.array(eos, jnp.int32), sampling=sampling, capacity=capacity, pad_id=int(pad))
   return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
 
 
@@ -72,7 +73,7 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id"))
-def _generate(model, tokens, lengths, rng, max_new_tokens, eos_id, *, sampling: Sampling,
+def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
               capacity: int, pad_id: int) -> DecodeOutput:
   TRACE_COUNTS["generate"] += 1
   batch, width = tokens.shape
@@ -87,7 +88,7 @@ def _generate(model, tokens, lengths, rng, max_new_tokens, eos_id, *, sampling: 
 
   out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
   num_tokens = jnp.ones((batch,), jnp.int32)
-  done = (first == eos_id) | (num_tokens >= max_new_tokens)
+  done = validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens)
 
   def cond(state):
     _, _, _, _, done = state
@@ -102,7 +103,7 @@ def _generate(model, tokens, lengths, rng, max_new_tokens, eos_id, *, sampling: 
     cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
     out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
     num_tokens = num_tokens + live
-    done = done | (new_token == eos_id) | (num_tokens >= max_new_tokens)
+    done = done | validation.is_eos(new_token, eos_ids) | (num_tokens >= max_new_tokens)
     token = jnp.where(live, new_token, token)
     return cache, token, out, num_tokens, done
 

@@ -87,14 +87,24 @@ def check_rng(rng):
                    f" got dtype {rng.dtype} shape {tuple(rng.shape)}")
 
 
-def check_eos(eos_id, vocab_size: int):
+def check_eos(eos_id, vocab_size: int) -> tuple[int, ...]:
+  """`eos_id` as a tuple of stop ids: None -> `(-1,)` (never matches), an int, or a sequence."""
   if eos_id is None:
-    return -1
-  if isinstance(eos_id, bool) or not isinstance(eos_id, (int, np.integer)):
-    raise ValueError(f"eos_id must be an int or None, got {eos_id!r}")
-  if not 0 <= eos_id < vocab_size:
-    raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
-  return int(eos_id)
+    return (-1,)
+  ids = list(eos_id) if isinstance(eos_id, (list, tuple, np.ndarray)) else [eos_id]
+  if not ids:
+    raise ValueError("eos_id is an empty sequence: pass None for no stop token")
+  for value in ids:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+      raise ValueError(f"eos_id must be an int, a sequence of ints, or None, got {eos_id!r}")
+    if not 0 <= value < vocab_size:
+      raise ValueError(f"eos_id {value} is outside the vocabulary [0, {vocab_size})")
+  return tuple(int(v) for v in ids)
+
+
+def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
+  """`tokens [...]` == any of `eos_ids [E]`, elementwise."""
+  return jnp.any(tokens[..., None] == eos_ids, axis=-1)
 
 
 def round_up(value: int, multiple: int) -> int:

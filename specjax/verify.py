@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from specjax.draft import Proposal, gather_tokens
 from specjax.sampling import Sampling, VerifyResult, seed_from_key, verify_reference
+from specjax.validation import is_eos as is_eos_token
 
 if TYPE_CHECKING:
   from specjax.decode import DecodeState
@@ -89,7 +90,7 @@ def verify_block(target, state: "DecodeState", proposal: Proposal, key: jax.Arra
   # How many of the k+1 candidate tokens each row keeps: up to the correction, cut at EOS
   # (inclusive) and at the row's limit.
   index = jnp.arange(k + 1, dtype=jnp.int32)
-  is_eos = (result.tokens == state.eos_id) & (index[None] <= accepted[:, None])
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
   first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
   live = ~state.done
   count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)

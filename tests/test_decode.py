@@ -148,6 +148,22 @@ def test_eos_stops_one_row_while_others_continue(target, draft, batch):
     np.testing.assert_array_equal(alone.tokens[0], out.tokens[b])
 
 
+def test_several_stop_ids(target, draft, batch):
+  tokens, lengths = batch
+  free = _greedy(target, batch)
+  stops = (int(free.tokens[0, 2]), int(free.tokens[2, 4]))
+  expected = _greedy(target, batch, eos_id=stops)
+  for b, row in enumerate(np.asarray(free.tokens).tolist()):
+    first = min([row.index(s) + 1 for s in stops if s in row] + [24])
+    assert int(expected.num_tokens[b]) == first
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=24,
+                  num_draft=3, eos_id=list(stops))
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  with pytest.raises(ValueError, match="empty sequence"):
+    sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, eos_id=[])
+
+
 def test_sampled_decode_is_seeded_and_bit_identical(target, draft, batch):
   tokens, lengths = batch
   sampling = sj.Sampling(temperature=0.8, top_k=20, top_p=0.9)
