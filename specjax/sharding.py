@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -548,11 +549,14 @@ class _VocabShard:
       holds_at: maps `[..., R-1, 1]` float32 candidates to `[..., R-1]` bool, identical on every
         shard (its sums are `psum`s).
     """
-    low = _float_to_key(jnp.full_like(x[..., 0], -jnp.inf))  # holds
-    width = (jax.lax.bitcast_convert_type(_float_to_key(self.max(x)), jnp.uint32)
+    top = self.max(x)  # identical on every shard
+    low = _float_to_key(jnp.where(True, -jnp.inf, top))  # holds (keeps `top`'s sharding type)
+    width = (jax.lax.bitcast_convert_type(_float_to_key(top), jnp.uint32)
              - jax.lax.bitcast_convert_type(low, jnp.uint32) + 1)  # keys low + width: unknown
     steps = jnp.arange(1, _SEARCH_RADIX, dtype=jnp.uint32)
-    for _ in range(_SEARCH_ROUNDS):
+
+    def search_round(_, bounds):
+      low, width = bounds
       step = (width + (_SEARCH_RADIX - 1)) // _SEARCH_RADIX
       offsets = jnp.minimum(step[..., None] * steps, width[..., None])  # [..., R-1]
       candidates = jax.lax.bitcast_convert_type(
@@ -563,7 +567,9 @@ class _VocabShard:
       first_bad = jnp.min(jnp.where(open_ & ~good, offsets, width[..., None]), axis=-1)
       low = jax.lax.bitcast_convert_type(
           jax.lax.bitcast_convert_type(low, jnp.uint32) + best, jnp.int32)
-      width = first_bad - best
+      return low, first_bad - best
+
+    low, _ = jax.lax.fori_loop(0, _SEARCH_ROUNDS, search_round, (low, width))
     return _key_to_float(low)[..., None]
 
   def race(self, scores, seed, rows, positions, purpose: int):
@@ -622,6 +628,55 @@ def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.concatenate([x, pad], axis=-1)
 
 
+def sharded_warp_logits(logits: jax.Array, sampling: Sampling, *,
+                        mesh: jax.sharding.Mesh | None = None,
+                        rules: ShardingRules | None = None) -> jax.Array:
+  """`specjax.sampling.warp_logits` with the vocabulary split over the mesh's vocab axes.
+
+  Args:
+    logits: `[..., V]` raw logits.
+    sampling: temperature > 0, optional top-k / top-p.
+    mesh: the mesh; None uses the active one.
+    rules: logical-to-mesh rules; default the active rules.
+
+  Returns:
+    `[..., V]` float32 warped logits, sharded over the vocab axes (never gathered).
+  """
+  mesh, rules = _mesh_and_rules(mesh, rules)
+  return _sharded_warp_logits(logits, sampling=sampling, mesh=mesh, rules=rules)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "mesh", "rules"))
+def _sharded_warp_logits(logits, *, sampling, mesh, rules):
+  vocab = logits.shape[-1]
+  vocab_axes, vocab_spec, shards = _vocab_layout(mesh, rules)
+  spec = PartitionSpec(*(None,) * (logits.ndim - 1), vocab_spec)
+
+  def body(x):
+    return _VocabShard(vocab_axes, x.shape[-1], vocab).warp(x, sampling, vocab)
+
+  warped = jax.shard_map(body, mesh=mesh, in_specs=(spec,), out_specs=spec)(
+      _pad_vocab(logits, shards))
+  return warped[..., :vocab]
+
+
+def _mesh_and_rules(mesh, rules):
+  if mesh is None:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+      raise ValueError("a vocab-sharded computation needs a mesh: pass mesh= or run it inside "
+                       "use_mesh(mesh)")
+  return mesh, rules or active_rules()
+
+
+def _vocab_layout(mesh, rules):
+  """The vocab rule's mesh axes present in `mesh`, their `PartitionSpec` entry and total size."""
+  mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in rules.mesh_axes("vocab") if a in mesh_shape)
+  spec = None if not axes else axes[0] if len(axes) == 1 else axes
+  return axes, spec, math.prod(mesh_shape[a] for a in axes)
+
+
 def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                    draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
                    positions: jax.Array, rows: jax.Array | None = None,
@@ -647,24 +702,23 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`, equal to `verify_reference`'s.
   """
-  if mesh is None:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-      raise ValueError("sharded_verify needs a mesh: pass mesh= or call it inside use_mesh(mesh)")
-  rules = rules or active_rules()
+  mesh, rules = _mesh_and_rules(mesh, rules)
+  b = draft_tokens.shape[0]
+  rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows
+  return _sharded_verify(target_logits, draft_logits, draft_tokens, jnp.asarray(seed, jnp.uint32),
+                         jnp.asarray(positions, jnp.int32), jnp.asarray(rows, jnp.int32),
+                         sampling=sampling, mesh=mesh, rules=rules)
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "mesh", "rules"))
+def _sharded_verify(target_logits, draft_logits, draft_tokens, seed, positions, rows, *,
+                    sampling, mesh, rules) -> VerifyResult:
   b, k = draft_tokens.shape
   vocab = target_logits.shape[-1]
+  vocab_axes, vocab_spec, shards = _vocab_layout(mesh, rules)
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  vocab_axes = tuple(a for a in rules.mesh_axes("vocab") if a in mesh_shape)
   batch_spec = rules.spec(("batch",), (b,), {a: s for a, s in mesh_shape.items()
                                              if a not in vocab_axes})[0]
-  vocab_spec = None if not vocab_axes else vocab_axes[0] if len(vocab_axes) == 1 else vocab_axes
-  shards = math.prod(mesh_shape[a] for a in vocab_axes)
-
-  rows = jnp.arange(b, dtype=jnp.int32) if rows is None else jnp.asarray(rows, jnp.int32)
-  positions = jnp.asarray(positions, jnp.int32)
-  draft_tokens = jnp.asarray(draft_tokens, jnp.int32)
-  seed = jnp.asarray(seed, jnp.uint32)
   logits_spec = PartitionSpec(batch_spec, None, vocab_spec)
   row_spec = PartitionSpec(batch_spec)
   operands = [_pad_vocab(target_logits, shards)]
@@ -672,7 +726,7 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   if draft_logits is not None:
     operands.append(_pad_vocab(draft_logits, shards))
     specs.append(logits_spec)
-  operands += [draft_tokens, seed, positions, rows]
+  operands += [draft_tokens.astype(jnp.int32), seed, positions, rows]
   specs += [PartitionSpec(batch_spec, None), PartitionSpec(), row_spec, row_spec]
 
   def body(*args):

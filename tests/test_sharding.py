@@ -1,0 +1,392 @@
+"""Sharding on 8 simulated CPU devices: rules, layouts, byte counts, sharded decoding, export.
+
+Every equality test compares a sharded run with the single-device run of the same weights and rng:
+data parallelism must not change a row's tokens, and tensor parallelism (which reorders float
+sums) must not change an argmax or a Gumbel race on these models.
+"""
+
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import specjax as sj
+from specjax import sharding as sh
+from specjax.decode import _decode, decode
+from specjax.draft import ModelDrafter
+from specjax.generate import _generate
+from specjax.models import tiny_config
+from specjax.sampling import Sampling, verify_reference, warp_logits
+
+MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]  # (data, model)
+SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9)
+# heads 8 and mlp 64 split 8 ways; kv_heads 4 does not (the cache falls back to replicated heads
+# on a model axis of 8: see test_cache_bytes_per_device).
+TARGET_CONFIG = tiny_config(vocab_size=128, embed_dim=32, num_layers=2, num_heads=8,
+                            num_kv_heads=4, head_dim=8, mlp_dim=64)
+DRAFT_CONFIG = tiny_config(vocab_size=128, embed_dim=32, num_layers=1, num_heads=8,
+                           num_kv_heads=4, head_dim=8, mlp_dim=64)
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def models():
+  return (sj.init_params(TARGET_CONFIG, jax.random.key(0)),
+          sj.init_params(DRAFT_CONFIG, jax.random.key(5)))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+  tokens = np.asarray(jax.random.randint(jax.random.key(1), (8, 6), 1, 128), np.int32)
+  lengths = np.array([6, 3, 5, 1, 6, 2, 4, 6], np.int32)
+  return tokens, lengths
+
+
+@pytest.fixture(scope="module")
+def single_device(models, prompts):
+  """Reference tokens with everything on one device and no mesh."""
+  target, draft = models
+  tokens, lengths = prompts
+  common = dict(lengths=lengths, max_new_tokens=NEW_TOKENS)
+  return {
+      "generate": sj.generate(target, tokens, jax.random.key(2), **common).tokens,
+      "decode": decode(target, draft, tokens, jax.random.key(2), num_draft=3, **common).tokens,
+      "decode_sampled": decode(target, draft, tokens, jax.random.key(3), num_draft=3,
+                               sampling=SAMPLED, **common).tokens,
+  }
+
+
+# --------------------------------------------------------------------------------------------
+# Rules and layouts.
+# --------------------------------------------------------------------------------------------
+
+def test_rules_fallback_rule():
+  rules = sj.ShardingRules()
+  mesh_shape = {"data": 2, "model": 4}
+  # fsdp is not in the mesh: batch uses data only, embed is replicated.
+  assert rules.spec(("batch", "embed"), (8, 32), mesh_shape) == P("data", None)
+  # 50257 is not divisible by 4: replicated. 6 is not divisible by 4 but by 2.
+  assert rules.spec(("vocab",), (50257,), mesh_shape) == P(None)
+  assert rules.spec(("batch",), (6,), {"data": 4}) == P(None)
+  # A tuple rule keeps its longest dividing prefix.
+  fsdp = {"data": 2, "fsdp": 4, "model": 1}
+  assert rules.spec(("batch",), (16,), fsdp) == P(("data", "fsdp"))
+  assert rules.spec(("batch",), (6,), fsdp) == P("data")
+  # A mesh axis is used once per array: the second dim that maps to `model` is replicated.
+  assert rules.spec(("heads", "mlp"), (8, 8), mesh_shape) == P("model", None)
+  with pytest.raises(ValueError, match="unknown logical axis"):
+    rules.spec(("rows",), (8,), mesh_shape)
+
+
+def test_logical_axes_by_name():
+  assert sh.logical_axes("layers/wq", 3) == ("layers", "embed", "heads")
+  assert sh.logical_axes("layers/w_down", 3) == ("layers", "mlp", "embed")
+  assert sh.logical_axes("embed", 2) == ("vocab", "embed")
+  assert sh.logical_axes("layers/attn_norm", 2) == (None, None)
+  # Flax / Hugging Face module names, per layer (unstacked) and with a bias.
+  assert sh.logical_axes("model/layers_3/self_attn/k_proj/kernel", 2) == ("embed", "kv_heads")
+  assert sh.logical_axes("model/layers_3/self_attn/q_proj/bias", 1) == ("heads",)
+  assert sh.logical_axes("model/embed_tokens/embedding", 2) == ("vocab", "embed")
+  assert sh.logical_axes("model/layers_0/input_layernorm/scale", 1) == (None,)
+  assert sh.logical_axes("something/else", 2) == (None, None)
+  rules = sj.ShardingRules(param_axes=(("my_proj", ("embed", "mlp")),))
+  assert sh.logical_axes("block/my_proj/kernel", 2, rules) == ("embed", "mlp")
+
+
+def test_make_mesh():
+  mesh = sj.make_mesh()
+  assert dict(mesh.shape) == {"data": 1, "model": 8}  # one process: all devices tensor parallel
+  assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+  assert dict(sj.make_mesh((2, -1)).shape) == {"data": 2, "model": 4}
+  assert dict(sj.make_mesh((2, 2, 2), ("data", "fsdp", "model")).shape) == {
+      "data": 2, "fsdp": 2, "model": 2}
+  with pytest.raises(ValueError, match="needs 6 devices"):
+    sj.make_mesh((2, 3))
+
+
+def test_param_shardings_of_abstract_params(models):
+  """What the checkpoint loader restores into: the params pytree of ShapeDtypeStructs."""
+  target, _ = models
+  mesh = sj.make_mesh((2, 4))
+  abstract = jax.eval_shape(lambda: target.params)
+  shardings = sh.param_shardings(abstract, mesh)
+  assert jax.tree.structure(shardings) == jax.tree.structure(target.params)
+  assert shardings["layers"]["wq"].spec == P(None, None, "model")
+  assert shardings["layers"]["wo"].spec == P(None, "model", None)
+  assert shardings["embed"].spec == P("model", None)
+  assert shardings["lm_head"].spec == P(None, "model")
+  assert shardings["final_norm"].spec == P(None)
+  assert sh.param_shardings(target, mesh) == shardings  # a Model works too
+
+
+def _param_bytes_per_device(config, model_axis: int) -> int:
+  """From the shapes: every matrix splits its heads / kv_heads / mlp / vocab dim over `model`;
+  the three norms are replicated. float32."""
+  c = config
+  layers, e = c.num_layers, c.embed_dim
+  split = (2 * c.vocab_size * e  # embed, lm_head
+           + layers * e * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)  # wq wo wk wv
+           + layers * 3 * e * c.mlp_dim)  # w_gate w_up w_down
+  replicated = 2 * layers * e + e
+  return 4 * (split // model_axis + replicated)
+
+
+@pytest.mark.parametrize("shape, expected", [
+    ((1, 1), 131712), ((1, 2), 66176), ((1, 4), 33408), ((1, 8), 17024), ((2, 4), 33408),
+    ((8, 1), 131712)])
+def test_param_bytes_per_device(models, shape, expected):
+  target, _ = models
+  devices = jax.devices()[:shape[0] * shape[1]]
+  mesh = sj.make_mesh(shape, devices=devices)
+  sharded = sj.shard(target, mesh)
+  assert _param_bytes_per_device(TARGET_CONFIG, shape[1]) == expected
+  assert sh.per_device_bytes(sharded.params) == expected
+  for device in devices:  # every device holds the same amount
+    held = sum(s.data.nbytes for leaf in jax.tree.leaves(sharded.params)
+               for s in leaf.addressable_shards if s.device == device)
+    assert held == expected
+
+
+@pytest.mark.parametrize("shape, expected", [
+    # k + v: 2 * L*B*S*KVH*D*4 = 262144 bytes in all, lengths 8*4 = 32.
+    ((1, 2), 131072 + 32), ((1, 4), 65536 + 32),
+    ((1, 8), 262144 + 32),  # kv_heads = 4 does not split 8 ways: replicated (fallback rule)
+    ((8, 1), 32768 + 4), ((2, 4), 32768 + 16), ((4, 2), 32768 + 8)])
+def test_cache_bytes_per_device(models, shape, expected):
+  target, _ = models
+  mesh = sj.make_mesh(shape, devices=jax.devices()[:shape[0] * shape[1]])
+  cache = sh.shard_cache(target.init_cache(batch=8, max_len=64), mesh)
+  assert cache.k.shape == (2, 8, 64, 4, 8)
+  assert sh.per_device_bytes(cache) == expected
+
+
+def test_compiled_generate_holds_a_sharded_cache(models, prompts):
+  """Inside the jitted loop the cache is created and kept sharded: its per-device buffer is
+  [L, B/data, S, KVH/model, D] and the full-size cache never appears."""
+  target, _ = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh((2, 4))
+  with sh.use_mesh(mesh):
+    compiled = _generate.lower(sj.shard(target, mesh), jnp.asarray(tokens), jnp.asarray(lengths),
+                               jax.random.key(0), jnp.int32(4), jnp.int32(-1), sampling=Sampling(),
+                               capacity=64, pad_id=0).compile()
+  text = compiled.as_text()
+  assert "f32[2,4,70,1,8]" in text  # S = 6 prompt + 64 capacity
+  assert "f32[2,8,70,4,8]" not in text
+
+
+def test_constraints_only_under_a_mesh(models, prompts):
+  target, _ = models
+  tokens, _ = prompts
+  lower = lambda: jax.jit(lambda m, t: m(t, jnp.zeros((8,), jnp.int32)).logits).lower(
+      target, jnp.asarray(tokens)).as_text()
+  assert "sharding_constraint" not in lower()
+  with sh.use_mesh(sj.make_mesh((2, 4))):
+    assert "sharding_constraint" in lower()
+
+
+# --------------------------------------------------------------------------------------------
+# Sharded generate and decode equal single-device.
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", MESH_SHAPES)
+def test_generate_greedy_matches_single_device(models, prompts, single_device, shape):
+  target, _ = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh(shape)
+  with sh.use_mesh(mesh):
+    out = sj.generate(sj.shard(target, mesh), tokens, jax.random.key(2), lengths=lengths,
+                      max_new_tokens=NEW_TOKENS)
+  np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  if shape[0] > 1:
+    assert out.tokens.sharding.spec[0] == "data"  # rows stayed data parallel to the end
+
+
+def test_generate_with_sharded_params_and_no_mesh_context(models, prompts, single_device):
+  """Without use_mesh, GSPMD propagates the parameters' shardings by itself."""
+  target, _ = models
+  tokens, lengths = prompts
+  out = sj.generate(sj.shard(target, sj.make_mesh((2, 4))), tokens, jax.random.key(2),
+                    lengths=lengths, max_new_tokens=NEW_TOKENS)
+  np.testing.assert_array_equal(out.tokens, single_device["generate"])
+
+
+@pytest.mark.parametrize("shape", MESH_SHAPES)
+def test_decode_greedy_matches_single_device(models, prompts, single_device, shape):
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh(shape)
+  with sh.use_mesh(mesh):
+    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(2),
+                 lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=3)
+  np.testing.assert_array_equal(out.tokens, single_device["decode"])
+  np.testing.assert_array_equal(out.tokens, single_device["generate"])
+
+
+@pytest.mark.parametrize("shape", [
+    (2, 4), (1, 8), pytest.param((8, 1), marks=pytest.mark.slow),
+    pytest.param((4, 2), marks=pytest.mark.slow)])
+def test_decode_sampled_matches_single_device(models, prompts, single_device, shape):
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh(shape)
+  with sh.use_mesh(mesh):
+    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(3),
+                 lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=3, sampling=SAMPLED)
+  np.testing.assert_array_equal(out.tokens, single_device["decode_sampled"])
+
+
+# --------------------------------------------------------------------------------------------
+# Vocab-sharded verify.
+# --------------------------------------------------------------------------------------------
+
+VERIFY_SAMPLINGS = [
+    Sampling(), Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5),
+    Sampling(temperature=1.0, top_p=0.8), Sampling(temperature=0.9, top_k=20, top_p=0.6)]
+
+
+def _verify_inputs(seed: int, batch: int = 8, k: int = 4, vocab: int = 128):
+  keys = jax.random.split(jax.random.key(seed), 3)
+  target = 2.0 * jax.random.normal(keys[0], (batch, k + 1, vocab))
+  draft = target[:, :k] + 0.5 * jax.random.normal(keys[1], (batch, k, vocab))
+  draft_tokens = jax.random.categorical(keys[2], draft).astype(jnp.int32)
+  positions = 3 * jnp.arange(batch, dtype=jnp.int32) + 5
+  return target, draft, draft_tokens, jnp.array([seed, 7], jnp.uint32), positions
+
+
+@pytest.mark.parametrize("sampling", VERIFY_SAMPLINGS, ids=str)
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_sharded_verify_equals_reference(sampling, point_mass):
+  mesh = sj.make_mesh((2, 4))
+  target, draft, draft_tokens, seed_words, positions = _verify_inputs(0, batch=32)
+  draft = None if point_mass else draft
+  expected = jax.jit(lambda t, d: verify_reference(
+      t, d, draft_tokens, sampling=sampling, seed=seed_words, positions=positions))(target, draft)
+  got = jax.jit(lambda t, d: sh.sharded_verify(
+      t, d, draft_tokens, sampling=sampling, seed=seed_words, positions=positions,
+      mesh=mesh))(target, draft)
+  np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
+  np.testing.assert_array_equal(got.tokens, expected.tokens)
+  assert got.tokens.sharding.spec[0] == "data"  # rows stay split over data
+  if not point_mass:  # both the accept path and the correction path were exercised
+    assert 0 < int(jnp.sum(expected.num_accepted)) < 32 * 4
+
+
+@pytest.mark.parametrize("shape, vocab", [((1, 8), 128), ((2, 4), 100), ((8, 1), 128)])
+def test_sharded_verify_other_layouts(shape, vocab):
+  """All 8 devices on the vocabulary, a vocabulary that needs padding, no vocab split."""
+  mesh = sj.make_mesh(shape)
+  sampling = Sampling(temperature=0.9, top_k=20, top_p=0.8)
+  target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
+  expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seed=seed_words,
+                              positions=positions)
+  got = sh.sharded_verify(target, draft, draft_tokens, sampling=sampling, seed=seed_words,
+                          positions=positions, mesh=mesh)
+  np.testing.assert_array_equal(got.tokens, expected.tokens)
+  np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
+
+
+@pytest.mark.parametrize("sampling", [
+    Sampling(temperature=1.0, top_k=7), Sampling(temperature=1.0, top_p=0.5),
+    Sampling(temperature=0.6, top_k=40, top_p=0.95)], ids=str)
+def test_sharded_warp_keeps_the_same_tokens(sampling):
+  """The top-k / top-p thresholds found across shards keep exactly the reference's token set,
+  over 256 random rows (and a row of ties, which are kept or dropped together)."""
+  logits = 3.0 * jax.random.normal(jax.random.key(4), (256, 128))
+  logits = logits.at[0].set(jnp.round(logits[0]))  # many exact ties
+  expected = warp_logits(logits, sampling)
+  got = sh.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
+  assert got.sharding.spec[-1] == "model"
+  np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
+  np.testing.assert_allclose(np.where(np.isfinite(got), got, 0),
+                             np.where(np.isfinite(expected), expected, 0), rtol=0, atol=0)
+
+
+def test_sharded_verify_never_gathers_the_vocabulary():
+  """In the compiled program no device ever holds a [B, k+1, V] or [B, V] float array."""
+  mesh = sj.make_mesh((2, 4))
+  target, draft, draft_tokens, seed_words, positions = _verify_inputs(0)
+  shard = NamedSharding(mesh, P("data", None, "model"))
+  target, draft = jax.device_put(target, shard), jax.device_put(draft, shard)
+  text = jax.jit(lambda t, d: sh.sharded_verify(
+      t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seed=seed_words, positions=positions,
+      mesh=mesh)).lower(target, draft).compile().as_text()
+  assert "f32[4,5,32]" in text  # the local slice: 8/2 rows, k+1, 128/4 vocab
+  assert not re.search(r"f32\[\d+,5,128\]", text) and not re.search(r"f32\[\d+,128\]", text)
+
+
+# --------------------------------------------------------------------------------------------
+# Export for TPU.
+# --------------------------------------------------------------------------------------------
+
+def _abstract_model(model, mesh):
+  """The model as `ShapeDtypeStruct`s carrying the shardings `sj.shard` would give it."""
+  shardings = sh.param_shardings(model, mesh)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        model.params, shardings)
+  return sj.Model(params, model.config)
+
+
+def test_export_decode_for_tpu_on_a_2x4_mesh(models):
+  target, draft = models
+  mesh = sj.make_mesh((2, 4))
+  rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  args = (
+      _abstract_model(target, mesh),
+      ModelDrafter(_abstract_model(draft, mesh)),
+      jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=NamedSharding(mesh, P("data", None))),
+      jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
+      jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+  )
+  with sh.use_mesh(mesh):
+    exported = jax.export.export(_decode, platforms=["tpu"])(
+        *args, sampling=SAMPLED, num_draft=4, capacity=64, pad_id=0, verify_impl="reference")
+  assert exported.platforms == ("tpu",)
+  assert exported.nr_devices == 8
+  in_specs = [s.spec for s in exported.in_shardings_jax(mesh)]
+  assert in_specs[0] == P("model", None)  # target embed [V, E]
+  assert P(None, None, "model") in in_specs  # wq / w_gate / w_up
+  assert in_specs[-5] == P("data", None)  # the prompts
+  text = exported.mlir_module()
+  assert 'sdy.mesh @mesh = <["data"=2, "model"=4]>' in text
+  assert 'sdy.sharding<@mesh, [{"model"}, {}]>' in text
+  assert "sdy.sharding_constraint" in text  # the forward pass's activation layout came along
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-host: two processes on localhost, 4 CPU devices each.
+# --------------------------------------------------------------------------------------------
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_match_single_process(tmp_path, models, prompts, single_device):
+  worker = pathlib.Path(__file__).with_name("multihost_worker.py")
+  port = _free_port()
+  env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
+  env["JAX_PLATFORMS"] = "cpu"
+  procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), str(tmp_path)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for i in range(2)]
+  logs = [p.communicate(timeout=240)[0] for p in procs]
+  for p, log in zip(procs, logs):
+    assert p.returncode == 0, log[-3000:]
+  for i in range(2):
+    result = np.load(tmp_path / f"tokens_{i}.npz")
+    assert int(result["process_count"]) == 2 and int(result["device_count"]) == 8
+    assert tuple(result["mesh_shape"]) == (2, 4)  # processes along data, local devices on model
+    np.testing.assert_array_equal(result["generate"], single_device["generate"])
+    np.testing.assert_array_equal(result["decode"], single_device["decode"])
