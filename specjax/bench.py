@@ -201,6 +201,19 @@ def measure_costs(target: Model, draft: Model | None, *, batch: int, buffer_len:
   }
 
 
+def per_token_acceptance(accepted_per_position, rounds: int) -> float:
+  """The conditional per-draft acceptance `a` of DESIGN.md's bound, from decode statistics.
+
+  `accepted / drafted` is not that `a`: draft `j` is only tried when drafts `0 .. j-1` were
+  accepted. With `n_j` acceptances at position `j` (summed over rows and rounds), draft `j` was
+  reached `n_{j-1}` times (`rounds` times for `j = 0`), so the estimate is
+  `sum_j n_j / (rounds + sum_{j < k-1} n_j)`.
+  """
+  counts = [int(n) for n in accepted_per_position]
+  reached = rounds + sum(counts[:-1])
+  return sum(counts) / reached if reached else 0.0
+
+
 def expected_tokens_per_round(acceptance: float, num_draft: int) -> float:
   """`(1 - a^(k+1)) / (1 - a)`: tokens per round with i.i.d. per-draft acceptance `a`."""
   if acceptance >= 1.0:
@@ -280,7 +293,9 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
                     "min_s": entry["min_s"], "compile_s": entry["compile_s"],
                     "times_s": entry["times_s"]}
   record["speedup"] = timed["generate"]["median_s"] / timed["decode"]["median_s"]
-  record["acceptance_rate"] = stats["acceptance_rate"]
+  record["acceptance_rate"] = stats["acceptance_rate"]  # accepted / drafted
+  record["acceptance_per_token"] = per_token_acceptance(stats["accepted_per_position"],
+                                                        stats["rounds"])
   record["mean_accepted_length"] = stats["tokens_per_round"]
   record["accepted_per_position"] = stats["accepted_per_position"]
   record["rounds"] = stats["rounds"]
@@ -294,7 +309,7 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
     target_s = costs["target_step_s"]
     draft_ratio = 0.0 if costs["draft_step_s"] is None else costs["draft_step_s"] / target_s
     verify_ratio = costs["verify_s"][num_draft] / target_s
-    a = stats["acceptance_rate"]
+    a = record["acceptance_per_token"]
     record["costs"] = {"target_step_s": target_s, "draft_step_s": costs["draft_step_s"],
                        "verify_s": costs["verify_s"][num_draft], "draft_ratio": draft_ratio,
                        "verify_ratio": verify_ratio}
@@ -304,10 +319,16 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
                                                                    + verify_ratio)
     record["efficiency"] = record["speedup"] / record["bound"]
     # Per-round wall time the single-forward costs predict vs what the loop took.
-    rounds_per_row = stats["rounds"] / max(int(tokens.shape[0]), 1)
-    predicted = rounds_per_row * (num_draft * (costs["draft_step_s"] or 0.0)
-                                  + costs["verify_s"][num_draft])
-    record["decode_loop_s_predicted"] = predicted
+    # Where decode's time goes: the rounds the slowest row took, priced at the single-forward
+    # costs, against the measured call; likewise generate's steps against one target step.
+    rounds = int(np.max(np.asarray(spec.stats.rounds)))
+    predicted = rounds * (num_draft * (costs["draft_step_s"] or 0.0)
+                          + costs["verify_s"][num_draft])
+    record["decode_rounds"] = rounds
+    record["decode_predicted_s"] = predicted
+    record["decode_overhead_fraction"] = 1.0 - predicted / record["decode"]["median_s"]
+    record["generate_step_s"] = record["generate"]["median_s"] / max_new_tokens
+    record["generate_overhead_fraction"] = 1.0 - target_s / record["generate_step_s"]
   return record
 
 
@@ -473,7 +494,8 @@ def _case_line(r: dict) -> str:
   return (f"  B={r['batch']:<3d} T={r['temperature']:<4} k={r['num_draft']}{synthetic}: "
           f"generate {r['generate']['tokens_per_s']:8.1f} tok/s, decode "
           f"{r['decode']['tokens_per_s']:8.1f} tok/s, speedup {r['speedup']:.2f}x{bound}, "
-          f"accept {r['acceptance_rate']:.2f}, len {r['mean_accepted_length']:.2f}")
+          f"accept {r['acceptance_rate']:.2f} (per token {r['acceptance_per_token']:.2f}), "
+          f"len {r['mean_accepted_length']:.2f}")
 
 
 def run_synthetic(settings: Settings, *, sizes, acceptances, num_drafts, batches,
@@ -667,9 +689,9 @@ def plot_records(records: list[dict], out: pathlib.Path, stem: str) -> list[str]
     save(fig, f"{stem}_speedup_vs_batch.png")
 
   fig, ax = plt.subplots(figsize=(6, 4.5))
-  ax.scatter([r["acceptance_rate"] for r in records], [r["speedup"] for r in records],
+  ax.scatter([r["acceptance_per_token"] for r in records], [r["speedup"] for r in records],
              c=[r["num_draft"] for r in records], cmap="viridis")
-  ax.set(xlabel="measured acceptance rate", ylabel="speedup over generate",
+  ax.set(xlabel="measured per-token acceptance a", ylabel="speedup over generate",
          title=f"speedup vs acceptance (colour = k){tag}")
   save(fig, f"{stem}_speedup_vs_acceptance.png")
 
@@ -698,7 +720,7 @@ def readme_table(result: dict) -> str:
   if pair:
     lines += [f"**{pair[0]['pair']}**: `decode` vs `generate` (best k per row)", "",
               "| batch | temperature | k | generate tok/s | decode tok/s | speedup | bound | "
-              "efficiency | acceptance | tokens/round |",
+              "efficiency | a (per token) | tokens/round |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     best: dict = {}
     for r in pair:
@@ -709,17 +731,17 @@ def readme_table(result: dict) -> str:
       lines.append(f"| {batch} | {temperature} | {r['num_draft']} | "
                    f"{r['generate']['tokens_per_s']:.0f} | {r['decode']['tokens_per_s']:.0f} | "
                    f"**{r['speedup']:.2f}x** | {r['bound']:.2f}x | {r['efficiency']:.2f} | "
-                   f"{r['acceptance_rate']:.2f} | {r['mean_accepted_length']:.2f} |")
+                   f"{r['acceptance_per_token']:.2f} | {r['mean_accepted_length']:.2f} |")
     lines.append("")
   synthetic = result.get("synthetic_records") or []
   if synthetic:
     lines += ["**Synthetic acceptance** (benchmark-only rule: each draft accepted with probability "
               "a; random weights; not exact)", "",
-              "| target | params | batch | a | k | generate tok/s | decode tok/s | speedup | "
-              "bound | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| target | params | batch | a (set / measured) | k | generate tok/s | decode tok/s | "
+              "speedup | bound | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in synthetic:
       lines.append(f"| {r['target_size']} | {r['target']['params'] / 1e6:.0f}M | {r['batch']} | "
-                   f"{r['synthetic_acceptance']} | {r['num_draft']} | "
+                   f"{r['synthetic_acceptance']} / {r['acceptance_per_token']:.2f} | {r['num_draft']} | "
                    f"{r['generate']['tokens_per_s']:.1f} | {r['decode']['tokens_per_s']:.1f} | "
                    f"**{r['speedup']:.2f}x** | {r['bound']:.2f}x | {r['efficiency']:.2f} |")
     lines.append("")

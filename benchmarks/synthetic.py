@@ -1,0 +1,8 @@
+"""`specjax bench --suite synthetic`; extra arguments are passed through (see benchmarks/README.md)."""
+
+import sys
+
+from specjax import bench
+
+if __name__ == "__main__":
+  sys.exit(bench.main(["--suite", "synthetic", *sys.argv[1:]]))

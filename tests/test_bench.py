@@ -1,0 +1,121 @@
+"""The benchmark suite at a tiny size (it runs and writes well-formed results; no timings are
+checked), the synthetic-acceptance rule, and the Hugging Face export round trip."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import bench
+from specjax.export_hf import export_hf
+from specjax.models.config import tiny_config
+
+
+def test_tiny_suite_writes_json_plots_and_table(tmp_path):
+  code = bench.main(["--suite", "tiny", "--out", str(tmp_path), "--k", "1,2", "--batch", "1,2",
+                     "--max-new-tokens", "6", "--repeats", "1"])
+  assert code == 0
+  result = json.loads((tmp_path / "tiny.json").read_text())
+  assert result["environment"]["platform"] == "cpu"
+  records = result["pair_records"]
+  assert {r["num_draft"] for r in records} >= {1, 2}
+  assert {r["batch"] for r in records} == {1, 2}
+  for r in records:
+    for key in ("speedup", "bound", "efficiency", "acceptance_rate", "mean_accepted_length"):
+      assert np.isfinite(r[key]), key
+    assert r["generate"]["tokens_per_s"] > 0 and r["decode"]["tokens_per_s"] > 0
+    assert r["label"] == "exact"
+    if r["temperature"] == 0.0:
+      assert r["greedy_identical"]
+  synthetic = result["synthetic_records"]
+  assert synthetic and all(r["label"] == bench.SYNTHETIC_LABEL for r in synthetic)
+  assert all(r["synthetic_acceptance"] == 0.8 for r in synthetic)
+  peer = result["peer"]
+  assert peer["greedy_streams_identical"]
+  assert set(peer["tokens_per_s"]) == {"hf_generate", "hf_assisted", "specjax_generate",
+                                       "specjax_decode"}
+  for name in result["files"]:
+    assert (tmp_path / name).is_file(), name
+  pngs = [name for name in result["files"] if name.endswith(".png")]
+  assert "tiny_speedup_vs_k.png" in pngs and "tiny_measured_vs_bound.png" in pngs
+  assert any("synthetic" in name for name in pngs)
+  for name in pngs:
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  table = (tmp_path / "tiny_table.md").read_text()
+  assert "| batch |" in table and "Synthetic acceptance" in table
+
+
+@pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
+def test_synthetic_rule_accepts_at_its_rate(acceptance):
+  rule = bench.synthetic_verify(acceptance)
+  assert bench.synthetic_verify(acceptance) is rule  # one function per rate: one compile
+  batch, k, vocab = 512, 4, 16
+  logits = jax.random.normal(jax.random.key(1), (batch, k + 1, vocab))
+  drafts = jnp.zeros((batch, k), jnp.int32) + 3
+  seed = jnp.array([7, 11], jnp.uint32)
+  positions = jnp.arange(batch, dtype=jnp.int32)
+  result = rule(logits, None, drafts, sampling=sj.Sampling(), seed=seed, positions=positions)
+  again = rule(logits, None, drafts, sampling=sj.Sampling(), seed=seed, positions=positions)
+  np.testing.assert_array_equal(result.tokens, again.tokens)  # deterministic in the seed
+  accepted = np.asarray(result.num_accepted)
+  if acceptance == 0.0:
+    assert (accepted == 0).all()
+  elif acceptance == 1.0:
+    assert (accepted == k).all()
+  else:  # P(first draft accepted) = 0.5: 512 fixed draws, far from the edges
+    assert 0.35 < np.mean(accepted > 0) < 0.65
+  tokens = np.asarray(result.tokens)
+  argmax = np.asarray(jnp.argmax(logits, -1))
+  for row in range(batch):
+    n = accepted[row]
+    assert (tokens[row, :n] == 3).all()
+    assert tokens[row, n] == argmax[row, n]  # the target's own token after the accepted drafts
+  with pytest.raises(ValueError):
+    bench.synthetic_verify(1.5)
+
+
+def test_analytic_bound():
+  assert bench.expected_tokens_per_round(0.0, 4) == 1.0
+  assert bench.expected_tokens_per_round(1.0, 4) == 5.0
+  assert bench.expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+  # 1.75 tokens per round / (2 * 0.1 + 1.2)
+  assert bench.analytic_bound(0.5, 2, 0.1, 1.2) == pytest.approx(1.25)
+
+
+def test_first_divergence():
+  assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
+  assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+  assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_export_hf_round_trip(tmp_path, tied):
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, tie_embeddings=tied,
+                       rope_scaling=sj.RopeScaling() if tied else None)
+  model = sj.init_params(config, jax.random.key(0))
+  export_hf(model, tmp_path / "hf")
+  back = sj.from_hf(tmp_path / "hf")
+  assert back.config == model.config
+  assert jax.tree.structure(back.params) == jax.tree.structure(model.params)
+  for ours, theirs in zip(jax.tree.leaves(model.params), jax.tree.leaves(back.params)):
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))  # bitwise
+
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
+  ids = np.random.default_rng(0).integers(0, 96, (2, 13))
+  ours = np.asarray(model(jnp.asarray(ids, jnp.int32), jnp.zeros((2,), jnp.int32)).logits)
+  with torch.no_grad():
+    theirs = hf(torch.tensor(ids)).logits.numpy()
+  np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=0)
+
+
+def test_export_hf_rejects_non_llama(tmp_path):
+  from specjax.models.config import gemma_style
+  model = sj.init_params(gemma_style(tiny_config()), jax.random.key(0))
+  with pytest.raises(ValueError, match="Llama"):
+    export_hf(model, tmp_path / "hf")
