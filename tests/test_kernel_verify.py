@@ -1,0 +1,361 @@
+"""The fused verify kernel against `specjax.sampling.verify_reference`, in Pallas interpret modes.
+
+`TestFusedVerify` runs every case with `interpret=True`; `TestFusedVerifyTpuInterpret` reruns them
+under `pltpu.InterpretParams()` (TPU memory semantics). Compiled runs need a TPU; on CPU the
+compiled path is checked by exporting it for TPU (the Mosaic custom call must be in the module).
+"""
+
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import specjax as sj
+from specjax import sampling as S
+from specjax.kernels import BlockSizes, fused_verify, fused_verify_reference, verify_dispatch
+
+SEED = jnp.array([0x1234, 0xBEEF], jnp.uint32)
+
+SAMPLINGS = [
+    S.Sampling(),  # greedy
+    S.Sampling(temperature=1.0),
+    S.Sampling(temperature=0.6, top_k=7),
+    S.Sampling(temperature=1.3, top_p=0.8),
+    S.Sampling(temperature=0.9, top_k=40, top_p=0.95),
+    S.Sampling(temperature=1.0, top_k=1),
+]
+
+
+def _case(rng, batch, num_draft, vocab, *, sampling, with_draft_logits, dtype=np.float32,
+          closeness=0.5):
+  """Target logits near the draft's; drafts sampled from the draft (point mass: half of them are
+  the target's argmax), so that rejections and full acceptances both occur."""
+  draft = rng.normal(size=(batch, num_draft + 1, vocab)).astype(np.float32) * 3
+  target = draft + closeness * rng.normal(size=draft.shape).astype(np.float32)
+  draft_logits = jnp.asarray(draft[:, :num_draft], dtype)
+  rows = jnp.asarray(rng.permutation(64)[:batch], jnp.int32)
+  positions = jnp.asarray(rng.integers(0, 1000, size=batch), jnp.int32)
+  token_positions = positions[:, None] + jnp.arange(num_draft)
+  if sampling.greedy:
+    tokens = jnp.argmax(draft_logits, -1).astype(jnp.int32)
+  else:
+    tokens = S.sample_token(draft_logits, sampling, SEED, rows[:, None], token_positions,
+                            S.PURPOSE_DRAFT)
+  if not with_draft_logits:  # a confident target whose argmax the drafter often proposes
+    target_argmax = np.argmax(target[:, :num_draft], -1)
+    np.put_along_axis(target[:, :num_draft], target_argmax[..., None],
+                      np.take_along_axis(target[:, :num_draft], target_argmax[..., None], -1) + 6,
+                      -1)
+    tokens = jnp.where(rng.random(size=tokens.shape) < 0.7, target_argmax, tokens)
+  return dict(target_logits=jnp.asarray(target, dtype),
+              draft_logits=draft_logits if with_draft_logits else None,
+              draft_tokens=tokens, rows=rows, positions=positions)
+
+
+# (B, k, V, block_v): one exact tile; several tiles with a ragged last one; V < 128; more tiles.
+SHAPES = ((8, 4, 1000, 256), (4, 2, 384, 4096), (8, 3, 90, 128), (4, 5, 700, 128))
+
+
+class TestFusedVerify:
+  INTERPRET = True
+
+  def _verify(self, case, sampling, block_sizes=None):
+    return fused_verify(**case, sampling=sampling, seed=SEED, block_sizes=block_sizes,
+                        interpret=self.INTERPRET)
+
+  def _check(self, case, sampling, block_sizes=None):
+    want = fused_verify_reference(**case, sampling=sampling, seed=SEED)
+    got = self._verify(case, sampling, block_sizes)
+    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    return want
+
+  # ---- hand-worked cases -------------------------------------------------------------------
+
+  def test_greedy_hand_worked(self):
+    # V = 5, k = 2. Target argmax per position: [3, 1, 4]; drafts [3, 2]:
+    # position 0: draft 3 == argmax 3 -> accept; position 1: draft 2 != argmax 1 -> reject.
+    # n = 1, tokens = [3 (accepted), 1 (target's argmax at the rejection), 0].
+    target = jnp.array([[[0., 1., 2., 9., 3.],
+                         [0., 8., 7., 1., 2.],
+                         [1., 1., 1., 1., 5.]]], jnp.float32)
+    case = dict(target_logits=target, draft_logits=None, draft_tokens=jnp.array([[3, 2]]),
+                positions=jnp.array([4]), rows=None)
+    got = self._verify(case, S.GREEDY)
+    np.testing.assert_array_equal(got.num_accepted, [1])
+    np.testing.assert_array_equal(got.tokens, [[3, 1, 0]])
+    # Both drafts right: n = 2 and the bonus is the argmax of the last row, 4.
+    case["draft_tokens"] = jnp.array([[3, 1]])
+    got = self._verify(case, S.GREEDY)
+    np.testing.assert_array_equal(got.tokens, [[3, 1, 4]])
+    np.testing.assert_array_equal(got.num_accepted, [2])
+
+  def test_top_k_one_is_greedy_for_any_seed(self):
+    # top_k = 1 keeps only the argmax, so p is a point mass: a draft equal to it has
+    # p(x) = 1 >= q(x) and is always accepted; any other has p(x) = 0 and is always rejected,
+    # and the residual max(p - q, 0) is positive only at the argmax. Same tokens as greedy.
+    rng = np.random.default_rng(1)
+    target = jnp.asarray(rng.normal(size=(2, 4, 300)), jnp.float32)
+    argmax = jnp.argmax(target, -1).astype(jnp.int32)
+    drafts = argmax[:, :3].at[0, 1].set((argmax[0, 1] + 1) % 300)  # row 0 wrong at position 1
+    draft_logits = jnp.asarray(rng.normal(size=(2, 3, 300)), jnp.float32)
+    for seed in range(3):
+      got = fused_verify(target, draft_logits, drafts, sampling=S.Sampling(top_k=1,
+                                                                           temperature=2.0),
+                         seed=jnp.array([seed, 7], jnp.uint32), positions=jnp.array([0, 9]),
+                         block_sizes=BlockSizes(128), interpret=self.INTERPRET)
+      np.testing.assert_array_equal(got.num_accepted, [1, 3])
+      np.testing.assert_array_equal(got.tokens[0], [argmax[0, 0], argmax[0, 1], 0, 0])
+      np.testing.assert_array_equal(got.tokens[1], argmax[1])
+
+  def test_top_p_hand_worked(self):
+    # p = [0.5, 0.3, 0.15, 0.05] (logits = log p, T = 1). Descending cumulative mass 0.5, 0.8:
+    # with top_p = 0.6 the nucleus is {0, 1}, renormalised to [0.625, 0.375, 0, 0].
+    # A point-mass draft of token 3 has p(3) = 0 -> always rejected; the correction is drawn
+    # from max(p - onehot(3), 0) = p, so it is 0 or 1, never 2 or 3.
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05], jnp.float32))
+    sampling = S.Sampling(temperature=1.0, top_p=0.6)
+    np.testing.assert_array_equal(jnp.isfinite(S.warp_logits(logits, sampling)),
+                                  [True, True, False, False])
+    target = jnp.broadcast_to(logits, (16, 2, 4))
+    case = dict(target_logits=target, draft_logits=None,
+                draft_tokens=jnp.full((16, 1), 3, jnp.int32),
+                positions=jnp.zeros(16, jnp.int32), rows=jnp.arange(16, dtype=jnp.int32))
+    got = self._verify(case, sampling)
+    np.testing.assert_array_equal(got.num_accepted, np.zeros(16))
+    assert set(np.asarray(got.tokens[:, 0]).tolist()) == {0, 1}  # 16 draws: both show up
+    np.testing.assert_array_equal(got.tokens[:, 1], np.zeros(16))
+    self._check(case, sampling)
+
+  # ---- random sweep against the reference --------------------------------------------------
+
+  @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_matches_reference_sweep(self, sampling, with_draft_logits):
+    index = SAMPLINGS.index(sampling) + 3 * with_draft_logits
+    self._sweep(sampling, with_draft_logits, [SHAPES[index % len(SHAPES)]])
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_matches_reference_sweep_all_shapes(self, sampling, with_draft_logits):
+    self._sweep(sampling, with_draft_logits, SHAPES)
+
+  def _sweep(self, sampling, with_draft_logits, shapes):
+    rng = np.random.default_rng(zlib.crc32(f"{sampling}{with_draft_logits}".encode()))
+    accepted = []
+    for batch, num_draft, vocab, block_v in shapes:
+      case = _case(rng, batch, num_draft, vocab, sampling=sampling,
+                   with_draft_logits=with_draft_logits)
+      want = self._check(case, sampling, BlockSizes(block_v))
+      accepted += [np.asarray(want.num_accepted) / num_draft]
+    accepted = np.concatenate(accepted)
+    # Not vacuous: the cases had rejections and accepted drafts.
+    assert accepted.min() < 1 and accepted.max() > 0
+
+  @pytest.mark.parametrize("sampling", SAMPLINGS[1:5], ids=str)
+  def test_bfloat16_logits(self, sampling):
+    rng = np.random.default_rng(3)
+    case = _case(rng, 2, 3, 500, sampling=sampling, with_draft_logits=True, dtype=jnp.bfloat16)
+    self._check(case, sampling, BlockSizes(256))
+
+  def test_identical_models_accept_everything(self):
+    # p == q: every ratio is 1, so all k drafts are accepted and the bonus comes from p.
+    rng = np.random.default_rng(4)
+    case = _case(rng, 3, 4, 600, sampling=S.Sampling(temperature=1.0), with_draft_logits=True,
+                 closeness=0.0)
+    case["target_logits"] = case["target_logits"].at[:, :4].set(case["draft_logits"])
+    want = self._check(case, S.Sampling(temperature=1.0), BlockSizes(256))
+    np.testing.assert_array_equal(want.num_accepted, [4, 4, 4])
+
+  # ---- vocabulary sizes --------------------------------------------------------------------
+
+  @pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 256000])
+  @pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=0.8)], ids=str)
+  def test_vocab_sizes(self, vocab, sampling):
+    rng = np.random.default_rng(vocab)
+    case = _case(rng, 1, 2, vocab, sampling=sampling, with_draft_logits=True, closeness=0.05)
+    # Put the target's maximum in the last vocabulary entry, i.e. in the ragged last tile.
+    case["target_logits"] = case["target_logits"].at[0, 2, vocab - 1].set(50.0)
+    # V = 1000: one tile of the whole axis; larger: 8192-lane tiles, the last one ragged.
+    want = self._check(case, sampling, BlockSizes(8192))
+    if sampling.greedy and want.num_accepted[0] == 2:
+      assert want.tokens[0, 2] == vocab - 1
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("vocab", [50257, 256000])
+  def test_vocab_sizes_with_thresholds(self, vocab):
+    rng = np.random.default_rng(vocab + 1)
+    sampling = S.Sampling(temperature=0.8, top_k=50, top_p=0.9)
+    case = _case(rng, 1, 2, vocab, sampling=sampling, with_draft_logits=True, closeness=0.05)
+    self._check(case, sampling, BlockSizes(32768))
+
+
+class TestFusedVerifyTpuInterpret(TestFusedVerify):
+  """The same cases under the TPU interpreter, which simulates every grid step's memory traffic
+  and is slower: its sweep takes a subset, and the large vocabularies stay with the class above."""
+
+  INTERPRET = pltpu.InterpretParams()
+
+  @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_matches_reference_sweep(self, sampling, with_draft_logits):
+    super().test_matches_reference_sweep(sampling, with_draft_logits)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("sampling", SAMPLINGS[2:], ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_matches_reference_sweep_thresholds(self, sampling, with_draft_logits):
+    super().test_matches_reference_sweep(sampling, with_draft_logits)
+
+  @pytest.mark.parametrize("sampling", SAMPLINGS[1:2], ids=str)
+  def test_bfloat16_logits(self, sampling):
+    super().test_bfloat16_logits(sampling)
+
+  test_vocab_sizes = None
+  test_vocab_sizes_with_thresholds = None
+
+
+# --------------------------------------------------------------------------------------------
+# Block sizes.
+# --------------------------------------------------------------------------------------------
+
+def test_block_sizes_follow_the_tpu_tiling_rule():
+  with pytest.raises(ValueError, match="multiple of 128"):
+    BlockSizes(block_v=1000)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    BlockSizes(block_v=0)
+  assert BlockSizes(2048).tile(1000) == 1000  # whole axis: allowed by the (8, 128) rule
+  assert BlockSizes(2048).tile(50257) == 2048
+
+
+@pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 256000])
+@pytest.mark.parametrize("num_draft", [1, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_default_block_sizes_fit_the_vmem_budget(vocab, num_draft, dtype):
+  blocks = BlockSizes.get_default(vocab, num_draft, dtype)
+  tile = blocks.tile(vocab)
+  assert tile == vocab or tile % 128 == 0
+  itemsize = jnp.dtype(dtype).itemsize
+  row_tile = 8 * (4 // itemsize)  # VMEM pads rows to (8, 128) f32 / (16, 128) bf16 tiles
+  padded_rows = (-(-(num_draft + 1) // row_tile) + -(-num_draft // row_tile)) * row_tile
+  assert 2 * padded_rows * itemsize * blocks.block_v <= 8 * 2**20  # two pipeline buffers
+  if vocab <= 32000:  # small vocabularies are one tile: the logits are read once
+    assert tile == vocab
+
+
+# --------------------------------------------------------------------------------------------
+# Sort-free thresholds against a float64 sort.
+# --------------------------------------------------------------------------------------------
+
+def test_bisection_thresholds_equal_a_sort():
+  rng = np.random.default_rng(5)
+  for trial in range(9):  # few shapes (each compiles), many rows
+    vocab = (7, 60, 255)[trial % 3]
+    x = (rng.normal(size=(16, vocab)) * 3).astype(np.float32)
+    if trial % 3 == 0:
+      x = np.round(x)  # ties at the boundary
+    top_k, top_p = int(rng.integers(1, vocab + 1)), float(rng.uniform(0.05, 1.0))
+    got = np.isfinite(S.warp_logits(jnp.asarray(x), S.Sampling(1.0, top_k, top_p)))
+    kth = -np.sort(-x, axis=-1)[:, top_k - 1:top_k]
+    z = np.where(x >= kth, x, -np.inf).astype(np.float64)
+    probs = np.exp(z - z.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    order = np.argsort(-z, axis=-1, kind="stable")
+    cumulative = np.cumsum(np.take_along_axis(probs, order, -1), -1)
+    cutoff = np.minimum((cumulative < top_p).sum(-1), vocab - 1)[:, None]
+    threshold = np.take_along_axis(np.take_along_axis(z, order, -1), cutoff, -1)
+    np.testing.assert_array_equal(got, z >= threshold)
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch and export.
+# --------------------------------------------------------------------------------------------
+
+def _abstract_args(batch=4, num_draft=4, vocab=32000, dtype=jnp.bfloat16, draft=True):
+  args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
+          jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype) if draft else None,
+          jax.ShapeDtypeStruct((batch, num_draft), jnp.int32))
+  kwargs = dict(seed=jax.ShapeDtypeStruct((2,), jnp.uint32),
+                positions=jax.ShapeDtypeStruct((batch,), jnp.int32))
+  return args, kwargs
+
+
+@pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=1.0),
+                                      S.Sampling(temperature=0.7, top_k=50, top_p=0.9)], ids=str)
+@pytest.mark.parametrize("draft", [True, False], ids=["q", "point_mass"])
+def test_kernel_exports_for_tpu(sampling, draft):
+  args, kwargs = _abstract_args(draft=draft)
+  exported = jax.export.export(jax.jit(functools.partial(fused_verify, sampling=sampling)),
+                               platforms=["tpu"])(*args, **kwargs)
+  assert "tpu_custom_call" in exported.mlir_module()
+
+
+def test_kernel_has_no_gpu_lowering():
+  # The kernel is written against the TPU grid (PrefetchScalarGridSpec, sequential grid axes
+  # with VMEM scratch); jax has no GPU lowering for that, and "auto" runs the reference on GPU.
+  args, kwargs = _abstract_args()
+  with pytest.raises(ValueError, match="gpu"):
+    jax.export.export(jax.jit(functools.partial(fused_verify, sampling=S.GREEDY)),
+                      platforms=["cuda"])(*args, **kwargs)
+
+
+@pytest.mark.parametrize("platform,kernel_expected", [("tpu", True), ("cpu", False),
+                                                      ("cuda", False)])
+def test_auto_dispatch_follows_the_lowering_platform(platform, kernel_expected):
+  args, kwargs = _abstract_args()
+  fn = functools.partial(verify_dispatch, sampling=S.Sampling(temperature=1.0), impl="auto")
+  text = jax.export.export(jax.jit(fn), platforms=[platform])(*args, **kwargs).mlir_module()
+  assert ("tpu_custom_call" in text) == kernel_expected
+
+
+def test_dispatch_impls_agree_on_cpu():
+  rng = np.random.default_rng(6)
+  sampling = S.Sampling(temperature=1.0)
+  case = _case(rng, 2, 3, 400, sampling=sampling, with_draft_logits=True)
+  results = {impl: verify_dispatch(**case, sampling=sampling, seed=SEED, impl=impl)
+             for impl in ("auto", "reference", "interpret")}
+  for impl in ("auto", "interpret"):
+    np.testing.assert_array_equal(results[impl].tokens, results["reference"].tokens)
+  with pytest.raises(ValueError, match="impl"):
+    verify_dispatch(**case, sampling=sampling, seed=SEED, impl="fast")
+
+
+# --------------------------------------------------------------------------------------------
+# The whole decode with the kernel path.
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_pair():
+  from specjax.models import tiny_config
+  target = sj.init_params(tiny_config(vocab_size=61), jax.random.key(0))
+  draft = sj.init_params(tiny_config(vocab_size=61, num_layers=1, embed_dim=16, mlp_dim=32),
+                         jax.random.key(1))
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3], [3, 8, 0, 0, 0, 0]], jnp.int32)
+  return target, draft, tokens, jnp.array([6, 2], jnp.int32)
+
+
+def test_decode_exports_for_tpu_with_the_kernel(tiny_pair):
+  target, draft, tokens, lengths = tiny_pair
+
+  def run(target, draft, tokens, lengths, rng):
+    return sj.decode(target, draft, tokens, rng, lengths=lengths, max_new_tokens=8, num_draft=3,
+                     sampling=sj.Sampling(temperature=1.0, top_k=20), verify_impl="auto").tokens
+
+  text = jax.export.export(jax.jit(run), platforms=["tpu"])(
+      target, draft, tokens, lengths, jax.random.key(3)).mlir_module()
+  assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=1.0)], ids=str)
+def test_decode_with_the_interpreted_kernel_equals_the_reference(tiny_pair, sampling):
+  target, draft, tokens, lengths = tiny_pair
+  outs = [sj.decode(target, draft, tokens, jax.random.key(9), lengths=lengths, max_new_tokens=10,
+                    num_draft=3, sampling=sampling, verify_impl=impl)
+          for impl in ("reference", "interpret")]
+  np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
+  np.testing.assert_array_equal(outs[1].stats.accepted, outs[0].stats.accepted)
