@@ -525,6 +525,31 @@ def run_synthetic(settings: Settings, *, sizes, acceptances, num_drafts, batches
   return records
 
 
+def _fastest_torch_threads(model) -> tuple[int, dict]:
+  """Sets torch's intra-op threads to whichever of (its default, 1) generates faster here.
+
+  On a shared or oversubscribed CPU torch's spinning thread pool can be several times slower with
+  all cores than with one; the peer gets its better setting.
+  """
+  import torch
+
+  ids = torch.ones((1, 8), dtype=torch.long)
+  probe = {}
+  for threads in dict.fromkeys((torch.get_num_threads(), 1)):
+    torch.set_num_threads(threads)
+    best = float("inf")
+    with torch.no_grad():
+      for _ in range(3):
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                       do_sample=False)
+        best = min(best, time.perf_counter() - start)
+    probe[threads] = 16 / best
+  chosen = max(probe, key=probe.get)
+  torch.set_num_threads(chosen)
+  return chosen, {str(k): v for k, v in probe.items()}
+
+
 def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = None,
              log=print) -> dict:
   """specjax vs `transformers` on the same weights, batch 1, greedy, prompt by prompt.
@@ -558,6 +583,7 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
     model.generation_config.pad_token_id = target.config.pad_id
   new = settings.max_new_tokens
   greedy = Sampling()
+  threads, thread_probe = _fastest_torch_threads(hf_target)
   rng = jax.random.key(settings.seed)
 
   tokens, lengths = _prompts_for(pair, dataclasses.replace(settings, peer_prompts=max(
@@ -619,7 +645,8 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
       "prompts": int(tokens.shape[0]),
       "prompt_tokens": int(tokens.shape[1]),
       "max_new_tokens": new,
-      "torch_threads": torch.get_num_threads(),
+      "torch_threads": threads,
+      "torch_threads_probe_tokens_per_s": thread_probe,
       "tokens_per_s": speed,
       "compile_s": compile_s,
       "hf_speculative_speedup": speed["hf_assisted"] / speed["hf_generate"],
