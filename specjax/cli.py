@@ -93,6 +93,236 @@ def _run_convert(args):
 SUBCOMMANDS = [_add_demo, _add_train, _add_convert]
 
 
+# ---------------------------------------------------------------------------------------------
+# generate / audit / bench: shared loading of a target/draft pair from checkpoint directories.
+
+DEFAULT_AUDIT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def ",
+                         "for i in range(")
+
+
+def _add_pair_arguments(parser):
+  models = parser.add_argument_group(
+      "models", "a specjax (Orbax) or Hugging Face checkpoint directory each; both omitted = the "
+      "shipped default pair")
+  models.add_argument("--target", default=None, metavar="DIR", help="target model directory")
+  models.add_argument("--draft", default=None, metavar="DIR|ngram",
+                      help="draft model directory, or 'ngram' for prompt-lookup drafting")
+  models.add_argument("--tokenizer", default=None, metavar="PATH",
+                      help="tokenizer.json or its directory (default: the target directory's)")
+  models.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                      help="compute dtype of the loaded weights (default float32)")
+
+
+def _add_sampling_arguments(parser, temperature: float):
+  sampling = parser.add_argument_group("sampling")
+  sampling.add_argument("--temperature", type=float, default=temperature,
+                        help=f"0 = greedy (default {temperature:g})")
+  sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
+  sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
+  sampling.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (k)")
+  sampling.add_argument("--seed", type=int, default=0, help="PRNG seed")
+
+
+def _sampling(args):
+  import specjax as sj
+  return sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+
+
+def _load_model(path: str, dtype: str):
+  """A model from a specjax (Orbax) or Hugging Face checkpoint directory."""
+  import pathlib
+
+  from specjax import checkpoint
+
+  directory = pathlib.Path(path)
+  if not directory.is_dir():
+    raise CliError(f"no checkpoint directory at {path}")
+  if (directory / checkpoint.CONFIG_FILE).is_file():
+    return checkpoint.load(directory, dtype=dtype)
+  if (directory / "config.json").is_file():
+    return checkpoint.from_hf(directory, dtype=dtype)
+  raise CliError(f"{path} is neither a specjax checkpoint ({checkpoint.CONFIG_FILE}) nor a "
+                 "Hugging Face one (config.json)")
+
+
+def _load_pair(args):
+  """`(target, draft or drafter, tokenizer)` from `--target/--draft/--tokenizer`."""
+  import pathlib
+
+  import specjax as sj
+
+  if args.target is None:
+    if args.draft not in (None, "ngram"):
+      raise CliError("--draft DIR needs --target DIR (only the shipped pair needs neither)")
+    try:
+      pair = sj.load_default()
+    except FileNotFoundError as error:
+      raise CliError(f"{error}; pass --target and --draft checkpoint directories") from None
+    draft = sj.NGramDrafter() if args.draft == "ngram" else pair.draft
+    tokenizer = sj.load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
+    return pair.target, draft, tokenizer
+  if args.draft is None:
+    raise CliError("--target needs --draft (a draft checkpoint directory, or 'ngram')")
+  target = _load_model(args.target, args.dtype)
+  draft = sj.NGramDrafter() if args.draft == "ngram" else _load_model(args.draft, args.dtype)
+  source = args.tokenizer or args.target
+  if not args.tokenizer and not (pathlib.Path(source) / "tokenizer.json").is_file():
+    raise CliError(f"no tokenizer.json in {source}: pass --tokenizer PATH")
+  return target, draft, sj.load_tokenizer(source)
+
+
+def _prompt_text(args) -> str:
+  import pathlib
+  if args.file is not None:
+    if args.prompt is not None:
+      raise CliError("give the prompt as text or with --file, not both")
+    path = pathlib.Path(args.file)
+    if not path.is_file():
+      raise CliError(f"no prompt file at {args.file}")
+    return path.read_text()
+  if args.prompt is None:
+    raise CliError("no prompt: give it as text or with --file PATH")
+  return args.prompt
+
+
+def _add_generate(subparsers):
+  parser = subparsers.add_parser(
+      "generate", help="complete a prompt with speculative decoding, printing text as it comes",
+      description="Complete a prompt with speculative decoding. Tokens are printed as each "
+      "draft/verify round accepts them (one jitted round per step, the same tokens as "
+      "specjax.decode); --no-stream runs the whole call as one compiled loop instead.")
+  parser.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+  parser.add_argument("--file", default=None, metavar="PATH", help="read the prompt from a file")
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  parser.add_argument("--no-stream", action="store_true",
+                      help="print the completion once, after one compiled decode call")
+  parser.add_argument("--ignore-eos", action="store_true",
+                      help="do not stop at the tokenizer's end-of-sequence token")
+  _add_pair_arguments(parser)
+  _add_sampling_arguments(parser, temperature=0.0)
+  parser.set_defaults(func=_run_generate)
+
+
+def _run_generate(args):
+  import time
+
+  import jax
+  import numpy as np
+
+  import specjax as sj
+
+  text = _prompt_text(args)
+  sampling = _sampling(args)
+  target, draft, tokenizer = _load_pair(args)
+  ids, lengths = tokenizer.encode_batch([text])
+  eos = None if args.ignore_eos else tokenizer.eos_id
+  rng = jax.random.key(args.seed)
+  start = time.perf_counter()
+  sys.stdout.write(text)
+  sys.stdout.flush()
+  if args.no_stream:
+    out = sj.decode(target, draft, ids, rng, lengths=lengths, max_new_tokens=args.max_new_tokens,
+                    num_draft=args.num_draft, sampling=sampling, eos_id=eos)
+    new = np.asarray(out.tokens[0, :int(out.num_tokens[0])])
+    sys.stdout.write(tokenizer.decode(new))
+    stats = out.stats
+  else:
+    from specjax.streaming import decode_stream
+    new, printed, stats = [], "", None
+    for tokens, state in decode_stream(target, draft, ids, rng, lengths=lengths,
+                                       max_new_tokens=args.max_new_tokens,
+                                       num_draft=args.num_draft, sampling=sampling, eos_id=eos):
+      new += tokens[0].tolist()
+      stats = state.stats
+      completion = tokenizer.decode(new)
+      if completion.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its bytes
+        continue
+      sys.stdout.write(completion[len(printed):])
+      sys.stdout.flush()
+      printed = completion
+    sys.stdout.write(tokenizer.decode(new)[len(printed):])
+  sys.stdout.write("\n")
+  summary = stats.summary()
+  print(f"[{len(new)} tokens in {summary['rounds']} rounds, acceptance rate "
+        f"{summary['acceptance_rate']:.1%}, {summary['tokens_per_round']:.2f} tokens per target "
+        f"pass, {time.perf_counter() - start:.1f}s incl. compile]", file=sys.stderr)
+  return 0
+
+
+def _add_audit(subparsers):
+  parser = subparsers.add_parser(
+      "audit", help="check that speculative decoding reproduces the target (exit 1 on FAIL)",
+      description="Exactness audit of a target/draft pair under your sampling settings: greedy "
+      "token identity between specjax.decode and specjax.generate (first divergence and whether "
+      "it is a float32 near-tie), and per-position chi-square goodness of fit of sampled tokens "
+      "against the target's own distribution, Bonferroni-corrected. Exit status 0 = PASS, "
+      "1 = FAIL.")
+  parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                      help="a prompt (repeatable; default: a few Python snippets)")
+  parser.add_argument("--file", default=None, metavar="PATH",
+                      help="prompts, one per line")
+  parser.add_argument("--samples", type=int, default=2000,
+                      help="sampled continuations per prompt (default 2000)")
+  parser.add_argument("--positions", type=int, default=3,
+                      help="first positions tested per prompt (default 3)")
+  parser.add_argument("--max-new-tokens", type=int, default=32,
+                      help="tokens per prompt in the greedy identity check (default 32)")
+  parser.add_argument("--alpha", type=float, default=1e-3,
+                      help="family-wise significance level (default 1e-3)")
+  parser.add_argument("--_verify-rule", dest="verify_rule", default=None, help=argparse.SUPPRESS)
+  _add_pair_arguments(parser)
+  _add_sampling_arguments(parser, temperature=1.0)
+  parser.set_defaults(func=_run_audit)
+
+
+def _run_audit(args):
+  import pathlib
+
+  import specjax as sj
+
+  prompts = list(args.prompt or [])
+  if args.file is not None:
+    path = pathlib.Path(args.file)
+    if not path.is_file():
+      raise CliError(f"no prompt file at {args.file}")
+    prompts += [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line]
+  prompts = prompts or list(DEFAULT_AUDIT_PROMPTS)
+  sampling = _sampling(args)
+  target, draft, tokenizer = _load_pair(args)
+  report = sj.audit(target, draft, prompts, tokenizer=tokenizer, sampling=sampling,
+                    num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
+                    num_samples=args.samples, num_positions=args.positions, seed=args.seed,
+                    alpha=args.alpha, _verify_rule=args.verify_rule)
+  print(report)
+  return 0 if report.passed else 1
+
+
+def _add_bench(subparsers):
+  parser = subparsers.add_parser(
+      "bench", help="measure the speedup of speculative decoding (JSON, plots, README table)",
+      description="Speedup of specjax.decode over specjax.generate and a peer, against the "
+      "analytic bound; see specjax/bench.py.")
+  try:
+    from specjax import bench
+  except ImportError as error:
+    parser.set_defaults(func=_bench_missing, missing=str(error))
+    return
+  bench.build_parser(parser)
+  parser.set_defaults(func=_run_bench)
+
+
+def _bench_missing(args):
+  raise CliError(f"the benchmark suite is not available in this build ({args.missing})")
+
+
+def _run_bench(args):
+  from specjax import bench
+  return bench.run_args(args)
+
+
+SUBCOMMANDS += [_add_generate, _add_audit, _add_bench]
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="specjax", description="Exact speculative decoding in JAX.")

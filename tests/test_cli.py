@@ -1,0 +1,150 @@
+"""Every `specjax` subcommand at a tiny size, in process, and bad arguments as one clear line.
+
+The pair is random tiny models saved as Orbax checkpoints with `sj.save` in a temporary directory,
+with a byte-level BPE tokenizer trained on a few lines by the `tokenizers` library.
+"""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import cli
+from specjax.models import tiny_config
+
+TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+        "import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  root = tmp_path_factory.mktemp("pair")
+  tokenizer = Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<bos>", "<eos>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tokenizer.train_from_iterator(TEXT, trainer)
+  tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                           special_tokens=[("<bos>", 1)])
+  vocab = tokenizer.get_vocab_size()
+  config = dict(vocab_size=vocab, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(tiny_config(**config), jax.random.key(0))
+  # The draft is the target with sharper output logits: the same top tokens, a different q, so
+  # the ratio test and the residual both matter (a deliberately broken residual is visible).
+  draft = sj.Model(dict(target.params, lm_head=target.params["lm_head"] * 3.0), target.config)
+  sj.save(target, root / "target")
+  sj.save(draft, root / "draft")
+  tokenizer.save(str(root / "target" / "tokenizer.json"))
+  return root
+
+
+def pair_args(root, draft=None):
+  return ["--target", str(root / "target"), "--draft", draft or str(root / "draft")]
+
+
+def one_error_line(capsys, code, expected_code=2):
+  assert code == expected_code
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1, err
+  return err[0]
+
+
+def test_help_lists_every_subcommand(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  for name in ("demo", "generate", "audit", "bench", "convert", "train"):
+    assert f"    {name}" in out
+
+
+def test_generate_streams_exactly_what_decode_returns(pair_dirs, capsys):
+  prompt = "def add(a, b):"
+  code = cli.main(["generate", prompt, "--max-new-tokens", "12", "--num-draft", "3",
+                   "--ignore-eos"] + pair_args(pair_dirs))
+  assert code == 0
+  captured = capsys.readouterr()
+  target = sj.load(pair_dirs / "target")
+  draft = sj.load(pair_dirs / "draft")
+  tokenizer = sj.load_tokenizer(pair_dirs / "target")
+  ids, lengths = tokenizer.encode_batch([prompt])
+  out = sj.decode(target, draft, ids, jax.random.key(0), lengths=lengths, max_new_tokens=12,
+                  num_draft=3)
+  expected = tokenizer.decode(np.asarray(out.tokens[0]))
+  assert captured.out == prompt + expected + "\n"
+  assert "12 tokens in" in captured.err and "acceptance rate" in captured.err
+
+
+def test_generate_from_file_with_ngram_drafter_and_sampling(pair_dirs, tmp_path, capsys):
+  prompt_file = tmp_path / "prompt.py"
+  prompt_file.write_text("import os\n")
+  code = cli.main(["generate", "--file", str(prompt_file), "--max-new-tokens", "6",
+                   "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--no-stream",
+                   "--seed", "3"] + pair_args(pair_dirs, draft="ngram"))
+  assert code == 0
+  captured = capsys.readouterr()
+  assert captured.out.startswith("import os\n")
+  assert "rounds" in captured.err
+
+
+def test_audit_passes_and_fails_a_broken_rule(pair_dirs, capsys):
+  args = ["audit", "--prompt", "def add(a, b):", "--samples", "1000", "--positions", "2",
+          "--max-new-tokens", "8", "--temperature", "1", "--top-k", "8", "--num-draft", "2"
+          ] + pair_args(pair_dirs)
+  assert cli.main(args) == 0
+  out = capsys.readouterr().out
+  assert out.startswith("specjax exactness audit: PASS") and "Bonferroni" in out
+  assert cli.main(args + ["--_verify-rule", "broken-no-residual"]) == 1
+  out = capsys.readouterr().out
+  assert out.startswith("specjax exactness audit: FAIL")
+
+
+def test_bench_runs_a_tiny_suite(tmp_path, capsys):
+  code = cli.main(["bench", "--suite", "speedup", "--model", "tiny", "--k", "1", "--batch", "1",
+                   "--temperature", "0", "--max-new-tokens", "4", "--prompt-tokens", "4",
+                   "--repeats", "1", "--no-plots", "--out", str(tmp_path)])
+  assert code == 0
+  result = json.loads((tmp_path / "speedup.json").read_text())
+  assert result["pair_records"] and result["pair_records"][0]["num_draft"] == 1
+
+
+def test_demo_runs_with_the_shipped_pair(capsys):
+  try:
+    sj.load_default()
+  except FileNotFoundError:
+    code = cli.main(["demo"])
+    assert "checkpoints" in one_error_line(capsys, code)
+    pytest.skip("the shipped pair is not in this checkout: checked the one-line error instead")
+  assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
+  assert "acceptance rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["generate"], "no prompt"),
+    (["generate", "x", "--file", "y"], "not both"),
+    (["generate", "--file", "/nonexistent/prompt"], "no prompt file"),
+    (["generate", "x", "--target", "/nonexistent"], "--draft"),
+    (["generate", "x", "--target", "/nonexistent", "--draft", "ngram"], "no checkpoint"),
+    (["generate", "x", "--top-p", "1.5", "--draft", "ngram"], "top_p"),
+    (["generate", "x", "--temperature", "-1", "--draft", "ngram"], "temperature"),
+    (["audit", "--samples", "1", "--draft", "ngram", "--target", "{target}"], "num_samples"),
+    (["generate", "x", "--num-draft", "0", "--draft", "ngram", "--target", "{target}"],
+     "num_draft"),
+])
+def test_bad_arguments_give_one_clear_line(pair_dirs, capsys, argv, message):
+  argv = [a.replace("{target}", str(pair_dirs / "target")) for a in argv]
+  line = one_error_line(capsys, cli.main(argv))
+  assert line.startswith(f"specjax {argv[0]}: error:") and message in line, line
+
+
+def test_argparse_errors_name_the_argument(capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["generate", "x", "--num-draft", "two"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert err[-1].startswith("specjax generate: error:") and "--num-draft" in err[-1]
