@@ -1,0 +1,151 @@
+"""A small decoder-only transformer in Flax (NNX and Linen) that speaks specjax's cache protocol.
+
+Both modules map `(tokens [B, T], starts [B], cache: KVCache) -> (logits [B, T, V], KVCache)`:
+keys and values of the block are written into the fixed-shape cache at each row's own offset and the returned cache's lengths are `starts + T`. That is all
+`specjax.decode` needs from a model; `specjax.models.adapter` turns either module plus its
+parameters into a pytree following the specjax model protocol. They are deliberately plain
+(learned absolute positions, pre-norm, multi-head attention, GELU MLP): a template for adapting
+your own Flax model, not a replacement for the built-in Llama/Gemma decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.cache import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+  """Attributes: vocabulary, widths, depth and context length of the Flax decoder."""
+
+  vocab_size: int = 64
+  embed_dim: int = 32
+  num_layers: int = 2
+  num_heads: int = 4
+  mlp_dim: int = 64
+  max_len: int = 128
+
+  @property
+  def head_dim(self) -> int:
+    return self.embed_dim // self.num_heads
+
+
+def write_rows(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
+  """`buffer [B, S, H, D]` with `block [B, T, H, D]` written at slot `starts[b]` of each row."""
+  def one_row(row_buffer, row_block, start):
+    return jax.lax.dynamic_update_slice(row_buffer, row_block.astype(row_buffer.dtype),
+                                        (start, 0, 0))
+
+  return jax.vmap(one_row)(buffer, block, starts.astype(jnp.int32))
+
+
+def cached_attention(q, k, v, starts, cache: KVCache, layer: int):
+  """Causal attention of a block against the cache, after writing the block's keys/values.
+
+  Args:
+    q, k, v: `[B, T, H, D]` the block's projections.
+    starts: `[B]` int32 slot of each row's first block token.
+    cache: the cache; layer `layer` is updated.
+
+  Returns:
+    `(out [B, T, H, D], cache with layer updated)`.
+  """
+  keys = write_rows(cache.k[layer], k, starts)  # [B, S, H, D]
+  values = write_rows(cache.v[layer], v, starts)
+  cache = dataclasses.replace(cache, k=cache.k.at[layer].set(keys),
+                              v=cache.v.at[layer].set(values))
+  q_pos = starts[:, None] + jnp.arange(q.shape[1])  # [B, T]
+  k_pos = jnp.arange(keys.shape[1])  # [S]
+  mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, S]: stale slots are in the future
+  scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype)) / jnp.sqrt(q.shape[-1])
+  scores = jnp.where(mask[:, None], scores, -1e30)
+  out = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values.astype(q.dtype))
+  return out, cache
+
+
+def _positions(tokens, starts):
+  return starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
+
+
+# --------------------------------------------------------------------------------------------
+# NNX.
+# --------------------------------------------------------------------------------------------
+
+class NNXBlock(nnx.Module):
+  def __init__(self, config: DecoderConfig, rngs: nnx.Rngs):
+    e = config.embed_dim
+    self.heads = config.num_heads
+    self.attn_norm = nnx.RMSNorm(e, rngs=rngs)
+    self.qkv = nnx.Linear(e, 3 * e, use_bias=False, rngs=rngs)
+    self.out = nnx.Linear(e, e, use_bias=False, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(e, rngs=rngs)
+    self.up = nnx.Linear(e, config.mlp_dim, rngs=rngs)
+    self.down = nnx.Linear(config.mlp_dim, e, rngs=rngs)
+
+  def __call__(self, x, starts, cache, layer):
+    b, t, e = x.shape
+    q, k, v = jnp.split(self.qkv(self.attn_norm(x)).reshape(b, t, 3 * self.heads, -1), 3, axis=2)
+    attended, cache = cached_attention(q, k, v, starts, cache, layer)
+    x = x + self.out(attended.reshape(b, t, e))
+    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x)))), cache
+
+
+class NNXDecoder(nnx.Module):
+  """The Flax NNX decoder: `module(tokens, starts, cache) -> (logits, cache)`."""
+
+  def __init__(self, config: DecoderConfig, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = nnx.Embed(config.vocab_size, config.embed_dim, rngs=rngs)
+    self.position = nnx.Embed(config.max_len, config.embed_dim, rngs=rngs)
+    self.blocks = nnx.List([NNXBlock(config, rngs) for _ in range(config.num_layers)])
+    self.final_norm = nnx.RMSNorm(config.embed_dim, rngs=rngs)
+    self.head = nnx.Linear(config.embed_dim, config.vocab_size, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens, starts, cache: KVCache):
+    x = self.embed(tokens) + self.position(_positions(tokens, starts))
+    for layer, block in enumerate(self.blocks):
+      x, cache = block(x, starts, cache, layer)
+    logits = self.head(self.final_norm(x)).astype(jnp.float32)
+    return logits, cache.with_lengths(starts + tokens.shape[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Linen.
+# --------------------------------------------------------------------------------------------
+
+class LinenBlock(nn.Module):
+  config: DecoderConfig
+
+  @nn.compact
+  def __call__(self, x, starts, cache, layer):
+    b, t, e = x.shape
+    h = self.config.num_heads
+    qkv = nn.Dense(3 * e, use_bias=False, name="qkv")(nn.RMSNorm(name="attn_norm")(x))
+    q, k, v = jnp.split(qkv.reshape(b, t, 3 * h, -1), 3, axis=2)
+    attended, cache = cached_attention(q, k, v, starts, cache, layer)
+    x = x + nn.Dense(e, use_bias=False, name="out")(attended.reshape(b, t, e))
+    hidden = nn.Dense(self.config.mlp_dim, name="up")(nn.RMSNorm(name="mlp_norm")(x))
+    return x + nn.Dense(e, name="down")(jax.nn.gelu(hidden)), cache
+
+
+class LinenDecoder(nn.Module):
+  """The Flax Linen decoder: `apply(params, tokens, starts, cache) -> (logits, cache)`."""
+
+  config: DecoderConfig
+
+  @nn.compact
+  def __call__(self, tokens, starts, cache: KVCache):
+    c = self.config
+    x = (nn.Embed(c.vocab_size, c.embed_dim, name="embed")(tokens)
+         + nn.Embed(c.max_len, c.embed_dim, name="position")(_positions(tokens, starts)))
+    for layer in range(c.num_layers):
+      x, cache = LinenBlock(c, name=f"block_{layer}")(x, starts, cache, layer)
+    x = nn.RMSNorm(name="final_norm")(x)
+    logits = nn.Dense(c.vocab_size, use_bias=False, name="head")(x).astype(jnp.float32)
+    return logits, cache.with_lengths(starts + tokens.shape[1])
