@@ -219,6 +219,23 @@ def test_generate_with_sharded_params_and_no_mesh_context(models, prompts, singl
   np.testing.assert_array_equal(out.tokens, single_device["generate"])
 
 
+def test_fsdp_mesh_restoring_a_checkpoint_into_it(models, prompts, single_device, tmp_path):
+  """sj.load(path, sharding=mesh) lays weights out by these rules; on a (data, fsdp, model) mesh
+  the embedding dimension of the weights is split over fsdp as well."""
+  target, _ = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh((2, 2, 2), ("data", "fsdp", "model"))
+  sj.save(target, tmp_path / "target")
+  restored = sj.load(tmp_path / "target", sharding=mesh)
+  assert restored.params["layers"]["wq"].sharding.spec == P(None, "fsdp", "model")
+  assert sh.per_device_bytes(restored.params) == _param_bytes_per_device(TARGET_CONFIG, 4)
+  with sh.use_mesh(mesh):
+    out = sj.generate(restored, tokens, jax.random.key(2), lengths=lengths,
+                      max_new_tokens=NEW_TOKENS)
+  np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  assert out.tokens.sharding.spec[0] == ("data", "fsdp")
+
+
 @pytest.mark.parametrize("shape", MESH_SHAPES)
 def test_decode_greedy_matches_single_device(models, prompts, single_device, shape):
   target, draft = models
@@ -373,6 +390,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.slow  # about 1.5 minutes: two processes each compile generate and decode
 def test_two_processes_match_single_process(tmp_path, models, prompts, single_device):
   worker = pathlib.Path(__file__).with_name("multihost_worker.py")
   port = _free_port()
