@@ -18,6 +18,9 @@ import specjax as sj
 from specjax import sampling as S
 from specjax.kernels import BlockSizes, fused_verify, fused_verify_reference, verify_dispatch
 
+import test_exactness as exactness  # noqa: E402  (tests/ is on sys.path under pytest)
+from test_exactness import draft, target  # noqa: F401  (fixtures for the chi-square rerun)
+
 SEED = jnp.array([0x1234, 0xBEEF], jnp.uint32)
 
 SAMPLINGS = [
@@ -359,3 +362,16 @@ def test_decode_with_the_interpreted_kernel_equals_the_reference(tiny_pair, samp
           for impl in ("reference", "interpret")]
   np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
   np.testing.assert_array_equal(outs[1].stats.accepted, outs[0].stats.accepted)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(exactness.SETTINGS))
+def test_exactness_chi_square_with_the_interpreted_kernel(target, draft, name):
+  # The speculative core's goodness-of-fit test (tests/test_exactness.py; its `target` and
+  # `draft` fixtures are imported above) with the verify run by the kernel in interpret mode.
+  # Its N = 20000 rows make this a long run on CPU.
+  sampling = exactness.SETTINGS[name]
+  tokens, stats = exactness.run_decode(target, draft, sampling, verify_impl="interpret")
+  assert 0.05 < stats.summary()["acceptance_rate"] < 0.95
+  pvalue = exactness.chi_square_pvalue(tokens, exactness.exact_joint(target, sampling))
+  assert pvalue > exactness.ALPHA
