@@ -49,7 +49,7 @@ class KVCache:
 
 
 def write_block(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes `block[b]` into `buffer[b]` at slot `starts[b]`, for every row.
+  """Writes `block[b]` into `buffer[b]` at slot `starts[b]`, for every row (one layer).
 
   Args:
     buffer: `[B, S, H, D]` one layer's keys or values.
@@ -65,3 +65,24 @@ def write_block(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.A
                                         (start, 0, 0))
 
   return jax.vmap(one_row)(buffer, block, starts.astype(jnp.int32))
+
+
+def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
+  """Writes every layer's `block[:, b]` into `stacked[:, b]` at slot `starts[b]`, for every row.
+
+  Args:
+    stacked: `[L, B, S, H, D]` all layers' keys or values.
+    block: `[L, B, T, H, D]` new entries.
+    starts: `[B]` int32 slot of each row's first new entry.
+
+  Returns:
+    The updated buffer: one in-place `dynamic_update_slice` of a `[L, T, H, D]` slab per row, so
+    the cost is the block's size, not the cache's. Callers size the cache so that
+    `starts + T <= S` (see `write_block`).
+  """
+  starts = starts.astype(jnp.int32)
+  block = block.astype(stacked.dtype)
+  for row in range(stacked.shape[1]):
+    stacked = jax.lax.dynamic_update_slice(stacked, block[:, row:row + 1],
+                                           (0, row, starts[row], 0, 0))
+  return stacked

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, write_block
+from specjax.cache import KVCache, write_stacked_block
 from specjax.sharding import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES, QUERY_AXES,
                               RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig, RopeScaling
@@ -154,14 +154,17 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def attention(q, keys, values, q_pos, k_pos, window, config: ModelConfig):
-  """Grouped-query attention with causal and sliding-window masking.
+def attention(q, segments, q_pos, window, config: ModelConfig):
+  """Grouped-query attention over one or more key/value segments, with causal and sliding-window
+  masking. One softmax spans all segments; only the (small) scores are concatenated, never the
+  keys, so attending over a long cache plus a new block copies neither.
 
   Args:
     q: `[B, T, H, D]` queries.
-    keys, values: `[B, S, KVH, D]`.
+    segments: a sequence of `(keys [B, S, KVH, D], values [B, S, KVH, D], k_pos [B, S],
+      valid [B, T, S] bool or None)`; a key is visible to a query when it is valid, not after the
+      query's position and inside the window.
     q_pos: `[B, T]` absolute position of each query.
-    k_pos: `[B, S]` absolute position of each key slot.
     window: scalar int, 0 for global attention.
     config: the model config.
 
@@ -169,16 +172,26 @@ def attention(q, keys, values, q_pos, k_pos, window, config: ModelConfig):
     `[B, T, H * D]`.
   """
   b, t, h, d = q.shape
-  kvh = keys.shape[2]
+  kvh = segments[0][0].shape[2]
   q = q.reshape(b, t, kvh, h // kvh, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
-                      preferred_element_type=jnp.float32) * config.attention_scale
-  scores = _softcap(scores, config.attn_logit_softcap)
-  visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
-  visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(values.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, values, preferred_element_type=jnp.float32)
+  all_scores = []
+  for keys, _, k_pos, valid in segments:
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
+                        preferred_element_type=jnp.float32) * config.attention_scale
+    scores = _softcap(scores, config.attn_logit_softcap)
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    if valid is not None:
+      visible &= valid
+    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
+  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
+  out = 0.0
+  offset = 0
+  for _, values, k_pos, _ in segments:
+    size = k_pos.shape[1]
+    part = probs[..., offset:offset + size].astype(values.dtype)
+    out = out + jnp.einsum("bkgts,bskd->btkgd", part, values, preferred_element_type=jnp.float32)
+    offset += size
   return out.reshape(b, t, h * d).astype(q.dtype)
 
 
@@ -220,19 +233,19 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   windows = jnp.asarray(c.layer_windows(), jnp.int32)
 
   if cache is None:
-    k_pos = q_pos
     stacked_k = stacked_v = None
   else:
-    k_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
     stacked_k, stacked_v = constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
+    slot_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
+    # Cache slots before a row's start hold earlier tokens; the rest is stale or empty.
+    slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
 
   def project(h, w, bias):
     out = jnp.einsum("bte,ef->btf", h, w)
     return out if bias is None else out + bias
 
-  def block(carry, xs):
-    x, cache_k, cache_v = carry
-    lp, index, window = xs
+  def block(x, xs):
+    lp, window, layer_k, layer_v = xs
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
     q = project(h, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
     k = project(h, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -245,16 +258,10 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     sin = jnp.where(is_local, local_rope[0], global_rope[0])
     cos = jnp.where(is_local, local_rope[1], global_rope[1])
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
-    if cache_k is None:
-      keys, values = k, v
-    else:
-      layer_k = write_block(cache_k[index], k, starts)
-      layer_v = write_block(cache_v[index], v, starts)
-      cache_k = jax.lax.dynamic_update_index_in_dim(cache_k, layer_k, index, 0)
-      cache_v = jax.lax.dynamic_update_index_in_dim(cache_v, layer_v, index, 0)
-      cache_k, cache_v = constrain(cache_k, CACHE_AXES), constrain(cache_v, CACHE_AXES)
-      keys, values = layer_k, layer_v
-    attn = attention(q, keys, values, q_pos, k_pos, window, c)
+    segments = [(k, v, q_pos, None)]  # the block itself, causally
+    if layer_k is not None:
+      segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
+    attn = attention(q, segments, q_pos, window, c)
     o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
     if c.post_norms:
       o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
@@ -265,13 +272,19 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
-    return (constrain(x + m, RESIDUAL_AXES), cache_k, cache_v), None
+    return constrain(x + m, RESIDUAL_AXES), (k, v)
 
-  xs = (p["layers"], jnp.arange(c.num_layers, dtype=jnp.int32), windows)
-  (x, new_k, new_v), _ = jax.lax.scan(block, (x, stacked_k, stacked_v), xs)
+  # The cache is only read inside the layer loop; each layer's new keys/values come out as a small
+  # [L, B, T, KVH, D] block that is written once, after the loop, in place.
+  xs = (p["layers"], windows, stacked_k, stacked_v)
+  x, (block_k, block_v) = jax.lax.scan(block, x, xs)
+  new_cache = None
+  if cache is not None:
+    new_k = constrain(write_stacked_block(stacked_k, block_k, starts), CACHE_AXES)
+    new_v = constrain(write_stacked_block(stacked_v, block_v, starts), CACHE_AXES)
+    new_cache = KVCache(new_k, new_v, starts + t)
   x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
   head = p["embed"].T if c.tie_embeddings else p["lm_head"]
   logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
-  new_cache = None if cache is None else KVCache(new_k, new_v, starts + t)
   return ForwardOutput(logits, x if return_hidden else None, new_cache)
