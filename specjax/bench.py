@@ -127,16 +127,18 @@ def synthetic_verify(acceptance: float) -> Callable[..., VerifyResult]:
 # Timing.
 
 
-def time_alternately(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict]:
+def time_alternately(calls: dict[str, Callable[[], Any]], repeats: int,
+                     statistic: str = "min") -> dict[str, dict]:
   """Times zero-argument calls alternately after one warm-up call of each.
 
   The order flips every repeat (A B, B A, ...) so slow drift of a shared machine hits all calls
   alike.
 
   Returns:
-    `{name: {"median_s", "min_s", "times_s", "first_call_s", "compile_s", "result"}}` where
-    `compile_s` = first call - median (compilation and first-run costs) and `result` is the output
-    of the last call.
+    `{name: {"seconds", "median_s", "min_s", "times_s", "first_call_s", "compile_s", "result"}}`
+    where `seconds` is the `statistic` ("min" or "median") of the timed calls, `compile_s` = first
+    call - median (compilation and first-run costs) and `result` is the output of the last call.
+    On a shared machine "min" is the robust choice: other load only ever adds time.
   """
   out: dict[str, dict] = {}
   for name, call in calls.items():
@@ -154,6 +156,7 @@ def time_alternately(calls: dict[str, Callable[[], Any]], repeats: int) -> dict[
         entry["first_call_s"]
     entry["min_s"] = min(entry["times_s"], default=entry["first_call_s"])
     entry["compile_s"] = max(entry["first_call_s"] - entry["median_s"], 0.0)
+    entry["seconds"] = entry["min_s"] if statistic == "min" else entry["median_s"]
   return out
 
 
@@ -174,7 +177,7 @@ def _forward_steps(model, tokens, starts, cache, *, steps: int):
 
 def measure_costs(target: Model, draft: Model | None, *, batch: int, buffer_len: int,
                   position: int, num_drafts: tuple[int, ...], repeats: int = 10,
-                  steps: int = 8) -> dict:
+                  steps: int = 8, statistic: str = "min") -> dict:
   """Wall time of the single forwards a speculative round is made of.
 
   Each is a forward on a KV cache of the decode's size (`buffer_len` slots, `position` of them
@@ -205,8 +208,8 @@ def measure_costs(target: Model, draft: Model | None, *, batch: int, buffer_len:
       return logits
     return run
 
-  timed = time_alternately({name: call(name) for name in models}, repeats)
-  per_step = {name: entry["median_s"] / steps for name, entry in timed.items()}
+  timed = time_alternately({name: call(name) for name in models}, repeats, statistic)
+  per_step = {name: entry["seconds"] / steps for name, entry in timed.items()}
   return {
       "target_step_s": per_step["target_step"],
       "draft_step_s": per_step["draft_step"] if draft is not None else None,
@@ -246,7 +249,7 @@ def analytic_bound(acceptance: float, num_draft: int, draft_ratio: float,
 
 
 def _tokens_per_s(entry: dict, tokens: int) -> float:
-  return tokens / entry["median_s"] if entry["median_s"] > 0 else float("nan")
+  return tokens / entry["seconds"] if entry["seconds"] > 0 else float("nan")
 
 
 def first_divergence(a, b) -> int | None:
@@ -260,7 +263,8 @@ def first_divergence(a, b) -> int | None:
 
 def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampling: Sampling,
                  max_new_tokens: int, repeats: int, costs: dict | None,
-                 synthetic_acceptance: float | None = None, seed: int = 0) -> dict:
+                 synthetic_acceptance: float | None = None, seed: int = 0,
+                 statistic: str = "min") -> dict:
   """Times `decode` against `generate` alternately on one batch and derives the bound.
 
   Args:
@@ -273,6 +277,7 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
     costs: `measure_costs` output for this batch (None: no bound).
     synthetic_acceptance: if set, decode with `synthetic_verify(a)` (labelled in the record).
     seed: PRNG seed of both calls.
+    statistic: "min" or "median" of the timed calls (see `time_alternately`).
 
   Returns:
     A JSON-ready record.
@@ -286,7 +291,7 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
                                max_new_tokens=max_new_tokens, num_draft=num_draft,
                                sampling=sampling, verify_impl=verify_impl),
   }
-  timed = time_alternately(calls, repeats)
+  timed = time_alternately(calls, repeats, statistic)
   plain, spec = timed["generate"]["result"], timed["decode"]["result"]
   produced = int(np.sum(np.asarray(spec.num_tokens)))
   stats = spec.stats.summary()
@@ -299,13 +304,16 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
       "synthetic_acceptance": synthetic_acceptance,
       "label": SYNTHETIC_LABEL if synthetic_acceptance is not None else "exact",
       "repeats": repeats,
+      "statistic": statistic,
   }
   for name in ("generate", "decode"):
     entry = timed[name]
-    record[name] = {"tokens_per_s": _tokens_per_s(entry, produced), "median_s": entry["median_s"],
+    record[name] = {"tokens_per_s": _tokens_per_s(entry, produced), "seconds": entry["seconds"],
+                    "median_s": entry["median_s"],
                     "min_s": entry["min_s"], "compile_s": entry["compile_s"],
                     "times_s": entry["times_s"]}
-  record["speedup"] = timed["generate"]["median_s"] / timed["decode"]["median_s"]
+  record["speedup"] = timed["generate"]["seconds"] / timed["decode"]["seconds"]
+  record["speedup_median"] = timed["generate"]["median_s"] / timed["decode"]["median_s"]
   record["acceptance_rate"] = stats["acceptance_rate"]  # accepted / drafted
   record["acceptance_per_token"] = per_token_acceptance(stats["accepted_per_position"],
                                                         stats["rounds"])
@@ -339,8 +347,8 @@ def speedup_case(target: Model, draft, tokens, lengths, *, num_draft: int, sampl
                           + costs["verify_s"][num_draft])
     record["decode_rounds"] = rounds
     record["decode_predicted_s"] = predicted
-    record["decode_overhead_fraction"] = 1.0 - predicted / record["decode"]["median_s"]
-    record["generate_step_s"] = record["generate"]["median_s"] / max_new_tokens
+    record["decode_overhead_fraction"] = 1.0 - predicted / record["decode"]["seconds"]
+    record["generate_step_s"] = record["generate"]["seconds"] / max_new_tokens
     record["generate_overhead_fraction"] = 1.0 - target_s / record["generate_step_s"]
   return record
 
@@ -481,6 +489,7 @@ class Settings:
   synthetic_sizes: tuple[str, ...] = ("12M", "50M", "126M")
   acceptances: tuple[float, ...] = (0.5, 0.8, 0.9)
   peer_prompts: int = 3
+  statistic: str = "min"
   seed: int = 0
 
 
@@ -503,7 +512,8 @@ def _costs_for(target, draft, tokens, settings: Settings, num_drafts) -> dict:
   return measure_costs(target, draft, batch=tokens.shape[0],
                        buffer_len=_buffer_len(tokens, settings, max(num_drafts)),
                        position=tokens.shape[1] + settings.max_new_tokens // 2,
-                       num_drafts=tuple(num_drafts), repeats=max(5, 2 * settings.repeats))
+                       num_drafts=tuple(num_drafts), repeats=max(5, 2 * settings.repeats),
+                       statistic=settings.statistic)
 
 
 def run_speedup_grid(pair, settings: Settings, *, num_drafts, batches, temperatures,
@@ -520,7 +530,7 @@ def run_speedup_grid(pair, settings: Settings, *, num_drafts, batches, temperatu
                               sampling=Sampling(temperature=temperature),
                               max_new_tokens=settings.max_new_tokens, repeats=settings.repeats,
                               costs=costs, synthetic_acceptance=synthetic_acceptance,
-                              seed=settings.seed)
+                              seed=settings.seed, statistic=settings.statistic)
         record["pair"] = description
         records.append(record)
         log(_case_line(record))
@@ -555,7 +565,8 @@ def run_synthetic(settings: Settings, *, sizes, acceptances, num_drafts, batches
         for k in num_drafts:
           record = speedup_case(target, draft, tokens, lengths, num_draft=k, sampling=Sampling(),
                                 max_new_tokens=settings.max_new_tokens, repeats=settings.repeats,
-                                costs=costs, synthetic_acceptance=a, seed=settings.seed)
+                                costs=costs, synthetic_acceptance=a, seed=settings.seed,
+                                statistic=settings.statistic)
           record.update(pair=pair[3], target_size=size, target=_describe(target),
                         draft=_describe(draft))
           records.append(record)
@@ -655,10 +666,10 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
                                          max_new_tokens=new, num_draft=num_draft,
                                          sampling=greedy).tokens,
     }
-    timed = time_alternately(calls, settings.repeats)
+    timed = time_alternately(calls, settings.repeats, settings.statistic)
     streams = {name: np.asarray(entry["result"]).reshape(-1) for name, entry in timed.items()}
     for name, entry in timed.items():
-      totals[name] += entry["median_s"]
+      totals[name] += entry["seconds"]
       compile_s[name] += entry["compile_s"]
     reference = streams["specjax_generate"]
     prompts.append({
@@ -669,7 +680,7 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
             if name != "specjax_generate"},
     })
     log(f"  peer prompt {row}: " + ", ".join(
-        f"{name} {new / timed[name]['median_s']:.1f} tok/s" for name in calls))
+        f"{name} {new / timed[name]['seconds']:.1f} tok/s" for name in calls))
   produced = new * tokens.shape[0]
   speed = {name: produced / seconds for name, seconds in totals.items()}
   identical = all(all(d is None for d in p["first_divergence_from_specjax_generate"].values())
@@ -781,7 +792,8 @@ def readme_table(result: dict) -> str:
   lines = [f"<!-- written by `specjax bench --suite readme` on {env['date']} -->",
            f"Measured on {env['device']} ({env['platform']}, {env['cpu_count']} cores, "
            f"jax {env['jax']}), float32, {result['settings']['max_new_tokens']} new tokens per "
-           "row, ratios of calls timed alternately in one process.", ""]
+           f"row, ratios of calls timed alternately in one process ({result['settings']['statistic']}"
+           f" of {result['settings']['repeats']} timed calls each after a warm-up).", ""]
   pair = result.get("pair_records") or []
   if pair:
     lines += [f"**{pair[0]['pair']}**: `decode` vs `generate` (best k per row)", "",
@@ -849,8 +861,8 @@ SUITES = ("readme", "speedup", "synthetic", "peer", "tiny")
 # Per-suite defaults; command-line flags override them.
 SUITE_DEFAULTS = {
     "readme": dict(num_drafts=(1, 2, 3, 4, 5, 6, 7, 8), batches=(1, 4, 16),
-                   temperatures=(0.0, 0.7, 1.0), max_new_tokens=128, repeats=3,
-                   synthetic_sizes=("126M",), acceptances=(0.8,), peer_prompts=3),
+                   temperatures=(0.0, 0.7, 1.0), max_new_tokens=128,
+                   synthetic_sizes=("126M",), acceptances=(0.8,), peer_prompts=3, repeats=5),
     "speedup": dict(num_drafts=(1, 2, 3, 4, 5, 6, 7, 8), batches=(1, 4, 16, 64),
                     temperatures=(0.0, 0.7, 1.0), max_new_tokens=128, repeats=3),
     "synthetic": dict(num_drafts=(2, 4, 6, 8), batches=(1, 4), max_new_tokens=64, repeats=2,
@@ -885,6 +897,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
   parser.add_argument("--acceptance", dest="acceptances", type=_floats, default=None,
                       help="synthetic acceptance rates, e.g. 0.5,0.8")
   parser.add_argument("--peer-prompts", type=int, default=None)
+  parser.add_argument("--statistic", choices=("min", "median"), default=None,
+                      help="per-call time over the repeats (default min: robust on a shared "
+                      "machine, where other load only adds time)")
   parser.add_argument("--out", default=str(DEFAULT_OUT), help="results directory")
   parser.add_argument("--no-plots", action="store_true")
   return parser
