@@ -48,8 +48,8 @@ computes partial maxima, sums of exponentials and Gumbel-race winners (the noise
 the *global* vocabulary id, so the race is the one the unsharded reference runs), and combines
 them with `pmax` / `psum` / `pmin` over the vocab mesh axes. The top-k threshold comes from an
 16-way search over the order-preserving integer keys of float32 with `psum`'d counts, and the
-top-p threshold the same way with `psum`'d masses: 8 collectives each, no sort, no gather. Full-vocabulary logits are never
-gathered on one device.
+top-p threshold the same way with `psum`'d masses: 8 collectives each, no sort, no gather.
+Full-vocabulary logits are never gathered on one device.
 
 **Multi-host.** Nothing here is host-specific: `make_mesh` spans `jax.devices()` (every process's
 devices after `jax.distributed.initialize()`), by default with processes along `data` and each
@@ -686,7 +686,8 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
 
   Rows are split over the batch rule's mesh axes and the vocabulary over the vocab rule's; each
   device sees only its `[B / data, k + 1, V / model]` slice of the logits, and the pieces are
-  combined with `pmax` / `psum` / `pmin`. A vocabulary that does not divide the vocab axes is padded with `-inf` logits.
+  combined with `pmax` / `psum` / `pmin`. A vocabulary that does not divide the vocab axes is
+  padded with `-inf` logits.
 
   Args:
     target_logits: `[B, k + 1, V]` target logits.

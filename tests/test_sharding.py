@@ -249,7 +249,8 @@ def test_decode_greedy_matches_single_device(models, prompts, single_device, sha
 
 
 @pytest.mark.parametrize("shape", [
-    (2, 4), (1, 8), pytest.param((8, 1), marks=pytest.mark.slow),
+    (2, 4), pytest.param((1, 8), marks=pytest.mark.slow),
+    pytest.param((8, 1), marks=pytest.mark.slow),
     pytest.param((4, 2), marks=pytest.mark.slow)])
 def test_decode_sampled_matches_single_device(models, prompts, single_device, shape):
   target, draft = models
@@ -297,7 +298,8 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
     assert 0 < int(jnp.sum(expected.num_accepted)) < 32 * 4
 
 
-@pytest.mark.parametrize("shape, vocab", [((1, 8), 128), ((2, 4), 100), ((8, 1), 128)])
+@pytest.mark.parametrize("shape, vocab", [
+    ((1, 8), 128), ((2, 4), 100), pytest.param((8, 1), 128, marks=pytest.mark.slow)])
 def test_sharded_verify_other_layouts(shape, vocab):
   """All 8 devices on the vocabulary, a vocabulary that needs padding, no vocab split."""
   mesh = sj.make_mesh(shape)
