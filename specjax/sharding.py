@@ -46,7 +46,7 @@ parallel): the result is the same, only the layout differs.
 `jax.shard_map`: each `model` shard holds a vocabulary slice of the target (and draft) logits,
 computes partial maxima, sums of exponentials and Gumbel-race winners (the noise is indexed by
 the *global* vocabulary id, so the race is the one the unsharded reference runs), and combines
-them with `pmax` / `psum` / `pmin` over the vocab mesh axes. The top-k threshold comes from an
+them with `pmax` / `psum` / `pmin` over the vocab mesh axes. The top-k threshold comes from a
 16-way search over the order-preserving integer keys of float32 with `psum`'d counts, and the
 top-p threshold the same way with `psum`'d masses: 8 collectives each, no sort, no gather.
 Full-vocabulary logits are never gathered on one device.
