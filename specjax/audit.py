@@ -9,7 +9,8 @@ and returns an `AuditReport` that says PASS or FAIL and why.
    near-tie: a different but equally valid argmax after reordered float arithmetic) is reported as
    such and does not fail the audit; any other divergence does.
 2. **Sampled goodness of fit.** For each prompt, `num_samples` batch rows of that prompt are decoded
-   (each row draws its own random stream) for `num_positions` tokens. At position `j` the rows are
+   (each row draws its own random stream; calls of `SAMPLE_CHUNK` rows, each with its own key)
+   for `num_positions` tokens. At position `j` the rows are
    grouped by their sampled prefix (`j - 1` tokens); within a group every row's next token is an
    independent draw from the target's warped distribution given that prefix, which the audit
    computes from the target's own logits (`specjax.sampling.probabilities`, the definition
@@ -44,6 +45,7 @@ from specjax.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, probabil
 TIE_TOLERANCE = 1e-3  # float32 logit gap below which two argmax candidates are a near-tie
 MIN_EXPECTED = 5.0  # Pearson's rule of thumb: cells with a smaller expected count are pooled
 PROBABILITY_CHUNK = 256  # prefixes scored per target forward when computing exact distributions
+SAMPLE_CHUNK = 64  # rows per sampled decode call (bounds memory and compile size)
 
 
 # --------------------------------------------------------------------------------------------
@@ -309,12 +311,10 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     corrected = alpha
   else:
     repeated = [r for r in rows for _ in range(num_samples)]
-    tokens, lengths = _pad(repeated)
-    out = decode(target, draft, tokens, jax.random.key(seed), lengths=lengths,
-                 max_new_tokens=num_positions, num_draft=num_draft, sampling=sampling,
-                 verify_impl=rule)
-    sampled = np.asarray(out.tokens).reshape(len(rows), num_samples, num_positions)
-    acceptance = float(out.stats.summary()["acceptance_rate"])
+    sampled, acceptance = _sample(decode, target, draft, repeated, seed=seed,
+                                  num_positions=num_positions, num_draft=num_draft,
+                                  sampling=sampling, verify_impl=rule)
+    sampled = sampled.reshape(len(rows), num_samples, num_positions)
     tests = _position_tests(target, rows, sampled, sampling, scipy_stats)
     num_tests = max(1, sum(1 for t in tests if t.dof > 0 or t.impossible))
     corrected = alpha / num_tests
@@ -343,6 +343,32 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
       sampling=None if sampling.greedy else sampling, num_samples=num_samples,
       num_positions=num_positions, tests=tuple(tests), alpha=alpha, corrected_alpha=corrected,
       acceptance_rate=acceptance, num_draft=num_draft, verify_rule=rule_name)
+
+
+def _sample(decode, target, draft, rows, *, seed, num_positions, num_draft, sampling,
+            verify_impl) -> tuple[np.ndarray, float]:
+  """Decodes `num_positions` tokens for every row, `SAMPLE_CHUNK` rows per call (one compiled
+  shape). Chunk `c` uses key `fold_in(key(seed), c)`, so every row has its own random stream.
+
+  Returns:
+    `(tokens [len(rows), num_positions], acceptance rate over all rows)`.
+  """
+  tokens, lengths = _pad(rows)
+  chunk = min(SAMPLE_CHUNK, len(rows))
+  outputs, accepted, drafted = [], 0, 0
+  for index, start in enumerate(range(0, len(rows), chunk)):
+    chunk_tokens, chunk_lengths = tokens[start:start + chunk], lengths[start:start + chunk]
+    count = len(chunk_lengths)
+    if count < chunk:  # pad with copies to keep one shape; their samples are dropped
+      chunk_tokens = np.resize(chunk_tokens, (chunk, tokens.shape[1]))
+      chunk_lengths = np.resize(chunk_lengths, (chunk,))
+    out = decode(target, draft, chunk_tokens, jax.random.fold_in(jax.random.key(seed), index),
+                 lengths=chunk_lengths, max_new_tokens=num_positions, num_draft=num_draft,
+                 sampling=sampling, verify_impl=verify_impl)
+    outputs.append(np.asarray(out.tokens)[:count])
+    accepted += int(np.sum(np.asarray(out.stats.accepted)[:count]))
+    drafted += int(np.sum(np.asarray(out.stats.drafted)[:count]))
+  return np.concatenate(outputs), accepted / drafted if drafted else 0.0
 
 
 def _prompt_rows(prompts, tokenizer) -> list[list[int]]:
