@@ -41,7 +41,9 @@ def verify_tokens(target_logits, draft_logits, draft_tokens, *, sampling: Sampli
       is lowered for), "interpret" (the kernel in Pallas interpret mode, for CPU tests), or "auto":
       the kernel where the computation is lowered for TPU or GPU, the reference on CPU. "auto"
       follows the lowering platform (`lax.platform_dependent`), not the host's default backend, so
-      exporting for TPU from a CPU machine picks the kernel. A callable with the signature of
+      exporting for TPU from a CPU machine picks the kernel. Under an active mesh that splits the
+      vocabulary ("auto" and "reference"), the vocab-sharded rule `specjax.sharding.sharded_verify`
+      runs instead, so full-vocabulary logits are never gathered. A callable with the signature of
       `verify_reference` is used as the rule itself (for experiments and for the tests that prove
       the exactness checks can tell a wrong rule from a right one).
     Other arguments: see `specjax.sampling.verify_reference`.
@@ -50,6 +52,10 @@ def verify_tokens(target_logits, draft_logits, draft_tokens, *, sampling: Sampli
   kwargs = dict(sampling=sampling, seed=seed, positions=positions, rows=rows)
   if callable(impl):
     return impl(target_logits, draft_logits, draft_tokens, **kwargs)
+  if impl in ("auto", "reference"):
+    from specjax import sharding
+    if sharding.vocab_is_sharded():  # under a mesh that splits the vocabulary: never gather it
+      return sharding.sharded_verify(target_logits, draft_logits, draft_tokens, **kwargs)
   if impl == "reference":
     return verify_reference(target_logits, draft_logits, draft_tokens, **kwargs)
   try:

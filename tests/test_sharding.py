@@ -262,6 +262,25 @@ def test_decode_sampled_matches_single_device(models, prompts, single_device, sh
   np.testing.assert_array_equal(out.tokens, single_device["decode_sampled"])
 
 
+def test_decode_under_a_vocab_split_mesh_verifies_shard_by_shard(models, prompts, monkeypatch):
+  """Inside `use_mesh`, decode's verify runs `sharded_verify` (no full-vocabulary gather) and
+  still returns the single-device tokens."""
+  target, draft = models
+  tokens, lengths = prompts
+  calls = []
+  original = sh.sharded_verify
+  monkeypatch.setattr(sh, "sharded_verify", lambda *a, **k: calls.append(1) or original(*a, **k))
+  common = dict(lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=2, sampling=SAMPLED)
+  expected = decode(target, draft, tokens, jax.random.key(4), **common).tokens
+  assert not calls  # no mesh: the plain reference
+  mesh = sj.make_mesh((2, 4))
+  with sh.use_mesh(mesh):
+    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(4),
+                 **common)
+  assert calls  # traced through the vocab-sharded rule
+  np.testing.assert_array_equal(out.tokens, expected)
+
+
 # --------------------------------------------------------------------------------------------
 # Vocab-sharded verify.
 # --------------------------------------------------------------------------------------------
