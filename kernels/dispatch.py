@@ -2,16 +2,20 @@
 
 `impl`:
   "reference"  `specjax.sampling.verify_reference`, pure jnp, on any platform.
-  "kernel"     the fused Pallas kernel compiled for the platform the computation is lowered for
-               (Mosaic on TPU). There is no compiled CPU kernel: lowering "kernel" for CPU raises
-               (jax: no branch for platform cpu); on CUDA / ROCm it runs the reference (the kernel
-               has no GPU lowering yet).
-  "interpret"  the kernel in Pallas interpret mode (`interpret=True`), any platform; for tests.
-  "auto"       (default) `jax.lax.platform_dependent`: TPU -> the Mosaic kernel, CPU / CUDA / ROCm
-               -> the reference.
+  "kernel"     the fused Pallas kernel compiled for the platform the computation is lowered for:
+               Mosaic (`fused_verify`) on TPU, Triton (`fused_verify_gpu`) on CUDA and ROCm.
+               There is no compiled CPU kernel: lowering "kernel" for CPU raises (jax: no branch
+               for platform cpu).
+  "interpret"  the TPU kernel in Pallas interpret mode (`interpret=True`), any platform; for tests.
+  "auto"       (default) `jax.lax.platform_dependent`: TPU -> the Mosaic kernel, CUDA / ROCm ->
+               the Triton kernel, CPU -> the reference.
 
 The choice follows the platform the computation is *lowered* for, not the host's default backend:
 `jax.export(..., platforms=["tpu"])` from a CPU machine lowers the TPU branch, i.e. the kernel,
+and `platforms=["cuda"]` the Triton kernel. Exporting the Triton kernel needs
+`disabled_checks=GPU_EXPORT_DISABLED_CHECKS` (see `fused_verify_gpu`: the Triton custom call has
+no serialization compatibility guarantee).
+
 Limitation (jax 0.10): a multi-platform export that includes "cpu" (e.g. `platforms=["cpu",
 "tpu"]`) fails with "Only interpret mode is supported on CPU backend", because jax lowers every
 kept `platform_dependent` branch for every requested platform, so the TPU branch's `pallas_call`
@@ -26,6 +30,7 @@ import jax
 
 from specjax.sampling import Sampling, VerifyResult, verify_reference
 from specjax.kernels.fused_verify import BlockSizes, fused_verify
+from specjax.kernels.fused_verify_gpu import fused_verify_gpu
 
 VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
 
@@ -45,7 +50,8 @@ def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
     positions: `[B]` int32 absolute position of each row's first draft token.
     rows: `[B]` int32 random-stream ids (default `arange(B)`).
     impl: "auto" | "reference" | "kernel" | "interpret".
-    block_sizes: the kernel's `BlockSizes` (default: `BlockSizes.get_default`).
+    block_sizes: the TPU / interpret kernel's `BlockSizes` (default: `BlockSizes.get_default`);
+      the GPU kernel always takes `GpuBlockSizes.get_default`.
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k+1])`, the same tokens whichever `impl` runs.
@@ -63,7 +69,10 @@ def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
   def mosaic(target_logits, draft_logits, draft_tokens):
     return kernel(target_logits, draft_logits, draft_tokens, interpret=False)
 
-  branches = dict(tpu=mosaic, cuda=reference, rocm=reference)
+  def triton(target_logits, draft_logits, draft_tokens):
+    return fused_verify_gpu(target_logits, draft_logits, draft_tokens, interpret=False, **kwargs)
+
+  branches = dict(tpu=mosaic, cuda=triton, rocm=triton)
   if impl == "auto":
     branches["cpu"] = reference  # "kernel" has no CPU branch: lowering it for CPU is an error
   return jax.lax.platform_dependent(target_logits, draft_logits, draft_tokens, **branches)

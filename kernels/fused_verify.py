@@ -46,6 +46,10 @@ SUBLANES = 8
 NUM_ACCEPTED_LANE = LANES - 1  # lane of the output row that carries num_accepted
 MAX_NUM_DRAFT = NUM_ACCEPTED_LANE - 1  # tokens take lanes 0..k, so k + 1 < 127
 DEFAULT_VMEM_BUDGET = 8 * 2**20  # double-buffered logits blocks; under every TPU's scoped VMEM
+DEFAULT_MAX_BLOCK_B = 8
+# Interpret mode has no VMEM and pays per grid step, so its default blocks are far larger.
+INTERPRET_VMEM_BUDGET = 64 * 2**20
+INTERPRET_MAX_BLOCK_B = 1024
 _INT32_MAX = np.iinfo(np.int32).max
 _NEG_INF = float("-inf")
 
@@ -58,20 +62,26 @@ fused_verify_reference = sampling_lib.verify_reference
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Vocabulary tile of the fused verify kernel.
+  """Tiles of the fused verify kernel: a block of batch rows times a vocabulary tile.
 
   Attributes:
     block_v: lanes per vocabulary tile. A multiple of 128 (TPU (8, 128) rule: the minor block dim
       must be a multiple of 128 or the whole axis). A vocabulary that is not a multiple of it is
       handled by masking the last tile; one that is smaller uses one tile of exactly `V`.
+    block_b: batch rows per grid step (each with its `k+1` target and `k` draft rows). A leading
+      block dim, so the (8, 128) rule does not constrain it; clamped to `B`. A batch that is not a
+      multiple of it ends in a partial block whose missing rows are never written back.
   """
 
   block_v: int = 2048
+  block_b: int = 8
 
   def __post_init__(self):
-    if isinstance(self.block_v, bool) or not isinstance(self.block_v, int):
-      raise ValueError(f"BlockSizes.block_v must be an int, got {self.block_v!r}")
-    if self.block_v < LANES or self.block_v % LANES:
+    for name in ("block_v", "block_b"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"BlockSizes.{name} must be a positive int, got {value!r}")
+    if self.block_v % LANES:
       raise ValueError(f"BlockSizes.block_v must be a positive multiple of {LANES}, "
                        f"got {self.block_v}")
 
@@ -79,21 +89,34 @@ class BlockSizes:
     """The tile actually used for `vocab`: `block_v`, clamped to the whole axis if that is smaller."""
     return vocab if vocab <= self.block_v else self.block_v
 
-  @classmethod
-  def get_default(cls, vocab: int, num_draft: int, dtype=jnp.float32, *, has_draft_logits=True,
-                  vmem_budget: int = DEFAULT_VMEM_BUDGET) -> BlockSizes:
-    """The largest tile whose double-buffered target and draft blocks fit `vmem_budget` bytes.
+  def rows(self, batch: int) -> int:
+    """The batch rows per grid step actually used: `block_b`, clamped to `batch`."""
+    return min(self.block_b, batch)
 
-    Rows are counted padded to the dtype's sublane tile (8 for 32-bit, 16 for 16-bit), as VMEM
-    stores them. A result `>= vocab` means one tile: the logits are read from HBM exactly once.
+  @classmethod
+  def get_default(cls, vocab: int, num_draft: int, dtype=jnp.float32, *, batch: int | None = None,
+                  has_draft_logits=True, vmem_budget: int = DEFAULT_VMEM_BUDGET,
+                  max_block_b: int = DEFAULT_MAX_BLOCK_B) -> BlockSizes:
+    """Tiles whose double-buffered target and draft blocks fit `vmem_budget` bytes.
+
+    Reading the logits once matters more than batching grid steps (each extra vocabulary tile
+    makes every pass stream the logits from HBM again), so this takes the largest `block_b`
+    (a power of two, at most `max_block_b` and the batch) whose blocks still hold the whole
+    vocabulary; when not even one row does, `block_b = 1` and the largest tile that fits. Rows are
+    counted padded to the dtype's sublane tile (8 for 32-bit, 16 for 16-bit), as VMEM stores them.
     """
     itemsize = jnp.dtype(dtype).itemsize
     row_tile = SUBLANES * max(1, 4 // itemsize)
     rows = _round_up(num_draft + 1, row_tile) + (_round_up(num_draft, row_tile)
                                                  if has_draft_logits else 0)
-    per_lane = 2 * rows * itemsize  # two pipeline buffers
-    block_v = max(LANES, (vmem_budget // per_lane) // LANES * LANES)
-    return cls(block_v=min(block_v, _round_up(vocab, LANES)))
+    per_lane = 2 * rows * itemsize  # per batch row: two pipeline buffers
+    whole = _round_up(vocab, LANES)
+    block_b = 1
+    limit = max_block_b if batch is None else min(max_block_b, batch)
+    while 2 * block_b <= limit and 2 * block_b * per_lane * whole <= vmem_budget:
+      block_b *= 2
+    block_v = max(LANES, (vmem_budget // (block_b * per_lane)) // LANES * LANES)
+    return cls(block_v=min(block_v, whole), block_b=block_b)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -121,13 +144,32 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     seed: `uint32[2]` seed words of this round.
     positions: `[B]` int32 absolute position of each row's first draft token.
     rows: `[B]` int32 random-stream row ids (default `arange(B)`).
-    block_sizes: `BlockSizes` (default `BlockSizes.get_default(...)`).
+    block_sizes: `BlockSizes` (default `BlockSizes.get_default(...)`, with the interpret-mode
+      budget when `interpret` is set).
     interpret: False (compiled: Mosaic on TPU), True (Pallas interpreter) or
       `pltpu.InterpretParams()` (TPU interpreter with TPU memory semantics).
 
   Returns:
     `VerifyResult(num_accepted [B] int32, tokens [B, k+1] int32)`.
   """
+  batch, num_draft = check_verify_args(target_logits, draft_logits, draft_tokens)
+  vocab = target_logits.shape[-1]
+  if block_sizes is None:
+    budget = (dict(vmem_budget=INTERPRET_VMEM_BUDGET, max_block_b=INTERPRET_MAX_BLOCK_B)
+              if interpret else {})
+    block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype, batch=batch,
+                                         has_draft_logits=draft_logits is not None, **budget)
+  rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+  out = _fused_verify_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
+                           seed.astype(jnp.uint32), positions.astype(jnp.int32), rows,
+                           sampling=sampling, block_v=block_sizes.tile(vocab),
+                           block_b=block_sizes.rows(batch), interpret=interpret)
+  return VerifyResult(num_accepted=out[:, 0, NUM_ACCEPTED_LANE],
+                      tokens=out[:, 0, :num_draft + 1])
+
+
+def check_verify_args(target_logits, draft_logits, draft_tokens) -> tuple[int, int]:
+  """Validates the shapes and dtypes shared by every verify kernel; returns `(B, k)`."""
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
   if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, num_draft + 1):
@@ -141,16 +183,16 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
     if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must be floating point, got {x.dtype}")
-  if block_sizes is None:
-    block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype,
-                                         has_draft_logits=draft_logits is not None)
-  rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
-  out = _fused_verify_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
-                           seed.astype(jnp.uint32), positions.astype(jnp.int32), rows,
-                           sampling=sampling, block_v=block_sizes.tile(vocab),
-                           interpret=interpret)
-  return VerifyResult(num_accepted=out[:, 0, NUM_ACCEPTED_LANE],
-                      tokens=out[:, 0, :num_draft + 1])
+  return batch, num_draft
+
+
+def accept_uniforms(seed, rows, positions, num_draft: int, sampling: Sampling) -> jax.Array:
+  """`[B, k]` float32 uniforms of the ratio test: tiny, and bit-identical to the reference's."""
+  if sampling.greedy:
+    return jnp.zeros((rows.shape[0], num_draft), jnp.float32)
+  token_positions = positions[:, None] + jnp.arange(num_draft, dtype=jnp.int32)
+  return sampling_lib.uniform(seed, rows[:, None], token_positions, 0,
+                              sampling_lib.PURPOSE_ACCEPT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,7 +200,7 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
 # --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Schedule:
+class Schedule:
   """Static pass layout: `[STATS] [TOP_K x n] [TOP_P x n] [SUM] [RACE]`; greedy is `[STATS]`."""
 
   greedy: bool
@@ -190,20 +232,21 @@ class _Schedule:
     return 1 if self.greedy else self.race_pass + 1
 
 
-def _schedule(sampling: Sampling, vocab: int) -> _Schedule:
+def schedule_for(sampling: Sampling, vocab: int) -> Schedule:
+  """The static pass schedule of `sampling` over a vocabulary of `vocab` (shared with GPU)."""
   if sampling.greedy:
-    return _Schedule(True, None, None)
+    return Schedule(True, None, None)
   top_k = sampling.top_k if sampling.top_k is not None and sampling.top_k < vocab else None
   top_p = sampling.top_p if sampling.top_p is not None and sampling.top_p < 1.0 else None
-  return _Schedule(False, top_k, top_p)
+  return Schedule(False, top_k, top_p)
 
 
 # Per-row statistics in VMEM scratch, one set for the target rows and one for the draft rows.
-# Each is [rows, 128] with the value replicated across lanes (lane-dense for Mosaic).
+# Each is [block_b, rows, 128] with the value replicated across lanes (lane-dense for Mosaic).
 _ROW_STATS = ("max", "sum", "draft_logit", "argmax", "lo", "hi", "top_k_key", "count", "mass")
 _ROW_STATS_DTYPE = dict(argmax=jnp.int32, lo=jnp.int32, hi=jnp.int32, top_k_key=jnp.int32,
                         count=jnp.int32)
-# Race state, [1, 128] each.
+# Race state, [block_b, 1, 128] each.
 _RACE_STATE = ("num_accepted", "residual_best", "residual_token", "fallback_best",
                "fallback_token", "has_mass")
 _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallback_token=jnp.int32,
@@ -211,37 +254,38 @@ _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallb
 
 
 def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, positions, rows, *,
-                       sampling: Sampling, block_v: int, interpret):
+                       sampling: Sampling, block_v: int, block_b: int, interpret):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
-  schedule = _schedule(sampling, vocab)
+  schedule = schedule_for(sampling, vocab)
   num_tiles = pl.cdiv(vocab, block_v)
   has_draft_logits = draft_logits is not None and not schedule.greedy
 
-  if schedule.greedy:
-    accept_uniforms = jnp.zeros((batch, num_draft), jnp.float32)
-  else:  # [B, k]: tiny, and bit-identical to the reference's draw
-    token_positions = positions[:, None] + jnp.arange(num_draft, dtype=jnp.int32)
-    accept_uniforms = sampling_lib.uniform(seed, rows[:, None], token_positions, 0,
-                                           sampling_lib.PURPOSE_ACCEPT)
-  scalars = (jax.lax.bitcast_convert_type(seed, jnp.int32),  # SMEM [2]
-             rows, positions,  # SMEM [B]
-             draft_tokens.reshape(-1), accept_uniforms.reshape(-1))  # SMEM [B * k]
+  # Per-row columns [B, k+1, 1]: slot k holds draft token -1 (matches nothing) and uniform 1.
+  uniforms = accept_uniforms(seed, rows, positions, num_draft, sampling)
+  draft_column = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)[..., None]
+  uniform_column = jnp.pad(uniforms, ((0, 0), (0, 1)), constant_values=1.0)[..., None]
+  row_columns = jnp.stack([rows, positions], axis=-1)[:, None, :]  # [B, 1, 2]
+  scalars = (jax.lax.bitcast_convert_type(seed, jnp.int32),)  # SMEM [2]
 
-  def logits_spec(num_rows):  # [1, rows, block_v]: rows = whole axis, block_v lane-aligned or V
-    return pl.BlockSpec((1, num_rows, block_v), lambda b, p, j, *_: (b, 0, j))
+  def logits_spec(num_rows):  # [block_b, rows, block_v]: rows = whole axis, block_v aligned or V
+    return pl.BlockSpec((block_b, num_rows, block_v), lambda b, p, j, *_: (b, 0, j))
 
-  in_specs = [logits_spec(num_draft + 1)]
-  inputs = [target_logits]
+  def row_spec(num_rows, width):
+    return pl.BlockSpec((block_b, num_rows, width), lambda b, p, j, *_: (b, 0, 0))
+
+  in_specs = [row_spec(num_draft + 1, 1), row_spec(num_draft + 1, 1), row_spec(1, 2),
+              logits_spec(num_draft + 1)]
+  inputs = [draft_column, uniform_column, row_columns, target_logits]
   if has_draft_logits:
     in_specs.append(logits_spec(num_draft))
     inputs.append(draft_logits)
   stats_sets = [num_draft + 1] + ([num_draft] if has_draft_logits else [])
   scratch = []
   for num_rows in stats_sets:
-    scratch += [pltpu.VMEM((num_rows, LANES), _ROW_STATS_DTYPE.get(name, jnp.float32))
+    scratch += [pltpu.VMEM((block_b, num_rows, LANES), _ROW_STATS_DTYPE.get(name, jnp.float32))
                 for name in _ROW_STATS]
-  scratch += [pltpu.VMEM((1, LANES), _RACE_STATE_DTYPE.get(name, jnp.float32))
+  scratch += [pltpu.VMEM((block_b, 1, LANES), _RACE_STATE_DTYPE.get(name, jnp.float32))
               for name in _RACE_STATE]
 
   kernel = functools.partial(
@@ -249,11 +293,11 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, position
       vocab=vocab, block_v=block_v, num_tiles=num_tiles, has_draft_logits=has_draft_logits)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
-      grid=(batch, schedule.num_passes, num_tiles),
+      grid=(pl.cdiv(batch, block_b), schedule.num_passes, num_tiles),
       in_specs=in_specs,
-      out_specs=pl.BlockSpec((1, 1, LANES), lambda b, p, j, *_: (b, 0, 0)),
+      out_specs=pl.BlockSpec((block_b, 1, LANES), lambda b, p, j, *_: (b, 0, 0)),
       scratch_shapes=scratch)
-  bytes_accessed = sum(x.size * x.dtype.itemsize for x in inputs)
+  logits_bytes = sum(x.size * x.dtype.itemsize for x in inputs[3:])
   return pl.pallas_call(
       kernel,
       grid_spec=grid_spec,
@@ -263,7 +307,7 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, position
       cost_estimate=pl.CostEstimate(
           flops=8 * schedule.num_passes * batch * (2 * num_draft + 1) * vocab,
           transcendentals=(2 * num_draft + 4) * batch * vocab,
-          bytes_accessed=bytes_accessed * (1 if num_tiles == 1 else schedule.num_passes)
+          bytes_accessed=logits_bytes * (1 if num_tiles == 1 else schedule.num_passes)
           + batch * LANES * 4),
       interpret=interpret,
       name="fused_verify",
@@ -275,8 +319,8 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, position
 # --------------------------------------------------------------------------------------------
 
 def _column(ref):
-  """[rows, 1] view of a lane-replicated [rows, 128] scratch value."""
-  return ref[:, 0:1]
+  """[block_b, rows, 1] view of a lane-replicated [block_b, rows, 128] scratch value."""
+  return ref[:, :, 0:1]
 
 
 def _set_column(ref, value):
@@ -284,19 +328,22 @@ def _set_column(ref, value):
 
 
 def _tile_argmax(scores, vocab_ids):
-  """Per row: (max [R, 1], first vocab id attaining it [R, 1]) of a tile."""
+  """Per row: (max [..., 1], first vocab id attaining it [..., 1]) of a tile."""
   best = jnp.max(scores, axis=-1, keepdims=True)
   token = jnp.min(jnp.where(scores == best, vocab_ids, _INT32_MAX), axis=-1, keepdims=True)
   return best, token
 
 
-def _select_row(values, row_ids, row):
-  """values[row] of [R, C] -> [1, C] (masked reduction instead of a dynamic sublane slice)."""
-  return jnp.max(jnp.where(row_ids == row, values, _NEG_INF), axis=0, keepdims=True)
+def _select_row(values, n):
+  """values[:, n] of [bb, R, C] at per-batch-row n [bb, 1, 1] -> [bb, 1, C] (masked reduction
+  instead of a dynamic sublane slice); rows n >= R select -inf (int32: int32 min)."""
+  row_ids = jax.lax.broadcasted_iota(jnp.int32, (1, values.shape[1], 1), 1)
+  empty = np.iinfo(np.int32).min if values.dtype == jnp.int32 else _NEG_INF
+  return jnp.max(jnp.where(row_ids == n, values, empty), axis=1, keepdims=True)
 
 
-def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, accept_uniforms_ref,
-                         *refs, sampling: Sampling, schedule: _Schedule, num_draft: int, vocab: int,
+def _fused_verify_kernel(seed_ref, draft_column_ref, uniform_column_ref, row_columns_ref, *refs,
+                         sampling: Sampling, schedule: Schedule, num_draft: int, vocab: int,
                          block_v: int, num_tiles: int, has_draft_logits: bool):
   target_ref, *refs = refs
   draft_ref = refs.pop(0) if has_draft_logits else None
@@ -307,24 +354,17 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
   race = dict(zip(_RACE_STATE, scratch[-len(_RACE_STATE):]))
 
   k = num_draft
-  b = pl.program_id(0)
   pass_id = pl.program_id(1)
   tile = pl.program_id(2)
   first_tile = tile == 0
   last_tile = tile == num_tiles - 1
 
-  vocab_ids = tile * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, block_v), 1)  # [1, bv]
+  vocab_ids = tile * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, 1, block_v), 2)
   in_vocab = vocab_ids < vocab  # the last tile may run past V: its tail is garbage
+  draft_column = draft_column_ref[...]  # [bb, k+1, 1], -1 at slot k
 
-  def draft_column(num_rows):  # [rows, 1] int32: draft token of each row, -1 past k
-    row_ids = jax.lax.broadcasted_iota(jnp.int32, (num_rows, 1), 0)
-    column = jnp.full((num_rows, 1), -1, jnp.int32)
-    for i in range(min(k, num_rows)):
-      column = jnp.where(row_ids == i, draft_tokens_ref[b * k + i], column)
-    return column
-
-  def load(ref):  # [rows, bv] float32 scaled logits, -inf outside the vocabulary
-    x = ref[0].astype(jnp.float32)
+  def load(ref):  # [bb, rows, bv] float32 scaled logits, -inf outside the vocabulary
+    x = ref[...].astype(jnp.float32)
     if not schedule.greedy:
       x = x / jnp.float32(sampling.temperature)
     return jnp.where(in_vocab, x, _NEG_INF)
@@ -359,7 +399,7 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
         terms = jnp.where(x == _NEG_INF, 0.0, jnp.exp(x - new_max))
         _set_column(stats["sum"], _column(stats["sum"]) * rescale
                     + jnp.sum(terms, axis=-1, keepdims=True))
-        at_draft = jnp.where(vocab_ids == draft_column(num_rows), x, _NEG_INF)
+        at_draft = jnp.where(vocab_ids == draft_column[:, :num_rows], x, _NEG_INF)
         _set_column(stats["draft_logit"], jnp.maximum(_column(stats["draft_logit"]),
                                                       jnp.max(at_draft, axis=-1, keepdims=True)))
       _set_column(stats["max"], new_max)
@@ -367,20 +407,22 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
   if schedule.greedy:
     @pl.when(last_tile)
     def _greedy_finish():
-      target_argmax = _column(target_stats["argmax"])  # [k+1, 1]
-      matches = (target_argmax == draft_column(k + 1)).astype(jnp.int32)
-      num_accepted = _leading_ones(matches, k)
-      final = jnp.max(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (k + 1, 1), 0)
-                                == num_accepted, target_argmax, -1), axis=0, keepdims=True)
-      _write_tokens(out_ref, draft_tokens_ref, b, k, num_accepted, final)
+      target_argmax = _column(target_stats["argmax"])  # [bb, k+1, 1]
+      matches = (target_argmax == draft_column).astype(jnp.int32)
+      num_accepted = _leading_ones(matches, k)  # [bb, 1, 1]
+      _write_tokens(out_ref, draft_column, k, num_accepted,
+                    _select_row(target_argmax, num_accepted))
     return
 
-  def threshold(stats):  # [rows, 1] float32 of the final kept set
-    if schedule.top_p:
-      return sampling_lib.key_to_float(stats["lo"][:, 0:1])
+  def top_k_floor(stats):  # [bb, rows, 1] float32 top-k threshold (-inf without top-k)
     if schedule.top_k:
       return sampling_lib.key_to_float(_column(stats["top_k_key"]))
-    return jnp.full(stats["max"].shape[:1] + (1,), _NEG_INF, jnp.float32)
+    return jnp.full(stats["max"].shape[:2] + (1,), _NEG_INF, jnp.float32)
+
+  def threshold(stats):  # [bb, rows, 1] float32 of the final kept set
+    if schedule.top_p:
+      return sampling_lib.key_to_float(_column(stats["lo"]))
+    return top_k_floor(stats)
 
   # ---- top-k: count(x >= mid) >= top_k, one bisection step per pass.
   if schedule.top_k:
@@ -413,11 +455,6 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
 
   def kept_weights(x, stats, floor):  # exp(x - max) on tokens >= floor, else 0
     return jnp.where(x >= floor, jnp.exp(x - _column(stats["max"])), 0.0)
-
-  def top_k_floor(stats):
-    if schedule.top_k:
-      return sampling_lib.key_to_float(_column(stats["top_k_key"]))
-    return jnp.full(stats["max"].shape[:1] + (1,), _NEG_INF, jnp.float32)
 
   # ---- top-p: mass(x >= mid) >= top_p * mass(all kept), one bisection step per pass.
   if schedule.top_p:
@@ -465,23 +502,23 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
   # ---- ratio test, then the residual race (and the fallback race on p) over row n.
   @pl.when(pass_id == schedule.race_pass)
   def _race_pass():
-    def probability(logit, stats):  # softmax of the warped logits at given [rows, 1] logits
-      warped = jnp.where(logit >= threshold(stats), logit, _NEG_INF)
-      return jnp.exp(warped - _column(stats["max"])) / _column(stats["sum"])
+    def probability(logit, max_, sum_, floor):  # softmax of the warped logits at `logit`
+      warped = jnp.where(logit >= floor, logit, _NEG_INF)
+      return jnp.exp(warped - max_) / sum_
+
+    def stats_at(stats, n=None):  # (max, sum, threshold) of every row, or of row n
+      values = (_column(stats["max"]), _column(stats["sum"]), threshold(stats))
+      return values if n is None else tuple(_select_row(v, n) for v in values)
 
     @pl.when(first_tile)
     def _ratio_test():
-      row_ids = jax.lax.broadcasted_iota(jnp.int32, (k + 1, 1), 0)
-      p_draft = probability(_column(target_stats["draft_logit"]), target_stats)  # [k+1, 1]
+      p_draft = probability(_column(target_stats["draft_logit"]), *stats_at(target_stats))
+      p_draft = p_draft[:, :k]  # [bb, k, 1]
       if has_draft_logits:
-        q_draft = probability(_column(draft_stats["draft_logit"]), draft_stats)  # [k, 1]
-        q_draft = jnp.concatenate([q_draft, jnp.ones((1, 1), jnp.float32)], axis=0)
+        q_draft = probability(_column(draft_stats["draft_logit"]), *stats_at(draft_stats))
       else:
-        q_draft = jnp.ones((k + 1, 1), jnp.float32)
-      uniforms = jnp.ones((k + 1, 1), jnp.float32)
-      for i in range(k):
-        uniforms = jnp.where(row_ids == i, accept_uniforms_ref[b * k + i], uniforms)
-      accepted = (uniforms * q_draft < p_draft).astype(jnp.int32)
+        q_draft = jnp.ones_like(p_draft)
+      accepted = (uniform_column_ref[:, :k] * q_draft < p_draft).astype(jnp.int32)
       _set_column(race["num_accepted"], _leading_ones(accepted, k))
       _set_column(race["residual_best"], _NEG_INF)
       _set_column(race["fallback_best"], _NEG_INF)
@@ -489,21 +526,18 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
       _set_column(race["fallback_token"], 0)
       _set_column(race["has_mass"], 0)
 
-    n = _column(race["num_accepted"])  # [1, 1]
-    target_rows = jax.lax.broadcasted_iota(jnp.int32, (k + 1, 1), 0)
-    p = probability(_select_row(load(target_ref), target_rows, n), _RowPick(target_stats, n))
+    n = _column(race["num_accepted"])  # [bb, 1, 1]
+    p = probability(_select_row(load(target_ref), n), *stats_at(target_stats, n))  # [bb, 1, bv]
     if has_draft_logits:
-      draft_rows = jax.lax.broadcasted_iota(jnp.int32, (k, 1), 0)
-      q = probability(_select_row(load(draft_ref), draft_rows, n), _RowPick(draft_stats, n))
-      q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0
-    else:  # point mass at the draft token
-      draft_n = jnp.max(jnp.where(target_rows == n, draft_column(k + 1), -1), axis=0,
-                        keepdims=True)
-      q = (vocab_ids == draft_n).astype(jnp.float32)
+      q = probability(_select_row(load(draft_ref), n), *stats_at(draft_stats, n))
+      q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0 (and NaN statistics)
+    else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
+      q = (vocab_ids == _select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
-    seed_words = (seed_ref[0], seed_ref[1])
-    noise = sampling_lib.gumbel(seed_words, rows_ref[b], positions_ref[b] + n, vocab_ids,
-                                sampling_lib.PURPOSE_RESIDUAL)  # [1, bv]
+    row_columns = row_columns_ref[...]  # [bb, 1, 2]
+    noise = sampling_lib.gumbel((seed_ref[0], seed_ref[1]), row_columns[:, :, 0:1],
+                                row_columns[:, :, 1:2] + n, vocab_ids,
+                                sampling_lib.PURPOSE_RESIDUAL)  # [bb, 1, bv]
     for weights, best_key, token_key in ((residual, "residual_best", "residual_token"),
                                          (p, "fallback_best", "fallback_token")):
       scores = jnp.where(weights > 0, jnp.log(weights), _NEG_INF) + noise
@@ -519,44 +553,26 @@ def _fused_verify_kernel(seed_ref, rows_ref, positions_ref, draft_tokens_ref, ac
     def _finish():
       final = jnp.where(_column(race["has_mass"]) > 0, _column(race["residual_token"]),
                         _column(race["fallback_token"]))
-      _write_tokens(out_ref, draft_tokens_ref, b, k, n, final)
-
-
-class _RowPick:
-  """The per-row statistics of one selected row `n`, looking like a stats dict of [1, 128] refs."""
-
-  def __init__(self, stats, n):
-    self._stats = stats
-    self._n = n
-
-  def __getitem__(self, name):
-    value = self._stats[name][...]
-    row_ids = jax.lax.broadcasted_iota(jnp.int32, value.shape, 0)
-    if value.dtype == jnp.int32:
-      picked = jnp.max(jnp.where(row_ids == self._n, value, np.iinfo(np.int32).min), axis=0,
-                       keepdims=True)
-    else:
-      picked = _select_row(value, row_ids, self._n)
-    return picked
+      _write_tokens(out_ref, draft_column, k, n, final)
 
 
 def _leading_ones(flags, k):
-  """[rows, 1] int32 0/1 -> [1, 1] number of leading ones among the first k rows."""
-  alive = jnp.ones((1, 1), jnp.int32)
-  count = jnp.zeros((1, 1), jnp.int32)
+  """[bb, rows, 1] int32 0/1 -> [bb, 1, 1] number of leading ones among the first k rows."""
+  alive = jnp.ones_like(flags[:, 0:1])
+  count = jnp.zeros_like(alive)
   for i in range(k):
-    alive = alive * flags[i:i + 1, :]
+    alive = alive * flags[:, i:i + 1]
     count = count + alive
   return count
 
 
-def _write_tokens(out_ref, draft_tokens_ref, b, k, num_accepted, final):
-  """Output row: lanes 0..n-1 accepted drafts, lane n the final token, lane 127 n; zeros else."""
-  lane = jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1)
-  drafts = jnp.zeros((1, LANES), jnp.int32)
+def _write_tokens(out_ref, draft_column, k, num_accepted, final):
+  """Output rows [bb, 1, 128]: lanes 0..n-1 accepted drafts, lane n the final token, lane 127 n."""
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, 1, LANES), 2)
+  drafts = jnp.zeros(num_accepted.shape[:2] + (LANES,), jnp.int32)
   for i in range(k):
-    drafts = jnp.where(lane == i, draft_tokens_ref[b * k + i], drafts)
+    drafts = jnp.where(lane == i, draft_column[:, i:i + 1], drafts)
   tokens = jnp.where(lane < num_accepted, drafts, 0)
   tokens = jnp.where(lane == num_accepted, final, tokens)
   tokens = jnp.where(lane == NUM_ACCEPTED_LANE, num_accepted, tokens)
-  out_ref[0] = tokens
+  out_ref[...] = tokens

@@ -1,8 +1,14 @@
-"""The fused verify kernel against `specjax.sampling.verify_reference`, in Pallas interpret modes.
+"""The fused verify kernels against `specjax.sampling.verify_reference`, in Pallas interpret modes.
 
-`TestFusedVerify` runs every case with `interpret=True`; `TestFusedVerifyTpuInterpret` reruns them
-under `pltpu.InterpretParams()` (TPU memory semantics). Compiled runs need a TPU; on CPU the
-compiled path is checked by exporting it for TPU (the Mosaic custom call must be in the module).
+`TestFusedVerify` runs the TPU kernel's cases with `interpret=True`; `TestFusedVerifyTpuInterpret`
+reruns a subset under `pltpu.InterpretParams()` (TPU memory semantics); `TestFusedVerifyGpuInterpret`
+runs the GPU (Triton) kernel's body in interpret mode. Compiled runs need a TPU or a GPU; on CPU the
+compiled paths are checked by exporting them for TPU and for CUDA (the Mosaic / Triton custom call
+must be in the module). No GPU was available to this project's tests: the Triton kernel has been
+lowered (exported) but never executed compiled.
+
+The default selection keeps one shape per sampling setting and mode, the hand-worked cases, every
+vocabulary size at small B and k, and the exports; `-m slow` adds every shape in every mode.
 """
 
 import functools
@@ -16,10 +22,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 import specjax as sj
 from specjax import sampling as S
-from specjax.kernels import BlockSizes, fused_verify, fused_verify_reference, verify_dispatch
+from specjax.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes, fused_verify,
+                             fused_verify_gpu, fused_verify_reference, verify_dispatch)
 
-import test_exactness as exactness  # noqa: E402  (tests/ is on sys.path under pytest)
-from test_exactness import draft, target  # noqa: F401  (fixtures for the chi-square rerun)
+TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
 SEED = jnp.array([0x1234, 0xBEEF], jnp.uint32)
 
@@ -59,15 +65,17 @@ def _case(rng, batch, num_draft, vocab, *, sampling, with_draft_logits, dtype=np
               draft_tokens=tokens, rows=rows, positions=positions)
 
 
-# (B, k, V, block_v): one exact tile; several tiles with a ragged last one; V < 128; more tiles.
-SHAPES = ((8, 4, 1000, 256), (4, 2, 384, 4096), (8, 3, 90, 128), (4, 5, 700, 128))
+# (B, k, V, block_v, block_b): several ragged tiles, full row blocks; one tile of the whole axis,
+# a partial last row block (5 = 2 + 2 + 1); V < 128, one row block; several tiles and a partial
+# last row block (13 = 3 * 4 + 1).
+SHAPES = ((8, 4, 1000, 256, 8), (5, 2, 384, 4096, 2), (8, 3, 90, 128, 8), (13, 5, 700, 128, 4))
 
 
 class TestFusedVerify:
   INTERPRET = True
 
-  def _verify(self, case, sampling, block_sizes=None):
-    return fused_verify(**case, sampling=sampling, seed=SEED, block_sizes=block_sizes,
+  def _verify(self, case, sampling, block_sizes=None, seed=SEED):
+    return fused_verify(**case, sampling=sampling, seed=seed, block_sizes=block_sizes,
                         interpret=self.INTERPRET)
 
   def _check(self, case, sampling, block_sizes=None):
@@ -106,11 +114,11 @@ class TestFusedVerify:
     argmax = jnp.argmax(target, -1).astype(jnp.int32)
     drafts = argmax[:, :3].at[0, 1].set((argmax[0, 1] + 1) % 300)  # row 0 wrong at position 1
     draft_logits = jnp.asarray(rng.normal(size=(2, 3, 300)), jnp.float32)
+    case = dict(target_logits=target, draft_logits=draft_logits, draft_tokens=drafts,
+                positions=jnp.array([0, 9]), rows=None)
     for seed in range(3):
-      got = fused_verify(target, draft_logits, drafts, sampling=S.Sampling(top_k=1,
-                                                                           temperature=2.0),
-                         seed=jnp.array([seed, 7], jnp.uint32), positions=jnp.array([0, 9]),
-                         block_sizes=BlockSizes(128), interpret=self.INTERPRET)
+      got = self._verify(case, S.Sampling(top_k=1, temperature=2.0), BlockSizes(128),
+                         seed=jnp.array([seed, 7], jnp.uint32))
       np.testing.assert_array_equal(got.num_accepted, [1, 3])
       np.testing.assert_array_equal(got.tokens[0], [argmax[0, 0], argmax[0, 1], 0, 0])
       np.testing.assert_array_equal(got.tokens[1], argmax[1])
@@ -137,10 +145,10 @@ class TestFusedVerify:
   # ---- random sweep against the reference --------------------------------------------------
 
   @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
-  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
-  def test_matches_reference_sweep(self, sampling, with_draft_logits):
-    index = SAMPLINGS.index(sampling) + 3 * with_draft_logits
-    self._sweep(sampling, with_draft_logits, [SHAPES[index % len(SHAPES)]])
+  def test_matches_reference_sweep(self, sampling):
+    # One shape per setting, the drafter kind alternating: every shape, both drafter kinds.
+    index = SAMPLINGS.index(sampling)
+    self._sweep(sampling, index % 2 == 0, [SHAPES[index % len(SHAPES)]])
 
   @pytest.mark.slow
   @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
@@ -151,16 +159,19 @@ class TestFusedVerify:
   def _sweep(self, sampling, with_draft_logits, shapes):
     rng = np.random.default_rng(zlib.crc32(f"{sampling}{with_draft_logits}".encode()))
     accepted = []
-    for batch, num_draft, vocab, block_v in shapes:
+    for batch, num_draft, vocab, block_v, block_b in shapes:
       case = _case(rng, batch, num_draft, vocab, sampling=sampling,
                    with_draft_logits=with_draft_logits)
-      want = self._check(case, sampling, BlockSizes(block_v))
+      want = self._check(case, sampling, BlockSizes(block_v, block_b))
       accepted += [np.asarray(want.num_accepted) / num_draft]
     accepted = np.concatenate(accepted)
     # Not vacuous: the cases had rejections and accepted drafts.
     assert accepted.min() < 1 and accepted.max() > 0
 
-  @pytest.mark.parametrize("sampling", SAMPLINGS[1:5], ids=str)
+  @pytest.mark.parametrize("sampling", [SAMPLINGS[4], pytest.param(
+      SAMPLINGS[1], marks=pytest.mark.slow), pytest.param(SAMPLINGS[2], marks=pytest.mark.slow),
+                                        pytest.param(SAMPLINGS[3], marks=pytest.mark.slow)],
+                           ids=str)
   def test_bfloat16_logits(self, sampling):
     rng = np.random.default_rng(3)
     case = _case(rng, 2, 3, 500, sampling=sampling, with_draft_logits=True, dtype=jnp.bfloat16)
@@ -178,7 +189,8 @@ class TestFusedVerify:
   # ---- vocabulary sizes --------------------------------------------------------------------
 
   @pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 256000])
-  @pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=0.8)], ids=str)
+  @pytest.mark.parametrize("sampling", [pytest.param(S.GREEDY, marks=pytest.mark.slow),
+                                        S.Sampling(temperature=0.8)], ids=str)
   def test_vocab_sizes(self, vocab, sampling):
     rng = np.random.default_rng(vocab)
     case = _case(rng, 1, 2, vocab, sampling=sampling, with_draft_logits=True, closeness=0.05)
@@ -204,23 +216,66 @@ class TestFusedVerifyTpuInterpret(TestFusedVerify):
 
   INTERPRET = pltpu.InterpretParams()
 
-  @pytest.mark.parametrize("sampling", SAMPLINGS[:2], ids=str)
-  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
-  def test_matches_reference_sweep(self, sampling, with_draft_logits):
-    super().test_matches_reference_sweep(sampling, with_draft_logits)
+  @pytest.mark.parametrize("sampling", [SAMPLINGS[1], *[pytest.param(
+      setting, marks=pytest.mark.slow) for setting in SAMPLINGS[:1] + SAMPLINGS[2:]]], ids=str)
+  def test_matches_reference_sweep(self, sampling):
+    super().test_matches_reference_sweep(sampling)
 
   @pytest.mark.slow
-  @pytest.mark.parametrize("sampling", SAMPLINGS[2:], ids=str)
-  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
-  def test_matches_reference_sweep_thresholds(self, sampling, with_draft_logits):
-    super().test_matches_reference_sweep(sampling, with_draft_logits)
+  def test_top_p_hand_worked(self):
+    super().test_top_p_hand_worked()
 
+  @pytest.mark.slow
   @pytest.mark.parametrize("sampling", SAMPLINGS[1:2], ids=str)
   def test_bfloat16_logits(self, sampling):
     super().test_bfloat16_logits(sampling)
 
+  test_matches_reference_sweep_all_shapes = None  # the class above runs them
   test_vocab_sizes = None
   test_vocab_sizes_with_thresholds = None
+
+
+class TestFusedVerifyGpuInterpret(TestFusedVerify):
+  """The GPU (Triton) kernel's body in interpret mode, on the same cases. `BlockSizes(block_v,
+  block_b)` of a case maps to `GpuBlockSizes` with the same tile (every tile used here is a power
+  of two, as Triton requires)."""
+
+  def _verify(self, case, sampling, block_sizes=None, seed=SEED):
+    if block_sizes is not None:
+      block_sizes = GpuBlockSizes(block_v=block_sizes.block_v,
+                                  block_b=_next_power_of_two(block_sizes.block_b))
+    return fused_verify_gpu(**case, sampling=sampling, seed=seed, block_sizes=block_sizes,
+                            interpret=True)
+
+  @pytest.mark.parametrize("vocab", [1000, 256000])
+  @pytest.mark.parametrize("sampling", [S.Sampling(temperature=0.8)], ids=str)
+  def test_vocab_sizes(self, vocab, sampling):
+    super().test_vocab_sizes(vocab, sampling)
+
+  @pytest.mark.slow
+  @pytest.mark.parametrize("sampling", SAMPLINGS[1:2], ids=str)
+  def test_bfloat16_logits(self, sampling):
+    super().test_bfloat16_logits(sampling)
+
+  @pytest.mark.slow
+  def test_identical_models_accept_everything(self):
+    super().test_identical_models_accept_everything()
+
+  test_vocab_sizes_with_thresholds = None
+
+
+def _next_power_of_two(x: int) -> int:
+  return 1 << (x - 1).bit_length()
+
+
+def test_gpu_block_sizes_are_powers_of_two():
+  with pytest.raises(ValueError, match="power of two"):
+    GpuBlockSizes(block_v=1000)
+  with pytest.raises(ValueError, match="power of two"):
+    GpuBlockSizes(block_b=3)
+  blocks = GpuBlockSizes.get_default(50257, 4)
+  assert blocks.block_v * 8 <= 8192 and blocks.block_b == 1  # R = 8 rows for k = 4
+  assert GpuBlockSizes.get_default(90, 2).block_v == 128  # never wider than the vocabulary
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,25 +285,32 @@ class TestFusedVerifyTpuInterpret(TestFusedVerify):
 def test_block_sizes_follow_the_tpu_tiling_rule():
   with pytest.raises(ValueError, match="multiple of 128"):
     BlockSizes(block_v=1000)
-  with pytest.raises(ValueError, match="multiple of 128"):
+  with pytest.raises(ValueError, match="positive int"):
     BlockSizes(block_v=0)
+  with pytest.raises(ValueError, match="positive int"):
+    BlockSizes(block_b=0)
   assert BlockSizes(2048).tile(1000) == 1000  # whole axis: allowed by the (8, 128) rule
   assert BlockSizes(2048).tile(50257) == 2048
+  assert BlockSizes(2048, block_b=8).rows(3) == 3  # clamped to the batch
 
 
 @pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 256000])
 @pytest.mark.parametrize("num_draft", [1, 4, 8])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_default_block_sizes_fit_the_vmem_budget(vocab, num_draft, dtype):
-  blocks = BlockSizes.get_default(vocab, num_draft, dtype)
+  blocks = BlockSizes.get_default(vocab, num_draft, dtype, batch=64)
   tile = blocks.tile(vocab)
   assert tile == vocab or tile % 128 == 0
   itemsize = jnp.dtype(dtype).itemsize
   row_tile = 8 * (4 // itemsize)  # VMEM pads rows to (8, 128) f32 / (16, 128) bf16 tiles
   padded_rows = (-(-(num_draft + 1) // row_tile) + -(-num_draft // row_tile)) * row_tile
-  assert 2 * padded_rows * itemsize * blocks.block_v <= 8 * 2**20  # two pipeline buffers
+  per_block = 2 * blocks.block_b * padded_rows * itemsize * blocks.block_v  # two buffers
+  assert per_block <= 8 * 2**20 and 1 <= blocks.block_b <= 8
   if vocab <= 32000:  # small vocabularies are one tile: the logits are read once
     assert tile == vocab
+  if blocks.block_b > 1:  # rows are batched only while the whole vocabulary still fits
+    assert tile == vocab
+  assert BlockSizes.get_default(vocab, num_draft, dtype, batch=3).block_b <= 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,22 +360,40 @@ def test_kernel_exports_for_tpu(sampling, draft):
   assert "tpu_custom_call" in exported.mlir_module()
 
 
-def test_kernel_has_no_gpu_lowering():
-  # The kernel is written against the TPU grid (PrefetchScalarGridSpec, sequential grid axes
-  # with VMEM scratch); jax has no GPU lowering for that, and "auto" runs the reference on GPU.
+@pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=1.0),
+                                      S.Sampling(temperature=0.7, top_k=50, top_p=0.9)], ids=str)
+@pytest.mark.parametrize("draft", [True, False], ids=["q", "point_mass"])
+def test_gpu_kernel_exports_for_cuda(sampling, draft):
+  # The Triton custom call is outside jax.export's stability guarantee: exporting it needs its
+  # safety check disabled (GPU_EXPORT_DISABLED_CHECKS), and without that the export refuses.
+  args, kwargs = _abstract_args(draft=draft)
+  fn = jax.jit(functools.partial(fused_verify_gpu, sampling=sampling))
+  exported = jax.export.export(fn, platforms=["cuda"],
+                               disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(*args, **kwargs)
+  assert TRITON_CUSTOM_CALL in exported.mlir_module()
+  if sampling == S.GREEDY and draft:
+    with pytest.raises(ValueError, match="custom call"):
+      jax.export.export(fn, platforms=["cuda"])(*args, **kwargs)
+
+
+def test_tpu_kernel_has_no_gpu_lowering():
+  # The TPU kernel (PrefetchScalarGridSpec, sequential grid axes with VMEM scratch) does not lower
+  # for GPU; the GPU has its own kernel, which "auto" and "kernel" pick there.
   args, kwargs = _abstract_args()
   with pytest.raises(ValueError, match="gpu"):
     jax.export.export(jax.jit(functools.partial(fused_verify, sampling=S.GREEDY)),
                       platforms=["cuda"])(*args, **kwargs)
 
 
-@pytest.mark.parametrize("platform,kernel_expected", [("tpu", True), ("cpu", False),
-                                                      ("cuda", False)])
-def test_auto_dispatch_follows_the_lowering_platform(platform, kernel_expected):
+@pytest.mark.parametrize("platform,custom_call", [("tpu", "tpu_custom_call"), ("cpu", None),
+                                                  ("cuda", TRITON_CUSTOM_CALL)])
+def test_auto_dispatch_follows_the_lowering_platform(platform, custom_call):
   args, kwargs = _abstract_args()
   fn = functools.partial(verify_dispatch, sampling=S.Sampling(temperature=1.0), impl="auto")
-  text = jax.export.export(jax.jit(fn), platforms=[platform])(*args, **kwargs).mlir_module()
-  assert ("tpu_custom_call" in text) == kernel_expected
+  text = jax.export.export(jax.jit(fn), platforms=[platform],
+                           disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(*args, **kwargs).mlir_module()
+  for name in ("tpu_custom_call", TRITON_CUSTOM_CALL):
+    assert (name in text) == (name == custom_call)
 
 
 def test_dispatch_impls_agree_on_cpu():
@@ -342,16 +422,19 @@ def tiny_pair():
   return target, draft, tokens, jnp.array([6, 2], jnp.int32)
 
 
-def test_decode_exports_for_tpu_with_the_kernel(tiny_pair):
+@pytest.mark.parametrize("platform,custom_call", [("tpu", "tpu_custom_call"),
+                                                  ("cuda", TRITON_CUSTOM_CALL)])
+def test_decode_exports_with_the_kernel(tiny_pair, platform, custom_call):
   target, draft, tokens, lengths = tiny_pair
 
   def run(target, draft, tokens, lengths, rng):
     return sj.decode(target, draft, tokens, rng, lengths=lengths, max_new_tokens=8, num_draft=3,
                      sampling=sj.Sampling(temperature=1.0, top_k=20), verify_impl="auto").tokens
 
-  text = jax.export.export(jax.jit(run), platforms=["tpu"])(
+  text = jax.export.export(jax.jit(run), platforms=[platform],
+                           disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(
       target, draft, tokens, lengths, jax.random.key(3)).mlir_module()
-  assert "tpu_custom_call" in text
+  assert custom_call in text
 
 
 @pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=1.0)], ids=str)
@@ -362,16 +445,3 @@ def test_decode_with_the_interpreted_kernel_equals_the_reference(tiny_pair, samp
           for impl in ("reference", "interpret")]
   np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
   np.testing.assert_array_equal(outs[1].stats.accepted, outs[0].stats.accepted)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(exactness.SETTINGS))
-def test_exactness_chi_square_with_the_interpreted_kernel(target, draft, name):
-  # The speculative core's goodness-of-fit test (tests/test_exactness.py; its `target` and
-  # `draft` fixtures are imported above) with the verify run by the kernel in interpret mode.
-  # Its N = 20000 rows make this a long run on CPU.
-  sampling = exactness.SETTINGS[name]
-  tokens, stats = exactness.run_decode(target, draft, sampling, verify_impl="interpret")
-  assert 0.05 < stats.summary()["acceptance_rate"] < 0.95
-  pvalue = exactness.chi_square_pvalue(tokens, exactness.exact_joint(target, sampling))
-  assert pvalue > exactness.ALPHA
