@@ -629,7 +629,9 @@ def _evaluate_cli(args) -> int:
   spaced = corpus.eval_windows(heldout, args.seq_len)
   prompts = spaced[np.linspace(0, len(spaced) - 1, args.eval_prompts).astype(int)]
   target = load_run(args.target_run)[0] if args.target_run else None
-  report = {"heldout_tokens": int(len(heldout)), "eval_tokens": int(windows[:, 1:].size)}
+  report = {"heldout_tokens": int(len(heldout)), "eval_tokens": int(windows[:, 1:].size),
+            "acceptance_prompts": len(prompts)}
+  print(json.dumps(report), flush=True)
   if target is not None:
     report["target"] = evaluate(target, windows)
     print(json.dumps({"target": report["target"]}), flush=True)
