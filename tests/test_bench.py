@@ -16,6 +16,7 @@ from specjax.models.config import tiny_config
 
 def test_tiny_suite_writes_json_plots_and_table(tmp_path):
   code = bench.main(["--suite", "tiny", "--out", str(tmp_path), "--k", "1,2", "--batch", "1,2",
+                     "--temperature", "1",
                      "--max-new-tokens", "6", "--repeats", "1"])
   assert code == 0
   result = json.loads((tmp_path / "tiny.json").read_text())
