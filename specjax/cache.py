@@ -76,12 +76,20 @@ def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array)
     starts: `[B]` int32 slot of each row's first new entry.
 
   Returns:
-    The updated buffer: one in-place `dynamic_update_slice` of a `[L, T, H, D]` slab per row, so
-    the cost is the block's size, not the cache's. Callers size the cache so that
-    `starts + T <= S` (see `write_block`).
+    The updated buffer. Callers size the cache so that `starts + T <= S` (see `write_block`).
+
+  On one device this is one in-place `dynamic_update_slice` of a `[L, T, H, D]` slab per row: the
+  cost is the block's size, not the cache's. Under a mesh (the batch may be split across devices)
+  it is a batched scatter instead, which the SPMD partitioner keeps local to each device, where
+  per-row updates of a sharded array would need collective permutes.
   """
   starts = starts.astype(jnp.int32)
   block = block.astype(stacked.dtype)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is not None and not mesh.empty and any(size > 1 for size in mesh.axis_sizes):
+    def one_row(row_buffer, row_block, start):  # [L, S, H, D] <- [L, T, H, D]
+      return jax.lax.dynamic_update_slice(row_buffer, row_block, (0, start, 0, 0))
+    return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(stacked, block, starts)
   for row in range(stacked.shape[1]):
     stacked = jax.lax.dynamic_update_slice(stacked, block[:, row:row + 1],
                                            (0, row, starts[row], 0, 0))
