@@ -75,7 +75,8 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from specjax.cache import KVCache
 from specjax.sampling import (
-    PURPOSE_ACCEPT, PURPOSE_RESIDUAL, Sampling, VerifyResult, gumbel, uniform)
+    PURPOSE_ACCEPT, PURPOSE_RESIDUAL, Sampling, VerifyResult, float_to_key, gumbel, key_to_float,
+    uniform)
 
 MeshAxes = str | tuple[str, ...] | None
 LogicalAxes = tuple[str | None, ...]
@@ -470,19 +471,6 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 _SEARCH_RADIX = 16  # candidates per round of a threshold search, one collective each round
 _SEARCH_ROUNDS = 8  # 16 ** 8 = 2 ** 32 keys: enough for any float32 interval
-_SIGN_MAGNITUDE = 0x7FFFFFFF
-
-
-def _float_to_key(x: jax.Array) -> jax.Array:
-  """Order-preserving float32 -> int32 (the map of `specjax.sampling.float_to_key`)."""
-  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
-  return jnp.where(bits < 0, bits ^ jnp.int32(_SIGN_MAGNITUDE), bits)
-
-
-def _key_to_float(key: jax.Array) -> jax.Array:
-  bits = jnp.where(key < 0, key ^ jnp.int32(_SIGN_MAGNITUDE), key)
-  return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
 
 class _VocabShard:
   """Collectives over the vocabulary slice one device holds, indexed by global vocab id."""
@@ -558,8 +546,8 @@ class _VocabShard:
         shard (its sums are `psum`s).
     """
     top = self.max(x)  # identical on every shard
-    low = _float_to_key(jnp.where(True, -jnp.inf, top))  # holds (keeps `top`'s sharding type)
-    width = (jax.lax.bitcast_convert_type(_float_to_key(top), jnp.uint32)
+    low = float_to_key(jnp.where(True, -jnp.inf, top))  # holds (keeps `top`'s sharding type)
+    width = (jax.lax.bitcast_convert_type(float_to_key(top), jnp.uint32)
              - jax.lax.bitcast_convert_type(low, jnp.uint32) + 1)  # keys low + width: unknown
     steps = jnp.arange(1, _SEARCH_RADIX, dtype=jnp.uint32)
 
@@ -570,7 +558,7 @@ class _VocabShard:
       candidates = jax.lax.bitcast_convert_type(
           jax.lax.bitcast_convert_type(low, jnp.uint32)[..., None] + offsets, jnp.int32)
       open_ = offsets < width[..., None]
-      good = open_ & holds_at(_key_to_float(candidates)[..., None])
+      good = open_ & holds_at(key_to_float(candidates)[..., None])
       best = jnp.max(jnp.where(good, offsets, 0), axis=-1)
       first_bad = jnp.min(jnp.where(open_ & ~good, offsets, width[..., None]), axis=-1)
       low = jax.lax.bitcast_convert_type(
@@ -578,7 +566,7 @@ class _VocabShard:
       return low, first_bad - best
 
     low, _ = jax.lax.fori_loop(0, _SEARCH_ROUNDS, search_round, (low, width))
-    return _key_to_float(low)[..., None]
+    return key_to_float(low)[..., None]
 
   def race(self, scores, seed, rows, positions, purpose: int):
     """`specjax.sampling.sample_race` with noise indexed by global vocabulary id."""
