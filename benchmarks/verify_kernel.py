@@ -2,18 +2,19 @@
 
 For V in {32k, 128k, 256k}, B in {1, 8, 64}, k in {4, 8} it times, on the default accelerator:
 
-  kernel     `specjax.kernels.fused_verify` compiled (Mosaic; needs a TPU)
+  kernel     the fused kernel compiled: `fused_verify` (Mosaic) on a TPU, `fused_verify_gpu`
+             (Triton) on a GPU
   reference  `specjax.sampling.verify_reference` under jit (XLA)
   read       `max` over the same logits under jit: XLA reading them once, the practical floor
   floor      logits bytes / the chip's HBM bandwidth (when the chip is in `HBM_BANDWIDTH`)
 
-and writes `benchmarks/results/verify_kernel.json` and `verify_kernel.png`. Timings need a TPU
-(the kernel has no GPU lowering yet; on a GPU only reference, read and floor are timed). On CPU
+and writes `benchmarks/results/verify_kernel.json` and `verify_kernel.png`. Timings need a TPU or
+a GPU. On CPU
 only `--interpret` runs: a correctness pass of the kernel in Pallas interpret mode against the
 reference, at reduced batch, written to `verify_kernel_interpret.json`; its wall times are the
 interpreter's and mean nothing about speed.
 
-  python benchmarks/verify_kernel.py                 # on a TPU (or GPU: reference + floors)
+  python benchmarks/verify_kernel.py                 # on a TPU or a GPU
   python benchmarks/verify_kernel.py --interpret     # on CPU: correctness only
 """
 
@@ -32,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as S
-from specjax.kernels import fused_verify
+from specjax.kernels import fused_verify, fused_verify_gpu
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VOCABS = (32768, 131072, 262144)
@@ -75,6 +76,7 @@ def _bandwidth(device):
 def run_timings(args):
   device = jax.devices()[0]
   on_tpu = device.platform == "tpu"
+  on_gpu = device.platform == "gpu"
   bandwidth = _bandwidth(device)
   dtype = jnp.dtype(args.dtype)
   sampling = SAMPLINGS[args.sampling]
@@ -91,8 +93,9 @@ def run_timings(args):
                    reference_s=_time(reference, inputs, args.repeats),
                    read_s=_time(read, inputs, args.repeats),
                    floor_s=logits_bytes / bandwidth if bandwidth else None, kernel_s=None)
-        if on_tpu:
-          kernel = jax.jit(functools.partial(fused_verify, sampling=sampling))
+        if on_tpu or on_gpu:
+          kernel = jax.jit(functools.partial(fused_verify if on_tpu else fused_verify_gpu,
+                                             sampling=sampling))
           row["kernel_s"] = _time(kernel, inputs, args.repeats)
           got, want = kernel(**inputs), reference(**inputs)
           row["kernel_matches_reference"] = bool(np.array_equal(got.tokens, want.tokens))
@@ -101,7 +104,7 @@ def run_timings(args):
                        for k, v in row.items()), flush=True)
   result = dict(device=device.device_kind, platform=device.platform, dtype=str(dtype),
                 sampling=args.sampling, hbm_bandwidth=bandwidth, rows=rows,
-                note=None if on_tpu else "no TPU: the kernel was not timed")
+                note=None if on_tpu or on_gpu else "no TPU or GPU: the kernel was not timed")
   RESULTS.mkdir(exist_ok=True)
   (RESULTS / "verify_kernel.json").write_text(json.dumps(result, indent=1))
   _plot(result, RESULTS / "verify_kernel.png")
