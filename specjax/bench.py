@@ -939,7 +939,7 @@ def run(settings: Settings, out: pathlib.Path, *, plots: bool = True, log=print)
   out.mkdir(parents=True, exist_ok=True)
   result: dict = {"suite": settings.suite, "settings": dataclasses.asdict(settings),
                   "environment": environment(), "files": []}
-  start = time.perf_counter()
+  start, cpu_start = time.perf_counter(), time.process_time()
   suite = settings.suite
   stem = suite
   if suite in ("readme", "speedup", "peer", "tiny"):
@@ -983,6 +983,7 @@ def run(settings: Settings, out: pathlib.Path, *, plots: bool = True, log=print)
     k = result.get("best_k") or settings.num_drafts[0]
     result["peer"] = run_peer(pair, settings, num_draft=k, log=log)
   result["wall_s"] = time.perf_counter() - start
+  result["process_cpu_s"] = time.process_time() - cpu_start  # all threads; < wall x cores if shared
   if plots:
     if result.get("pair_records"):
       result["files"] += plot_records(result["pair_records"], out, stem)
