@@ -44,8 +44,9 @@ TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 GPU_EXPORT_DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL),)
 DEFAULT_TILE_ELEMENTS = 8192  # block_b * R * block_v per loaded tile: ~64 float32 per thread
 _NEG_INF = float("-inf")
-# float_to_key(-inf) as a Python int: Triton cannot lower a bitcast of a constant.
-_NEG_INF_KEY = int(np.asarray(sampling_lib.float_to_key(np.float32(_NEG_INF))))
+# sampling.float_to_key(-inf) as a Python int (Triton cannot lower a bitcast of a constant): the
+# sign bit is set, so the key is the bit pattern with the magnitude bits flipped.
+_NEG_INF_KEY = int(np.float32(_NEG_INF).view(np.int32)) ^ 0x7FFFFFFF
 
 
 # --------------------------------------------------------------------------------------------
