@@ -27,7 +27,6 @@ def run(args) -> int:
   """Runs the demo with parsed `specjax demo` arguments (`prompt`, `max_new_tokens`,
   `num_draft`)."""
   import specjax as sj
-  import specjax.kernels  # noqa: F401  (imported before any trace: it computes constants at import)
   from rich.console import Console
 
   console = Console()

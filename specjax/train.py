@@ -434,7 +434,6 @@ def acceptance(target: Model, draft: Model, windows: np.ndarray, *, prompt_len: 
     "accepted"}` summed over all prompts, plus `"matches_generate"` (every row's tokens equal
     `specjax.generate`'s) when `check_generate`.
   """
-  import specjax.kernels  # noqa: F401  (imported outside any trace; it computes constants at import)
   from specjax.decode import decode
   from specjax.generate import generate
   from specjax.sampling import Sampling

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from specjax import kernels, sharding
 from specjax.draft import Proposal, gather_tokens
 from specjax.sampling import Sampling, VerifyResult, seed_from_key, verify_reference
 from specjax.validation import is_eos as is_eos_token
@@ -53,19 +54,11 @@ def verify_tokens(target_logits, draft_logits, draft_tokens, *, sampling: Sampli
   if callable(impl):
     return impl(target_logits, draft_logits, draft_tokens, **kwargs)
   if impl in ("auto", "reference"):
-    from specjax import sharding
     if sharding.vocab_is_sharded():  # under a mesh that splits the vocabulary: never gather it
       return sharding.sharded_verify(target_logits, draft_logits, draft_tokens, **kwargs)
   if impl == "reference":
     return verify_reference(target_logits, draft_logits, draft_tokens, **kwargs)
-  try:
-    from specjax import kernels
-    dispatch = kernels.verify_dispatch
-  except (ImportError, AttributeError):
-    if impl == "auto":
-      return verify_reference(target_logits, draft_logits, draft_tokens, **kwargs)
-    raise ValueError("the fused verify kernel is not available in this build") from None
-  return dispatch(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
+  return kernels.verify_dispatch(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
 
 
 def verify_block(target, state: "DecodeState", proposal: Proposal, key: jax.Array, *,

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import specjax as sj
-import specjax.kernels  # noqa: F401  (before any trace: the kernels compute constants at import)
 from specjax import corpus
 from specjax.default import default_dir
 
