@@ -67,6 +67,9 @@ def write_block(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.A
   return jax.vmap(one_row)(buffer, block, starts.astype(jnp.int32))
 
 
+UNROLLED_WRITE_MAX_BATCH = 16  # larger batches write with one batched scatter
+
+
 def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
   """Writes every layer's `block[:, b]` into `stacked[:, b]` at slot `starts[b]`, for every row.
 
@@ -78,15 +81,17 @@ def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array)
   Returns:
     The updated buffer. Callers size the cache so that `starts + T <= S` (see `write_block`).
 
-  On one device this is one in-place `dynamic_update_slice` of a `[L, T, H, D]` slab per row: the
-  cost is the block's size, not the cache's. Under a mesh (the batch may be split across devices)
-  it is a batched scatter instead, which the SPMD partitioner keeps local to each device, where
-  per-row updates of a sharded array would need collective permutes.
+  For a small batch on one device this is one in-place `dynamic_update_slice` of a `[L, T, H, D]`
+  slab per row, unrolled: the cost is the block's size, not the cache's. A large batch (the unrolled
+  updates would grow the program with B) and any batch under a mesh (per-row updates of a sharded
+  array would need collective permutes; the SPMD partitioner keeps a batched scatter local to each
+  device) use one batched scatter instead.
   """
   starts = starts.astype(jnp.int32)
   block = block.astype(stacked.dtype)
   mesh = jax.sharding.get_abstract_mesh()
-  if mesh is not None and not mesh.empty and any(size > 1 for size in mesh.axis_sizes):
+  under_mesh = mesh is not None and not mesh.empty and any(size > 1 for size in mesh.axis_sizes)
+  if under_mesh or stacked.shape[1] > UNROLLED_WRITE_MAX_BATCH:
     def one_row(row_buffer, row_block, start):  # [L, S, H, D] <- [L, T, H, D]
       return jax.lax.dynamic_update_slice(row_buffer, row_block, (0, start, 0, 0))
     return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(stacked, block, starts)
