@@ -32,7 +32,12 @@ class DecodeStats:
 
   @property
   def acceptance_rate(self) -> jax.Array:
-    """Accepted / drafted, per row (0 where nothing was drafted)."""
+    """Accepted / drafted, per row (0 where nothing was drafted).
+
+    This is the fraction of proposed tokens kept, not the per-token acceptance `a` of the
+    analytic bound: drafts after a rejection are never tested, so with `a = 0.8` and `k = 4` it
+    reads about 0.6. `accepted_per_position` gives `a` as accepted[j] / reached[j].
+    """
     return jnp.where(self.drafted > 0, self.accepted / jnp.maximum(self.drafted, 1), 0.0)
 
   @property

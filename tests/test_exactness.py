@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.audit import _rule_without_residual
 from specjax.models import tiny_config
 from specjax.models.transformer import forward
-from specjax.sampling import (PURPOSE_RESIDUAL, VerifyResult, sample_race, verify_reference,
-                              warp_logits)
+from specjax.sampling import verify_reference
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -100,20 +100,9 @@ def run_decode(target, drafter, sampling, num_draft=2, seed=0, verify_impl="auto
   return np.asarray(out.tokens), out.stats
 
 
-# Deliberately broken rules. They wrap the real one so that only the named step is wrong.
-def rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seed,
-                          positions, rows):
-  """On rejection, sample the correction from p instead of normalize(max(p - q, 0))."""
-  result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                            seed=seed, positions=positions, rows=rows)
-  n = result.num_accepted
-  p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
-  from_p = sample_race(warp_logits(p_at_n, sampling), seed, rows, positions + n,
-                       PURPOSE_RESIDUAL)
-  final = jnp.where(n < draft_tokens.shape[1], from_p,
-                    jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])
-  tokens = result.tokens.at[jnp.arange(len(n)), n].set(final)
-  return VerifyResult(n, tokens)
+# Deliberately broken rules. They wrap the real one so that only the named step is wrong. The
+# audit keeps the "no residual" rule behind its private flag; the test uses that same function.
+rule_without_residual = _rule_without_residual
 
 
 def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seed, positions,
