@@ -368,6 +368,18 @@ def test_kernel_exports_for_tpu(sampling, draft):
   assert "tpu_custom_call" in exported.mlir_module()
 
 
+@pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=0.7, top_k=50, top_p=0.9)],
+                         ids=str)
+@pytest.mark.parametrize("draft", [True, False], ids=["q", "point_mass"])
+def test_kernel_exports_for_tpu_with_row_blocks(sampling, draft):
+  # 8-row blocks, two ragged vocabulary tiles and a partial last row block (B = 20) through
+  # the Mosaic lowering.
+  args, kwargs = _abstract_args(batch=20, vocab=1000, draft=draft)
+  fn = functools.partial(fused_verify, sampling=sampling, block_sizes=BlockSizes(512, 8))
+  exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args, **kwargs)
+  assert "tpu_custom_call" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("sampling", [S.GREEDY, S.Sampling(temperature=1.0),
                                       S.Sampling(temperature=0.7, top_k=50, top_p=0.9)], ids=str)
 @pytest.mark.parametrize("draft", [True, False], ids=["q", "point_mass"])
@@ -379,6 +391,12 @@ def test_gpu_kernel_exports_for_cuda(sampling, draft):
   exported = jax.export.export(fn, platforms=["cuda"],
                                disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(*args, **kwargs)
   assert TRITON_CUSTOM_CALL in exported.mlir_module()
+  if sampling.top_k:  # 4-row blocks (B = 4 here: one block)
+    blocked = jax.jit(functools.partial(fused_verify_gpu, sampling=sampling,
+                                        block_sizes=GpuBlockSizes(block_v=512, block_b=4)))
+    exported = jax.export.export(blocked, platforms=["cuda"],
+                                 disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(*args, **kwargs)
+    assert TRITON_CUSTOM_CALL in exported.mlir_module()
   if sampling == S.GREEDY and draft:
     with pytest.raises(ValueError, match="custom call"):
       jax.export.export(fn, platforms=["cuda"])(*args, **kwargs)
