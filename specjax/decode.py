@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,14 +24,11 @@ import jax.numpy as jnp
 from specjax import validation
 from specjax.cache import KVCache
 from specjax.draft import Proposal, as_drafter
-from specjax.generate import check_model, check_sampling
+from specjax.generate import NEW_TOKEN_BUCKET, check_model, check_sampling, resolve_pad_id
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, Sampling, seed_from_key
 from specjax.tracing import TRACE_COUNTS
 from specjax.verify import check_verify_impl, verify_block
-
-NEW_TOKEN_BUCKET = 64
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +100,46 @@ def draft_step(drafter, state: DecodeState, key: jax.Array, *, num_draft: int,
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
 
 
+class DecodeArguments(NamedTuple):
+  """`decode`'s arguments after validation."""
+
+  drafter: Any
+  tokens: jax.Array  # [B, T] int32
+  lengths: jax.Array  # [B] int32
+  rng: jax.Array
+  max_new_tokens: int
+  num_draft: int
+  eos_ids: jax.Array  # [E] int32
+  capacity: int  # max_new_tokens rounded up to the bucket
+
+
+def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
+                           sampling, eos_id, verify_impl) -> DecodeArguments:
+  """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
+
+  Raises:
+    ValueError: naming the problem (see `decode`).
+  """
+  check_model(target, "target")
+  drafter = as_drafter(draft)
+  tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
+  num_draft = validation.check_count(num_draft, "num_draft")
+  max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
+  if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
+    raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
+                     f"({target.vocab_size}): speculative decoding needs one shared tokenizer")
+  validation.check_context(lengths, tokens.shape[1], max_new_tokens, target.max_len, "target")
+  if hasattr(drafter, "max_len"):
+    validation.check_context(lengths, tokens.shape[1], max_new_tokens, drafter.max_len, "draft")
+  rng = validation.check_rng(rng)
+  eos_ids = jnp.array(validation.check_eos(eos_id, target.vocab_size), jnp.int32)
+  check_sampling(sampling)
+  check_verify_impl(verify_impl)
+  capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+  return DecodeArguments(drafter, tokens, lengths, rng, max_new_tokens, num_draft, eos_ids,
+                         capacity)
+
+
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
            num_draft: int = 4, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
@@ -128,28 +165,14 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
   """
-  check_model(target, "target")
-  drafter = as_drafter(draft)
-  tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-  num_draft = validation.check_count(num_draft, "num_draft")
-  max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
-  if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
-    raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
-                     f"({target.vocab_size}): speculative decoding needs one shared tokenizer")
-  validation.check_context(lengths, tokens.shape[1], max_new_tokens, target.max_len, "target")
-  if hasattr(drafter, "max_len"):
-    validation.check_context(lengths, tokens.shape[1], max_new_tokens, drafter.max_len, "draft")
-  rng = validation.check_rng(rng)
-  eos = validation.check_eos(eos_id, target.vocab_size)
-  check_sampling(sampling)
-  check_verify_impl(verify_impl)
-  pad = getattr(getattr(target, "config", None), "pad_id", 0) if pad_id is None else pad_id
-  capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  out = _decode(target, drafter, tokens, lengths, rng, jnp.int32(max_new_tokens),
-                jnp.array(eos, jnp.int32),
-                sampling=sampling, num_draft=num_draft, capacity=capacity, pad_id=int(pad),
-                verify_impl=verify_impl)
-  return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
+  args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
+                                max_new_tokens=max_new_tokens, num_draft=num_draft,
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
+  out = _decode(target, args.drafter, args.tokens, args.lengths, args.rng,
+                jnp.int32(args.max_new_tokens), args.eos_ids, sampling=sampling,
+                num_draft=args.num_draft, capacity=args.capacity,
+                pad_id=resolve_pad_id(target, pad_id), verify_impl=verify_impl)
+  return DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",

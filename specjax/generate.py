@@ -34,6 +34,11 @@ def check_sampling(sampling):
   return sampling
 
 
+def resolve_pad_id(model, pad_id: int | None) -> int:
+  """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None."""
+  return int(getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id)
+
+
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int | None = None) -> DecodeOutput:
@@ -60,7 +65,7 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   rng = validation.check_rng(rng)
   eos = validation.check_eos(eos_id, model.vocab_size)
   check_sampling(sampling)
-  pad = getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id
+  pad = resolve_pad_id(model, pad_id)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens),
                   jnp.array(eos, jnp.int32), sampling=sampling, capacity=capacity, pad_id=int(pad))

@@ -17,9 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import validation
-from specjax.decode import NEW_TOKEN_BUCKET, draft_step, init_state
-from specjax.draft import as_drafter
+from specjax.decode import check_decode_arguments, draft_step, init_state
 from specjax.sampling import GREEDY, Sampling
 from specjax.verify import verify_block
 
@@ -39,7 +37,8 @@ def _round(target, drafter, state, rng, *, num_draft, sampling, verify_impl):
 
 
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-                  num_draft: int = 4, sampling: Sampling = GREEDY, eos_id: int | None = None,
+                  num_draft: int = 4, sampling: Sampling = GREEDY,
+                  eos_id: int | tuple[int, ...] | None = None,
                   verify_impl: str = "auto") -> Iterator[tuple[list[np.ndarray], object]]:
   """Speculative decoding that yields after every round.
 
@@ -52,17 +51,13 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
     running counters). The concatenation of a row's yields equals `decode(...).tokens[b]` up to
     `num_tokens[b]`.
   """
-  drafter = as_drafter(draft)
-  tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-  num_draft = validation.check_count(num_draft, "num_draft")
-  max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
-  validation.check_context(lengths, tokens.shape[1], max_new_tokens, target.max_len, "target")
-  rng = validation.check_rng(rng)
-  eos = -1 if eos_id is None else validation.check_eos(eos_id, target.vocab_size)
-  capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  state = _start(target, drafter, tokens, lengths, jnp.int32(max_new_tokens),
-                 jnp.asarray(eos, jnp.int32), num_draft=num_draft, capacity=capacity)
-  seen = np.asarray(lengths)
+  args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
+                                max_new_tokens=max_new_tokens, num_draft=num_draft,
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
+  drafter, rng, num_draft = args.drafter, args.rng, args.num_draft
+  state = _start(target, drafter, args.tokens, args.lengths, jnp.int32(args.max_new_tokens),
+                 args.eos_ids, num_draft=num_draft, capacity=args.capacity)
+  seen = np.asarray(args.lengths)
   while not bool(np.all(np.asarray(state.done))):
     state = _round(target, drafter, state, rng, num_draft=num_draft, sampling=sampling,
                    verify_impl=verify_impl)

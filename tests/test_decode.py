@@ -211,3 +211,14 @@ def test_decode_rejects_vocab_mismatch_and_short_draft_context(target, batch):
     sj.decode(target, short, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=40)
   with pytest.raises(ValueError, match="draft must be"):
     sj.decode(target, "tiny", tokens, jax.random.key(0), lengths=lengths)
+
+
+def test_streaming_decode_validates_like_decode(target, batch):
+  from specjax.streaming import decode_stream
+  tokens, lengths = batch
+  other = sj.init_params(tiny_config(vocab_size=VOCAB + 1), jax.random.key(2))
+  with pytest.raises(ValueError, match="draft vocabulary"):
+    next(decode_stream(target, other, tokens, jax.random.key(0), lengths=lengths))
+  with pytest.raises(ValueError, match="verify_impl"):
+    next(decode_stream(target, target, tokens, jax.random.key(0), lengths=lengths,
+                       verify_impl="fast"))

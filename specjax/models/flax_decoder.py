@@ -1,7 +1,8 @@
 """A small decoder-only transformer in Flax (NNX and Linen) that speaks specjax's cache protocol.
 
 Both modules map `(tokens [B, T], starts [B], cache: KVCache) -> (logits [B, T, V], KVCache)`:
-keys and values of the block are written into the fixed-shape cache at each row's own offset and the returned cache's lengths are `starts + T`. That is all
+keys and values of the block are written into the fixed-shape cache at each row's own offset
+(`specjax.cache.write_block`) and the returned cache's lengths are `starts + T`. That is all
 `specjax.decode` needs from a model; `specjax.models.adapter` turns either module plus its
 parameters into a pytree following the specjax model protocol. They are deliberately plain
 (learned absolute positions, pre-norm, multi-head attention, GELU MLP): a template for adapting
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.cache import KVCache
+from specjax.cache import KVCache, write_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,15 +37,6 @@ class DecoderConfig:
     return self.embed_dim // self.num_heads
 
 
-def write_rows(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
-  """`buffer [B, S, H, D]` with `block [B, T, H, D]` written at slot `starts[b]` of each row."""
-  def one_row(row_buffer, row_block, start):
-    return jax.lax.dynamic_update_slice(row_buffer, row_block.astype(row_buffer.dtype),
-                                        (start, 0, 0))
-
-  return jax.vmap(one_row)(buffer, block, starts.astype(jnp.int32))
-
-
 def cached_attention(q, k, v, starts, cache: KVCache, layer: int):
   """Causal attention of a block against the cache, after writing the block's keys/values.
 
@@ -56,8 +48,8 @@ def cached_attention(q, k, v, starts, cache: KVCache, layer: int):
   Returns:
     `(out [B, T, H, D], cache with layer updated)`.
   """
-  keys = write_rows(cache.k[layer], k, starts)  # [B, S, H, D]
-  values = write_rows(cache.v[layer], v, starts)
+  keys = write_block(cache.k[layer], k, starts)  # [B, S, H, D]
+  values = write_block(cache.v[layer], v, starts)
   cache = dataclasses.replace(cache, k=cache.k.at[layer].set(keys),
                               v=cache.v.at[layer].set(values))
   q_pos = starts[:, None] + jnp.arange(q.shape[1])  # [B, T]
