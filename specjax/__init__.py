@@ -1,16 +1,16 @@
 """specjax: exact speculative decoding in JAX, built for Cloud TPU."""
 
 from specjax.cache import KVCache
-from specjax.checkpoint import from_hf, load, save
+from specjax.io import from_hf, load, save
 from specjax.decode import DecodeState, decode, draft_step, init_state
-from specjax.draft import Drafter, ModelDrafter, NGramDrafter, Proposal
+from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling
-from specjax.verify import verify_block
-from specjax.sharding import ShardingRules, make_mesh, shard
-from specjax.tokenizer import Tokenizer, load_tokenizer
+from specjax.round import round_step, verify_block
+from specjax.parallel import ShardingRules, make_mesh, shard
+from specjax.io.tokenizer import Tokenizer, load_tokenizer
 from specjax.default import DefaultPair, load_default
 from specjax.audit import AuditReport, audit
 

@@ -65,7 +65,7 @@ def _run_convert(args):
   from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                              TimeElapsedColumn)
 
-  from specjax import checkpoint
+  from specjax.io import hf, orbax
 
   if pathlib.Path(args.out_dir).exists() and not args.overwrite:
     raise CliError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
@@ -77,11 +77,11 @@ def _run_convert(args):
     def progress(done, total, name):
       bar.update(reading, completed=done, total=total, tensor=name)
 
-    model = checkpoint.from_hf(args.hf_dir, dtype=args.dtype, progress=progress)
+    model = hf.from_hf(args.hf_dir, dtype=args.dtype, progress=progress)
     bar.update(reading, tensor="")
     writing = bar.add_task("writing Orbax checkpoint", total=1, tensor=str(args.out_dir))
-    checkpoint.save(model, args.out_dir, overwrite=args.overwrite)
-    copied = checkpoint.copy_tokenizer_files(args.hf_dir, args.out_dir)
+    orbax.save(model, args.out_dir, overwrite=args.overwrite)
+    copied = hf.copy_tokenizer_files(args.hf_dir, args.out_dir)
     bar.update(writing, completed=1)
   config = model.config
   print(f"wrote {args.out_dir}: {config.family}, {config.num_layers} layers, "
@@ -132,16 +132,16 @@ def _load_model(path: str, dtype: str):
   """A model from a specjax (Orbax) or Hugging Face checkpoint directory."""
   import pathlib
 
-  from specjax import checkpoint
+  from specjax.io import hf, orbax
 
   directory = pathlib.Path(path)
   if not directory.is_dir():
     raise CliError(f"no checkpoint directory at {path}")
-  if (directory / checkpoint.CONFIG_FILE).is_file():
-    return checkpoint.load(directory, dtype=dtype)
+  if (directory / orbax.CONFIG_FILE).is_file():
+    return orbax.load(directory, dtype=dtype)
   if (directory / "config.json").is_file():
-    return checkpoint.from_hf(directory, dtype=dtype)
-  raise CliError(f"{path} is neither a specjax checkpoint ({checkpoint.CONFIG_FILE}) nor a "
+    return hf.from_hf(directory, dtype=dtype)
+  raise CliError(f"{path} is neither a specjax checkpoint ({orbax.CONFIG_FILE}) nor a "
                  "Hugging Face one (config.json)")
 
 
@@ -227,7 +227,7 @@ def _run_generate(args):
     sys.stdout.write(tokenizer.decode(new))
     stats = out.stats
   else:
-    from specjax.streaming import decode_stream
+    from specjax.stream import decode_stream
     new, printed, stats = [], "", None
     for tokens, state in decode_stream(target, draft, ids, rng, lengths=lengths,
                                        max_new_tokens=args.max_new_tokens,
@@ -301,23 +301,53 @@ def _add_bench(subparsers):
   parser = subparsers.add_parser(
       "bench", help="measure the speedup of speculative decoding (JSON, plots, README table)",
       description="Speedup of specjax.decode over specjax.generate and a peer, against the "
-      "analytic bound; see specjax/bench.py.")
+      "analytic bound; the suites live in the benchmarks/ package of a source checkout (see "
+      "benchmarks/README.md).", add_help=False)
   try:
-    from specjax import bench
-  except ImportError as error:
+    benchmarks_cli = _benchmarks_cli()
+  except CliError as error:
+    parser.add_argument("-h", "--help", action="help")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.set_defaults(func=_bench_missing, missing=str(error))
     return
-  bench.build_parser(parser)
+  parser.add_argument("-h", "--help", action="help")
+  benchmarks_cli.build_parser(parser)
   parser.set_defaults(func=_run_bench)
 
 
+def _benchmarks_cli():
+  """`benchmarks.cli` of the source checkout this specjax comes from (not part of the wheel).
+
+  Raises:
+    CliError: outside a checkout (an installed wheel), or without the bench dependencies.
+  """
+  import importlib
+  import pathlib
+
+  root = pathlib.Path(__file__).resolve().parent.parent
+  if not (root / "benchmarks" / "__init__.py").is_file():
+    raise CliError("specjax bench needs a source checkout: the benchmarks/ package is not part "
+                   "of the installed wheel; clone the repository, `pip install -e '.[bench]'` and "
+                   "run `specjax bench` (or `python -m benchmarks`) there")
+  if str(root) not in sys.path:
+    sys.path.insert(0, str(root))
+  try:
+    package = importlib.import_module("benchmarks")
+    if not getattr(package, "SPECJAX_BENCHMARKS", False):
+      raise CliError(f"another package named 'benchmarks' ({package.__file__}) shadows the "
+                     f"specjax benchmarks in {root / 'benchmarks'}")
+    return importlib.import_module("benchmarks.cli")
+  except ImportError as error:
+    raise CliError(f"the benchmark suite cannot be imported ({error}); install the bench "
+                   "dependencies: pip install -e '.[bench]'") from None
+
+
 def _bench_missing(args):
-  raise CliError(f"the benchmark suite is not available in this build ({args.missing})")
+  raise CliError(args.missing)
 
 
 def _run_bench(args):
-  from specjax import bench
-  return bench.run_args(args)
+  return _benchmarks_cli().run_args(args)
 
 
 SUBCOMMANDS += [_add_generate, _add_audit, _add_bench]

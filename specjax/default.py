@@ -16,7 +16,7 @@ import pathlib
 import jax.numpy as jnp
 
 from specjax.models.transformer import Model
-from specjax.tokenizer import Tokenizer
+from specjax.io.tokenizer import Tokenizer
 
 TARGET_DIR = "target"
 DRAFT_DIR = "draft"
@@ -62,8 +62,8 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   Returns:
     A `DefaultPair` with `.target`, `.draft` and `.tokenizer`.
   """
-  from specjax.checkpoint import load
-  from specjax.tokenizer import load_tokenizer
+  from specjax.io.orbax import load
+  from specjax.io.tokenizer import load_tokenizer
   directory = default_dir()
   return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
                      draft=load(directory / DRAFT_DIR, dtype=dtype),
@@ -75,7 +75,7 @@ def export(target: Model, draft: Model, tokenizer_path: str | pathlib.Path,
   """Writes a pair in the shipped layout (weights cast to `dtype`), e.g. into `checkpoints/`."""
   import shutil
 
-  from specjax.checkpoint import save
+  from specjax.io.orbax import save
   directory = pathlib.Path(directory)
   directory.mkdir(parents=True, exist_ok=True)
   save(target.astype(dtype), directory / TARGET_DIR, overwrite=True)

@@ -1,5 +1,8 @@
-"""The benchmark suite at a tiny size (it runs and writes well-formed results; no timings are
-checked), the synthetic-acceptance rule, and the Hugging Face export round trip."""
+"""The benchmark suites at a tiny size (they run and write well-formed results; no timings are
+checked), the synthetic-acceptance rule, the bound, and the Hugging Face export round trip.
+
+`benchmarks` is the package of the source checkout (outside the wheel); pytest runs from the
+repository root, which puts it on the path."""
 
 import json
 
@@ -9,13 +12,13 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import bench
-from specjax.export_hf import export_hf
+from benchmarks import bound, cli as bench_cli, synthetic, timing
+from specjax.io.export_hf import export_hf
 from specjax.models.config import tiny_config
 
 
 def test_tiny_suite_writes_json_plots_and_table(tmp_path):
-  code = bench.main(["--suite", "tiny", "--out", str(tmp_path), "--k", "1,2", "--batch", "1,2",
+  code = bench_cli.main(["--suite", "tiny", "--out", str(tmp_path), "--k", "1,2", "--batch", "1,2",
                      "--temperature", "1",
                      "--max-new-tokens", "6", "--repeats", "1"])
   assert code == 0
@@ -32,7 +35,7 @@ def test_tiny_suite_writes_json_plots_and_table(tmp_path):
     if r["temperature"] == 0.0:
       assert r["greedy_identical"]
   synthetic = result["synthetic_records"]
-  assert synthetic and all(r["label"] == bench.SYNTHETIC_LABEL for r in synthetic)
+  assert synthetic and all(r["label"] == synthetic.SYNTHETIC_LABEL for r in synthetic)
   assert all(r["synthetic_acceptance"] == 0.8 for r in synthetic)
   peer = result["peer"]
   assert peer["greedy_streams_identical"]
@@ -51,15 +54,15 @@ def test_tiny_suite_writes_json_plots_and_table(tmp_path):
 
 @pytest.mark.parametrize("acceptance", [0.0, 0.5, 1.0])
 def test_synthetic_rule_accepts_at_its_rate(acceptance):
-  rule = bench.synthetic_verify(acceptance)
-  assert bench.synthetic_verify(acceptance) is rule  # one function per rate: one compile
+  rule = synthetic.synthetic_verify(acceptance)
+  assert synthetic.synthetic_verify(acceptance) is rule  # one function per rate: one compile
   batch, k, vocab = 512, 4, 16
   logits = jax.random.normal(jax.random.key(1), (batch, k + 1, vocab))
   drafts = jnp.zeros((batch, k), jnp.int32) + 3
-  seed = jnp.array([7, 11], jnp.uint32)
+  seeds = jnp.arange(batch, dtype=jnp.uint32) * 7919 + 11  # [B] per-row seeds
   positions = jnp.arange(batch, dtype=jnp.int32)
-  result = rule(logits, None, drafts, sampling=sj.Sampling(), seed=seed, positions=positions)
-  again = rule(logits, None, drafts, sampling=sj.Sampling(), seed=seed, positions=positions)
+  result = rule(logits, None, drafts, sampling=sj.Sampling(), seeds=seeds, positions=positions)
+  again = rule(logits, None, drafts, sampling=sj.Sampling(), seeds=seeds, positions=positions)
   np.testing.assert_array_equal(result.tokens, again.tokens)  # deterministic in the seed
   accepted = np.asarray(result.num_accepted)
   if acceptance == 0.0:
@@ -75,21 +78,29 @@ def test_synthetic_rule_accepts_at_its_rate(acceptance):
     assert (tokens[row, :n] == 3).all()
     assert tokens[row, n] == argmax[row, n]  # the target's own token after the accepted drafts
   with pytest.raises(ValueError):
-    bench.synthetic_verify(1.5)
+    synthetic.synthetic_verify(1.5)
 
 
 def test_analytic_bound():
-  assert bench.expected_tokens_per_round(0.0, 4) == 1.0
-  assert bench.expected_tokens_per_round(1.0, 4) == 5.0
-  assert bench.expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
+  assert bound.expected_tokens_per_round(0.0, 4) == 1.0
+  assert bound.expected_tokens_per_round(1.0, 4) == 5.0
+  assert bound.expected_tokens_per_round(0.5, 2) == pytest.approx(1.75)
   # 1.75 tokens per round / (2 * 0.1 + 1.2)
-  assert bench.analytic_bound(0.5, 2, 0.1, 1.2) == pytest.approx(1.25)
+  assert bound.analytic_bound(0.5, 2, 0.1, 1.2) == pytest.approx(1.25)
+
+
+def test_per_token_acceptance():
+  # 10 rounds, k = 3: position 0 accepted 8 times, position 1 4 times (of 8 reached), position 2
+  # twice (of 4 reached): a = (8 + 4 + 2) / (10 + 8 + 4).
+  assert bound.per_token_acceptance([8, 4, 2], 10) == pytest.approx(14 / 22)
+  assert bound.per_token_acceptance([0, 0], 0) == 0.0
+  assert bound.per_token_acceptance([5, 5], 5) == 1.0
 
 
 def test_first_divergence():
-  assert bench.first_divergence([1, 2, 3], [1, 2, 3]) is None
-  assert bench.first_divergence([1, 2, 3], [1, 5, 3]) == 1
-  assert bench.first_divergence([1, 2], [1, 2, 3]) == 2
+  assert timing.first_divergence([1, 2, 3], [1, 2, 3]) is None
+  assert timing.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+  assert timing.first_divergence([1, 2], [1, 2, 3]) == 2
 
 
 @pytest.mark.parametrize("tied", [False, True])

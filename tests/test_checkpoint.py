@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import checkpoint
+from specjax.io import orbax as checkpoint
 from specjax.models import gemma_style, tiny_config
 
 
@@ -24,8 +24,8 @@ def _bits(x) -> np.ndarray:
 
 def _assert_bitwise_equal(a: sj.Model, b: sj.Model):
   assert a.config == b.config
-  flat_a = checkpoint._flatten(a.params)
-  flat_b = checkpoint._flatten(b.params)
+  flat_a = checkpoint.flatten(a.params)
+  flat_b = checkpoint.flatten(b.params)
   assert flat_a.keys() == flat_b.keys()
   for name in flat_a:
     assert flat_a[name].dtype == flat_b[name].dtype, name
@@ -70,10 +70,10 @@ def test_load_casts_dtype(tmp_path):
   model = sj.init_params(CONFIGS["gemma2"], jax.random.key(1), jnp.bfloat16)
   sj.save(model, tmp_path / "ckpt")
   restored = sj.load(tmp_path / "ckpt", dtype=jnp.float32)
-  for name, leaf in checkpoint._flatten(restored.params).items():
+  for name, leaf in checkpoint.flatten(restored.params).items():
     assert leaf.dtype == jnp.float32, name
     np.testing.assert_array_equal(
-        leaf, np.asarray(checkpoint._flatten(model.params)[name]).astype(np.float32))
+        leaf, np.asarray(checkpoint.flatten(model.params)[name]).astype(np.float32))
 
 
 def _mesh_2x4():
@@ -97,8 +97,8 @@ def test_restore_into_2x4_mesh(tmp_path):
                            is_leaf=lambda x: isinstance(x, P))
   restored = sj.load(tmp_path / "ckpt", sharding=shardings)
   _assert_bitwise_equal(model, restored)
-  flat_shardings = checkpoint._flatten(shardings)
-  for name, leaf in checkpoint._flatten(restored.params).items():
+  flat_shardings = checkpoint.flatten(shardings)
+  for name, leaf in checkpoint.flatten(restored.params).items():
     assert leaf.sharding == flat_shardings[name], name
     expected_shard = flat_shardings[name].shard_shape(leaf.shape)
     assert len(leaf.addressable_shards) == 8
@@ -243,6 +243,6 @@ def test_restore_onto_a_mesh_by_logical_axis_rules(tmp_path):
   sj.save(model, tmp_path / "ckpt")
   restored = sj.load(tmp_path / "ckpt", sharding=mesh)
   _assert_bitwise_equal(model, restored)
-  expected = checkpoint._flatten(sharding_lib.param_shardings(model, mesh))
-  for name, leaf in checkpoint._flatten(restored.params).items():
+  expected = checkpoint.flatten(sharding_lib.param_shardings(model, mesh))
+  for name, leaf in checkpoint.flatten(restored.params).items():
     assert leaf.sharding == expected[name], name

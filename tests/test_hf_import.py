@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
-from specjax import checkpoint
+from specjax.io import orbax as checkpoint
 
 torch = pytest.importorskip("torch", reason="the transformers peer needs torch (install the "
                             "'peer' extra: pip install -e .[peer])")
@@ -212,8 +212,8 @@ def test_sharded_safetensors_index(llama, tmp_path):
   assert (tmp_path / "model.safetensors.index.json").is_file()
   assert len(list(tmp_path.glob("*.safetensors"))) > 2
   a, b = sj.from_hf(single), sj.from_hf(tmp_path)
-  for name, leaf in checkpoint._flatten(a.params).items():
-    np.testing.assert_array_equal(leaf, checkpoint._flatten(b.params)[name], err_msg=name)
+  for name, leaf in checkpoint.flatten(a.params).items():
+    np.testing.assert_array_equal(leaf, checkpoint.flatten(b.params)[name], err_msg=name)
 
 
 def test_weights_are_transposed_hf_tensors(llama):
@@ -257,8 +257,8 @@ def test_import_into_2x4_mesh_then_save_and_load(llama, tmp_path):
   shardings = jax.tree.map(lambda x: NamedSharding(mesh, P(*([None] * (x.ndim - 1) + ["model"]))),
                            reference.params)
   model = sj.from_hf(path, sharding=shardings)
-  for name, leaf in checkpoint._flatten(model.params).items():
-    np.testing.assert_array_equal(leaf, checkpoint._flatten(reference.params)[name])
+  for name, leaf in checkpoint.flatten(model.params).items():
+    np.testing.assert_array_equal(leaf, checkpoint.flatten(reference.params)[name])
     assert leaf.addressable_shards[0].data.shape[-1] == leaf.shape[-1] // 4, name
   sj.save(model, tmp_path / "orbax")
   restored = sj.load(tmp_path / "orbax", sharding=shardings)
@@ -397,8 +397,8 @@ def test_convert_command(llama, tmp_path, capsys):
   assert "llama, 3 layers" in printed.out and "tokenizer.json" in printed.out
   converted, direct = sj.load(out), sj.from_hf(hf_dir)
   assert converted.config == direct.config
-  for name, leaf in checkpoint._flatten(direct.params).items():
-    np.testing.assert_array_equal(checkpoint._flatten(converted.params)[name], leaf)
+  for name, leaf in checkpoint.flatten(direct.params).items():
+    np.testing.assert_array_equal(checkpoint.flatten(converted.params)[name], leaf)
   assert sj.load_tokenizer(out).encode("w4 w7 w1") == [7, 10, 4]
   assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id) == (
       converted.config.bos_id, converted.config.eos_id)

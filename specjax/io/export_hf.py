@@ -1,6 +1,6 @@
 """Export a `specjax.Model` to a Hugging Face Llama-format checkpoint directory.
 
-The inverse of the Llama branch of `specjax.checkpoint.from_hf`: `config.json` (`LlamaForCausalLM`)
+The inverse of the Llama branch of `specjax.io.hf.from_hf`: `config.json` (`LlamaForCausalLM`)
 plus one `model.safetensors` whose tensor names and layouts are those `from_hf` reads, so that
 `from_hf(export_hf(model, path))` returns bitwise-equal weights and `transformers` loads the same
 directory with `LlamaForCausalLM.from_pretrained`. This is how the benchmarks run a peer on exactly
@@ -19,7 +19,7 @@ import pathlib
 
 import numpy as np
 
-from specjax.checkpoint import _hf_layer_names
+from specjax.io.hf import hf_layer_names
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model
 
@@ -88,7 +88,7 @@ def hf_tensors(model: Model) -> dict[str, np.ndarray]:
              "model.norm.weight": host(params["final_norm"])}
   if not config.tie_embeddings:
     tensors["lm_head.weight"] = host(np.asarray(params["lm_head"]).T)
-  for name, (hf_name, transpose) in _hf_layer_names(config).items():
+  for name, (hf_name, transpose) in hf_layer_names(config).items():
     stacked = np.asarray(params["layers"][name])  # [L, ...]
     for i in range(config.num_layers):
       tensors[f"model.layers.{i}.{hf_name}"] = host(stacked[i].T if transpose else stacked[i])

@@ -1,254 +1,26 @@
-"""Checkpoints: Orbax save/restore of `specjax.Model`, and Hugging Face import.
-
-A specjax checkpoint is a directory:
-
-```
-path/
-  specjax_model.json   the ModelConfig (with RopeScaling) and the format version
-  params/              an Orbax `StandardCheckpointer` checkpoint of `model.params`
-```
-
-`load` validates the stored tree against the shapes the config implies before reading any array,
-then restores straight into the requested sharding against an abstract target
-(`jax.ShapeDtypeStruct` leaves that carry the sharding), so every device reads only its own shards
-and the full model is never gathered on one device.
+"""Hugging Face import: config.json mapping for the supported families, safetensors weights.
 
 `from_hf` reads a Hugging Face checkpoint directory (config.json + safetensors, single file or
 sharded with `model.safetensors.index.json`) of a supported family and maps names and layouts onto
-the built-in decoder.
+the built-in decoder; `convert_hf` writes the result as a specjax (Orbax) checkpoint.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.io.orbax import (check_param_shapes, expected_shapes, flatten, put, resolve_sharding,
+                              save)
+from specjax.io.safetensors import SafetensorsFiles, safetensors_files
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model, init_params
-
-CONFIG_FILE = "specjax_model.json"
-PARAMS_DIR = "params"
-FORMAT_VERSION = 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Config serialisation
-
-
-def config_to_dict(config: ModelConfig) -> dict:
-  """A JSON-ready dict of a `ModelConfig` (nested `RopeScaling` included)."""
-  return dataclasses.asdict(config)
-
-
-def config_from_dict(data: dict) -> ModelConfig:
-  """The inverse of `config_to_dict`; unknown fields are an error rather than silently dropped."""
-  data = dict(data)
-  known = {f.name for f in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(data) - known)
-  if unknown:
-    raise ValueError(f"unknown ModelConfig fields {unknown}: the checkpoint was written by a "
-                     "newer specjax")
-  scaling = data.get("rope_scaling")
-  if scaling is not None:
-    data["rope_scaling"] = RopeScaling(**scaling)
-  return ModelConfig(**data)
-
-
-# ---------------------------------------------------------------------------------------------
-# Orbax save / load
-
-
-def _checkpointer():
-  import orbax.checkpoint as ocp  # imported lazily: `import specjax` stays fast
-  return ocp.StandardCheckpointer()
-
-
-def save(model: Model, path: str | os.PathLike, *, overwrite: bool = False) -> pathlib.Path:
-  """Saves a model as an Orbax checkpoint with its architecture config beside the weights.
-
-  Args:
-    model: the `specjax.Model` to save (its arrays may be sharded over any mesh).
-    path: the checkpoint directory to create.
-    overwrite: replace an existing directory instead of raising.
-
-  Returns:
-    The absolute checkpoint directory.
-
-  Raises:
-    ValueError: `model` is not a `specjax.Model`, or `path` exists and `overwrite` is False.
-  """
-  if not isinstance(model, Model):
-    raise ValueError(f"save expects a specjax.Model, got {type(model).__name__}")
-  path = pathlib.Path(path).absolute()
-  if path.exists():
-    if not overwrite:
-      raise ValueError(f"{path} already exists (pass overwrite=True to replace it)")
-    if jax.process_index() == 0:
-      import shutil
-      shutil.rmtree(path)
-  with _checkpointer() as checkpointer:
-    checkpointer.save(path / PARAMS_DIR, model.params)
-    checkpointer.wait_until_finished()
-  # The config is written last: a directory without it is an interrupted save.
-  if jax.process_index() == 0:
-    record = {"format_version": FORMAT_VERSION, "config": config_to_dict(model.config)}
-    tmp = path / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path / CONFIG_FILE)
-  return path
-
-
-def read_config(path: str | os.PathLike) -> ModelConfig:
-  """The `ModelConfig` stored in a specjax checkpoint directory."""
-  path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f"no checkpoint directory at {path}")
-  config_path = path / CONFIG_FILE
-  if not config_path.is_file():
-    hint = (" (it looks like a Hugging Face checkpoint: use specjax.from_hf or `specjax convert`)"
-            if (path / "config.json").is_file() else "")
-    raise ValueError(f"{path} is not a complete specjax checkpoint: {CONFIG_FILE} is missing "
-                     f"(an interrupted save?){hint}")
-  try:
-    record = json.loads(config_path.read_text())
-    version = record["format_version"]
-    config_data = record["config"]
-  except (json.JSONDecodeError, KeyError, TypeError) as error:
-    raise ValueError(f"corrupt {config_path}: {error!r}") from None
-  if version != FORMAT_VERSION:
-    raise ValueError(f"{config_path} has format_version {version}; this specjax reads "
-                     f"{FORMAT_VERSION}")
-  try:
-    return config_from_dict(config_data)
-  except TypeError as error:
-    raise ValueError(f"corrupt {config_path}: {error}") from None
-
-
-def _path_name(key_path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
-
-
-def _flatten(tree) -> dict[str, Any]:
-  return {_path_name(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-  """`{"layers/wq": (L, E, H*D), ...}`: the parameter shapes a config implies."""
-  abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
-  return {name: tuple(leaf.shape) for name, leaf in _flatten(abstract).items()}
-
-
-def check_param_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, where: str):
-  """Raises a ValueError naming every missing, unexpected or mis-shaped tensor."""
-  expected = expected_shapes(config)
-  missing = sorted(set(expected) - set(found))
-  unexpected = sorted(set(found) - set(expected))
-  wrong = [f"{name}: expected {expected[name]}, found {tuple(found[name])}"
-           for name in sorted(set(expected) & set(found))
-           if tuple(found[name]) != expected[name]]
-  problems = []
-  if missing:
-    problems.append(f"missing tensors {missing}")
-  if unexpected:
-    problems.append(f"unexpected tensors {unexpected}")
-  if wrong:
-    problems.append("shape mismatch: " + "; ".join(wrong))
-  if problems:
-    raise ValueError(f"{where} does not match its config ({config.family}, "
-                     f"{config.num_layers} layers): " + "; ".join(problems))
-
-
-def _resolve_sharding(sharding, abstract_params: dict) -> dict:
-  """A pytree of shardings matching `abstract_params` from any accepted `sharding` argument."""
-  if sharding is None:
-    device = jax.local_devices()[0]
-    return jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), abstract_params)
-  if isinstance(sharding, jax.sharding.Mesh):
-    return _mesh_shardings(sharding, abstract_params)
-  if isinstance(sharding, jax.sharding.Sharding):
-    return jax.tree.map(lambda _: sharding, abstract_params)
-  try:
-    tree = jax.tree.map(lambda _, s: s, abstract_params, sharding,
-                        is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-  except ValueError as error:
-    raise ValueError("sharding must be a Sharding, a Mesh, or a pytree of shardings with the "
-                     f"structure of model.params: {error}") from None
-  for name, leaf in _flatten(tree).items():
-    if not isinstance(leaf, jax.sharding.Sharding):
-      raise ValueError(f"sharding for {name} is {type(leaf).__name__}, not a jax Sharding")
-  return tree
-
-
-def _mesh_shardings(mesh, abstract_params: dict) -> dict:
-  """Shardings from the logical-axis rules of `specjax.sharding` for a `Mesh`."""
-  try:
-    from specjax import sharding as sharding_lib
-  except ImportError:
-    raise ValueError("loading onto a Mesh needs specjax.sharding; pass a Sharding or a pytree "
-                     "of shardings instead") from None
-  return sharding_lib.param_shardings(abstract_params, mesh)
-
-
-def load(path: str | os.PathLike, sharding=None, dtype=None) -> Model:
-  """Restores a model saved with `save`.
-
-  Args:
-    path: the checkpoint directory.
-    sharding: where the weights go: None (the first local device), one `jax.sharding.Sharding`
-      for every leaf, a pytree of shardings with the structure of `model.params`, or a
-      `jax.sharding.Mesh` (laid out by the logical-axis rules of `specjax.sharding`). Each device
-      reads only its own shards.
-    dtype: cast floating-point weights to this dtype while restoring; None keeps the stored dtype.
-
-  Returns:
-    The `specjax.Model`.
-
-  Raises:
-    FileNotFoundError: `path` is not a directory.
-    ValueError: the directory is not a complete specjax checkpoint, is corrupt, or its tensors do
-      not match the stored config.
-  """
-  path = pathlib.Path(path).absolute()
-  config = read_config(path)
-  params_dir = path / PARAMS_DIR
-  if not params_dir.is_dir():
-    raise ValueError(f"{path} is not a complete specjax checkpoint: {PARAMS_DIR}/ is missing")
-  with _checkpointer() as checkpointer:
-    try:
-      stored = checkpointer.metadata(params_dir).item_metadata
-      stored = _flatten(stored.tree if hasattr(stored, "tree") else stored)
-    except Exception as error:  # Orbax raises many types for unreadable metadata.
-      raise ValueError(f"corrupt checkpoint {params_dir}: cannot read its metadata "
-                       f"({type(error).__name__}: {error})") from None
-    if not stored:
-      raise ValueError(f"corrupt checkpoint {params_dir}: no tensors found")
-    check_param_shapes({k: tuple(v.shape) for k, v in stored.items()}, config, str(params_dir))
-    abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
-    shardings = _resolve_sharding(sharding, abstract)
-
-    def target(name, leaf, leaf_sharding):
-      stored_dtype = jnp.dtype(stored[name].dtype)
-      want = stored_dtype
-      if dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating):
-        want = jnp.dtype(dtype)
-      return jax.ShapeDtypeStruct(leaf.shape, want, sharding=leaf_sharding)
-
-    names = jax.tree_util.tree_map_with_path(lambda kp, _: _path_name(kp), abstract)
-    abstract_target = jax.tree.map(target, names, abstract, shardings)
-    try:
-      params = checkpointer.restore(params_dir, abstract_target)
-    except Exception as error:
-      raise ValueError(f"corrupt checkpoint {params_dir}: restore failed "
-                       f"({type(error).__name__}: {error})") from None
-  return Model(params, config)
-
 
 # ---------------------------------------------------------------------------------------------
 # Hugging Face import
@@ -264,83 +36,6 @@ _GEMMA3_TEXT_DEFAULTS = dict(
     query_pre_attn_scalar=256, rms_norm_eps=1e-6, max_position_embeddings=131_072,
     sliding_window=4096, sliding_window_pattern=6, rope_local_base_freq=10_000.0,
     hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True)
-
-# Hugging Face dtype names in safetensors headers -> numpy dtypes (bfloat16 via ml_dtypes).
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-                       "BOOL": "bool"}
-
-
-class _SafetensorsFiles:
-  """Zero-copy, memory-mapped access to the tensors of one or more `.safetensors` files.
-
-  The `safetensors` package validates each file and lists its tensors; the arrays themselves are
-  read through `numpy.memmap` so that bfloat16 (which NumPy's safetensors backend cannot return)
-  maps onto `ml_dtypes.bfloat16` without a copy or a detour through another framework.
-  """
-
-  def __init__(self, files: list[pathlib.Path]):
-    from safetensors import safe_open
-
-    self._where: dict[str, tuple[pathlib.Path, str, tuple[int, ...], int, int]] = {}
-    self._maps: dict[pathlib.Path, np.memmap] = {}
-    for file in files:
-      if not file.is_file():
-        raise ValueError(f"safetensors file {file} is missing")
-      try:
-        with safe_open(str(file), framework="numpy") as handle:
-          listed = set(handle.keys())
-        with open(file, "rb") as stream:
-          header_len = int.from_bytes(stream.read(8), "little")
-          header = json.loads(stream.read(header_len))
-      except Exception as error:  # SafetensorError, JSON, OS errors: all mean the same here.
-        raise ValueError(f"corrupt safetensors file {file}: {error}") from None
-      data_start = 8 + header_len
-      for name, entry in header.items():
-        if name == "__metadata__":
-          continue
-        if name not in listed or entry["dtype"] not in _SAFETENSORS_DTYPES:
-          raise ValueError(f"{file}: tensor {name} has unsupported dtype {entry['dtype']}")
-        begin, end = entry["data_offsets"]
-        self._where[name] = (file, entry["dtype"], tuple(entry["shape"]), data_start + begin,
-                             data_start + end)
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._where
-
-  def names(self) -> list[str]:
-    return list(self._where)
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return self._where[name][2]
-
-  def dtype(self, name: str) -> np.dtype:
-    return jnp.dtype(_SAFETENSORS_DTYPES[self._where[name][1]])
-
-  def get(self, name: str) -> np.ndarray:
-    file, dtype, shape, begin, end = self._where[name]
-    if file not in self._maps:
-      self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
-    return self._maps[file][begin:end].view(self.dtype(name)).reshape(shape)
-
-
-def _safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
-  index = path / "model.safetensors.index.json"
-  if index.is_file():
-    try:
-      weight_map = json.loads(index.read_text())["weight_map"]
-    except (json.JSONDecodeError, KeyError, TypeError) as error:
-      raise ValueError(f"corrupt {index}: {error!r}") from None
-    return [path / name for name in sorted(set(weight_map.values()))]
-  single = path / "model.safetensors"
-  if single.is_file():
-    return [single]
-  found = sorted(path.glob("*.safetensors"))
-  if found:
-    return found
-  other = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pth"))
-  hint = f" (found {other}: re-save with safe_serialization=True)" if other else ""
-  raise ValueError(f"no safetensors weights in {path}{hint}")
 
 
 def _rope_parameters(hf: dict, layer_type: str | None) -> dict:
@@ -521,7 +216,7 @@ def hf_config_to_model_config(hf: dict) -> ModelConfig:
   )
 
 
-def _hf_layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
+def hf_layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
   """specjax layer weight -> (Hugging Face name inside a layer, transpose?)."""
   names = {
       "attn_norm": ("input_layernorm.weight", False),
@@ -547,7 +242,7 @@ def _hf_layer_names(config: ModelConfig) -> dict[str, tuple[str, bool]]:
   return names
 
 
-def _find_prefix(files: _SafetensorsFiles) -> str:
+def _find_prefix(files: SafetensorsFiles) -> str:
   """The name prefix of the decoder (`model.`, `model.language_model.`, ...)."""
   candidates = sorted((n[:-len("embed_tokens.weight")] for n in files.names()
                        if n.endswith("embed_tokens.weight")), key=len)
@@ -562,12 +257,6 @@ def _ignored_hf_tensor(name: str) -> bool:
           or name.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
                               "model.multi_modal_projector.")))
 
-
-def _put(array: np.ndarray, sharding) -> jax.Array:
-  if sharding is None:
-    return jnp.asarray(array)
-  # Each device copies only its own shard from host memory.
-  return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
 
 
 def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
@@ -609,10 +298,10 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
     config = hf_config_to_model_config(hf)
   except KeyError as error:
     raise ValueError(f"{config_path} lacks the field {error.args[0]!r}") from None
-  files = _SafetensorsFiles(_safetensors_files(path))
+  files = SafetensorsFiles(safetensors_files(path))
   prefix = _find_prefix(files)
   # specjax name -> list of (Hugging Face name, transpose?): one entry, or one per layer.
-  layer_names = _hf_layer_names(config)
+  layer_names = hf_layer_names(config)
   plan: dict[str, list[tuple[str, bool]]] = {
       "embed": [(prefix + "embed_tokens.weight", False)],
       "final_norm": [(prefix + "norm.weight", False)],
@@ -653,7 +342,7 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
 
   target_dtype = jnp.dtype(dtype) if dtype is not None else files.dtype(plan["embed"][0][0])
   abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
-  shardings = None if sharding is None else _flatten(_resolve_sharding(sharding, abstract))
+  shardings = None if sharding is None else flatten(resolve_sharding(sharding, abstract))
   total = sum(len(entries) for entries in plan.values())
   done = 0
   flat = {}
@@ -666,7 +355,7 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
       done += 1
       if progress is not None:
         progress(done, total, hf_name)
-    flat[name] = _put(out, None if shardings is None else shardings[name])
+    flat[name] = put(out, None if shardings is None else shardings[name])
     del out, target
   params: dict = {"layers": {}}
   for name, value in flat.items():
@@ -681,7 +370,7 @@ def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -
   """Copies the tokenizer files found in `source` (tokenizer.json, its configs, ...) to `target`."""
   import shutil
 
-  from specjax.tokenizer import TOKENIZER_FILES
+  from specjax.io.tokenizer import TOKENIZER_FILES
 
   source, target = pathlib.Path(source), pathlib.Path(target)
   copied = []
