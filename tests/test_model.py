@@ -128,3 +128,68 @@ def test_cache_room_and_write_bounds():
   cache = sj.KVCache.create(2, 3, 10, 1, 4)
   cache = cache.with_lengths(jnp.array([0, 4, 10]))
   np.testing.assert_array_equal(cache.room(), [10, 6, 0])
+
+
+def _reference_stream(model, tokens):
+  """The residual stream entering every layer (and after the last), by a hand-written Llama
+  forward: no cache, no scan, plain jnp per layer. `[L + 1, B, T, E]`."""
+  c, p = model.config, model.params
+  b, t = tokens.shape
+  pos = jnp.arange(t, dtype=jnp.float32)
+  inv = 1.0 / c.rope_theta ** (jnp.arange(0, c.head_dim, 2, dtype=jnp.float32) / c.head_dim)
+  angles = jnp.concatenate([pos[:, None] * inv] * 2, axis=-1)  # [T, D]
+
+  def norm(x, w):
+    return x / jnp.sqrt(jnp.mean(x * x, axis=-1, keepdims=True) + c.norm_eps) * w
+
+  def rope(x):  # [B, T, H, D]
+    half = c.head_dim // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * jnp.cos(angles)[:, None] + rotated * jnp.sin(angles)[:, None]
+
+  x = p["embed"][tokens]
+  stream = [x]
+  group = c.num_heads // c.num_kv_heads
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  for i in range(c.num_layers):
+    lp = {name: w[i] for name, w in p["layers"].items()}
+    h = norm(x, lp["attn_norm"])
+    q = rope((h @ lp["wq"]).reshape(b, t, c.num_heads, c.head_dim))
+    k = rope((h @ lp["wk"]).reshape(b, t, c.num_kv_heads, c.head_dim))
+    v = (h @ lp["wv"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(c.head_dim)
+    probs = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    x = x + jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, -1) @ lp["wo"]
+    h = norm(x, lp["mlp_norm"])
+    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    stream.append(x)
+  return jnp.stack(stream)
+
+
+def test_taps_equal_a_hand_unrolled_forward():
+  config = tiny_config(vocab_size=97, num_layers=4)
+  model = sj.init_params(config, jax.random.key(3))
+  tokens = _tokens(2, 6, 97, seed=9)
+  stream = _reference_stream(model, tokens)  # [L + 1, B, T, E]
+  taps = (4, 0, 2, 2)  # any order, repeats allowed, L = after the last layer
+  plain = forward(model, tokens, jnp.zeros(2, jnp.int32))
+  out = forward(model, tokens, jnp.zeros(2, jnp.int32), taps=taps, return_hidden=True)
+  assert out.taps.shape == (4, 2, 6, config.embed_dim)
+  np.testing.assert_allclose(out.taps, stream[np.array(taps)], **TOL)
+  np.testing.assert_array_equal(out.logits, plain.logits)  # taps never change the logits
+  assert plain.taps is None and plain.hidden is None
+  # With a cache: a prefill and then a block continue the same stream.
+  cache = model.init_cache(2, 16)
+  first = forward(model, tokens[:, :4], jnp.zeros(2, jnp.int32), cache, taps=taps)
+  rest = jax.jit(forward, static_argnames="taps")(model, tokens[:, 4:], jnp.full(2, 4, jnp.int32),
+                                                   first.cache, taps=taps)
+  np.testing.assert_allclose(jnp.concatenate([first.taps, rest.taps], axis=2),
+                             stream[np.array(taps)], **TOL)
+
+
+@pytest.mark.parametrize("taps", [(5,), (-1,), ("a",), 3])
+def test_bad_taps_raise_before_tracing(taps):
+  model = _model("llama")
+  with pytest.raises(ValueError, match="taps"):
+    forward(model, _tokens(1, 2, 97), jnp.zeros(1, jnp.int32), taps=taps)

@@ -75,13 +75,13 @@ class _Protocol:
     return KVCache.create(s.num_layers, batch, max_len, s.num_kv_heads, s.head_dim,
                           dtype or s.dtype)
 
-  def __call__(self, tokens, starts, cache=None, *, return_hidden=False) -> ForwardOutput:
-    if return_hidden:
-      raise ValueError("adapted Flax models do not expose hidden states")
+  def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False) -> ForwardOutput:
+    if return_hidden or tuple(taps):
+      raise ValueError("adapted Flax models do not expose hidden states or taps")
     if cache is None:
       cache = self.init_cache(tokens.shape[0], tokens.shape[1])
     logits, cache = self._apply(tokens, jnp.asarray(starts, jnp.int32), cache)
-    return ForwardOutput(logits, None, cache)
+    return ForwardOutput(logits, None, None, cache)
 
 
 @jax.tree_util.register_dataclass

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from typing import NamedTuple
 
 import jax
@@ -28,9 +29,19 @@ from specjax.models.config import ModelConfig, RopeScaling
 
 
 class ForwardOutput(NamedTuple):
-  logits: jax.Array  # [B, T, V] float32
-  hidden: jax.Array | None  # [B, T, E] final hidden states (after the last norm), if asked
-  cache: KVCache | None  # updated cache, lengths = starts + T
+  """What a target forward returns (the model protocol every drafter and loop codes against).
+
+  Attributes:
+    logits: `[B, T, V]` float32.
+    hidden: `[B, T, E]` final hidden states (after the last norm) when asked, else None.
+    taps: `[n, B, T, E]` the residual stream entering each requested layer, else None.
+    cache: the updated cache (`lengths = starts + T`), or None for a cache-free pass.
+  """
+
+  logits: jax.Array
+  hidden: jax.Array | None = None
+  taps: jax.Array | None = None
+  cache: KVCache | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -63,8 +74,8 @@ class Model:
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
                           dtype or self.dtype)
 
-  def __call__(self, tokens, starts, cache=None, *, return_hidden=False) -> ForwardOutput:
-    return forward(self, tokens, starts, cache, return_hidden=return_hidden)
+  def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False) -> ForwardOutput:
+    return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden)
 
   def astype(self, dtype) -> "Model":
     """The same model with floating-point weights cast to `dtype`."""
@@ -199,8 +210,20 @@ def _mlp_activation(x, kind):
   return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
 
 
+def check_taps(taps, num_layers: int) -> tuple[int, ...]:
+  """`taps` as a tuple of ints in `0..num_layers`; ValueError (before tracing) otherwise."""
+  try:
+    taps = tuple(operator.index(i) for i in taps)
+  except TypeError:
+    raise ValueError(f"taps must be a sequence of layer indices, got {taps!r}") from None
+  bad = [i for i in taps if not 0 <= i <= num_layers]
+  if bad:
+    raise ValueError(f"taps must lie in 0..{num_layers} (num_layers), got {bad}")
+  return taps
+
+
 def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache | None = None,
-            *, return_hidden: bool = False) -> ForwardOutput:
+            *, taps=(), return_hidden: bool = False) -> ForwardOutput:
   """Runs the decoder on a block of tokens per row.
 
   Args:
@@ -208,15 +231,18 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     tokens: `[B, T]` int32 token ids.
     starts: `[B]` int32 position of each row's first token (its cache offset).
     cache: the KV cache, or None for a cache-free causal pass over `tokens` (training).
+    taps: layer indices `i` in `0..L` whose incoming residual stream to return (`i == L` is the
+      stream after the last layer, before the final norm), in the order given.
     return_hidden: also return the final hidden states (for draft heads).
 
   Returns:
-    `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, cache)`, where the returned
-    cache holds the block's keys/values at slots `starts .. starts + T - 1` and
-    `lengths = starts + T`.
+    `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, taps [n, B, T, E] or None,
+    cache)`, where the returned cache holds the block's keys/values at slots
+    `starts .. starts + T - 1` and `lengths = starts + T`.
   """
   c = model.config
   p = model.params
+  taps = check_taps(taps, c.num_layers)
   b, t = tokens.shape
   starts = jnp.asarray(starts, jnp.int32)
   q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
@@ -230,10 +256,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   local_theta = c.rope_local_theta or c.rope_theta
   local_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, local_theta,
                                                  None if c.rope_local_theta else c.rope_scaling))
-  windows = jnp.asarray(c.layer_windows(), jnp.int32)
 
   if cache is None:
-    stacked_k = stacked_v = None
+    stacked_k = stacked_v = slot_pos = slot_valid = None
   else:
     stacked_k, stacked_v = constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
     slot_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
@@ -244,8 +269,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     out = jnp.einsum("bte,ef->btf", h, w)
     return out if bias is None else out + bias
 
-  def block(x, xs):
-    lp, window, layer_k, layer_v = xs
+  def block(x, lp, window, layer_k, layer_v):
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
     q = project(h, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
     k = project(h, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -272,12 +296,42 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
-    return constrain(x + m, RESIDUAL_AXES), (k, v)
+    return constrain(x + m, RESIDUAL_AXES), k, v
 
   # The cache is only read inside the layer loop; each layer's new keys/values come out as a small
   # [L, B, T, KVH, D] block that is written once, after the loop, in place.
-  xs = (p["layers"], windows, stacked_k, stacked_v)
-  x, (block_k, block_v) = jax.lax.scan(block, x, xs)
+  layers = p["layers"]
+  inner = sorted({i for i in taps if i < c.num_layers})  # taps taken inside the loop
+  tapped = {}
+  if isinstance(layers, (tuple, list)):  # unstacked: one weight dict per layer, a Python loop
+    block_k, block_v = [], []
+    for i, (lp, window) in enumerate(zip(layers, c.layer_windows())):
+      if i in inner:
+        tapped[i] = x
+      layer_kv = (None, None) if cache is None else (stacked_k[i], stacked_v[i])
+      x, k, v = block(x, lp, jnp.int32(window), *layer_kv)
+      block_k.append(k)
+      block_v.append(v)
+    block_k, block_v = jnp.stack(block_k), jnp.stack(block_v)
+  else:  # stacked: one lax.scan over the leading layer axis
+    # Requested taps go into a small [n, B, T, E] carry: slot n (out of range) drops the write.
+    slots = jnp.asarray([inner.index(i) if i in inner else len(inner)
+                         for i in range(c.num_layers)], jnp.int32)
+    def scan_body(carry, xs):
+      x, buffer = carry
+      lp, window, slot, layer_k, layer_v = xs
+      if inner:
+        buffer = buffer.at[slot].set(x, mode="drop")
+      x, k, v = block(x, lp, window, layer_k, layer_v)
+      return (x, buffer), (k, v)
+    buffer = jnp.zeros((len(inner),) + x.shape, x.dtype)
+    windows = jnp.asarray(c.layer_windows(), jnp.int32)
+    (x, buffer), (block_k, block_v) = jax.lax.scan(
+        scan_body, (x, buffer), (layers, windows, slots, stacked_k, stacked_v))
+    tapped = {i: buffer[n] for n, i in enumerate(inner)}
+  tapped[c.num_layers] = x
+  tap_out = jnp.stack([tapped[i] for i in taps]) if taps else None
+
   new_cache = None
   if cache is not None:
     new_k = constrain(write_stacked_block(stacked_k, block_k, starts), CACHE_AXES)
@@ -287,4 +341,4 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   head = p["embed"].T if c.tie_embeddings else p["lm_head"]
   logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
-  return ForwardOutput(logits, x if return_hidden else None, new_cache)
+  return ForwardOutput(logits, x if return_hidden else None, tap_out, new_cache)
