@@ -15,29 +15,11 @@ import jax.numpy as jnp
 
 from specjax import validation
 from specjax.outputs import DecodeOutput, DecodeStats
-from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, sample_token, seed_from_key
+from specjax.parallel.mesh import call_context
+from specjax.parallel.rules import rules_scope
+from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
 from specjax.tracing import TRACE_COUNTS
-
-NEW_TOKEN_BUCKET = 64  # output/cache capacity is max_new_tokens rounded up to this
-
-
-def check_model(model, name: str = "model"):
-  for attribute in ("vocab_size", "max_len", "init_cache"):
-    if not hasattr(model, attribute):
-      raise ValueError(f"{name} does not follow the specjax model protocol: no `{attribute}` "
-                       "(pass a specjax.Model or wrap your module with specjax.models.adapter)")
-
-
-def check_sampling(sampling):
-  if not isinstance(sampling, Sampling):
-    raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
-  return sampling
-
-
-def resolve_pad_id(model, pad_id: int | None) -> int:
-  """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None."""
-  return int(getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id)
-
+from specjax.validation import NEW_TOKEN_BUCKET
 
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
@@ -47,7 +29,8 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   Args:
     model: a `specjax.Model` (or anything following the model protocol).
     tokens: `[B, T]` int prompt ids, right-padded.
-    rng: a JAX PRNG key (unused when greedy).
+    rng: a JAX PRNG key, or a `[B]` array of keys (one per row); unused when greedy. As in
+      `specjax.decode`, a row's tokens depend only on its own key and prompt.
     lengths: `[B]` prompt lengths; None means every row is `T` tokens long.
     max_new_tokens: how many tokens to generate at most per row.
     sampling: temperature / top-k / top-p; the default is greedy.
@@ -58,17 +41,19 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
   """
-  check_model(model)
+  validation.check_model(model)
   tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   validation.check_context(lengths, tokens.shape[1], max_new_tokens, model.max_len)
-  rng = validation.check_rng(rng)
+  rng = validation.check_rng(rng, tokens.shape[0])
   eos = validation.check_eos(eos_id, model.vocab_size)
-  check_sampling(sampling)
-  pad = resolve_pad_id(model, pad_id)
+  validation.check_sampling(sampling)
+  pad = validation.resolve_pad_id(model, pad_id)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens),
-                  jnp.array(eos, jnp.int32), sampling=sampling, capacity=capacity, pad_id=int(pad))
+  with call_context(model) as (rules, model):
+    out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens),
+                    jnp.array(eos, jnp.int32), sampling=sampling, capacity=capacity,
+                    pad_id=int(pad), rules=rules)
   return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
 
 
@@ -77,18 +62,25 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules"))
 def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
-              capacity: int, pad_id: int) -> DecodeOutput:
+              capacity: int, pad_id: int, rules=None) -> DecodeOutput:
   TRACE_COUNTS["generate"] += 1
+  with rules_scope(rules):
+    return _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids,
+                          sampling=sampling, capacity=capacity, pad_id=pad_id)
+
+
+def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+                   capacity: int, pad_id: int) -> DecodeOutput:
   batch, width = tokens.shape
   rows = jnp.arange(batch, dtype=jnp.int32)
-  seed = seed_from_key(rng)
+  seeds = row_seeds(rng, batch)  # [B]
 
   cache = model.init_cache(batch, width + capacity)
   prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
   cache = prefill.cache.with_lengths(lengths)
-  first = sample_token(last_logits(prefill.logits, lengths), sampling, seed, rows, lengths,
+  first = sample_token(last_logits(prefill.logits, lengths), sampling, seeds, lengths,
                        PURPOSE_SAMPLE)
 
   out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
@@ -103,7 +95,7 @@ def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling:
     cache, token, out, num_tokens, done = state
     step = model(token[:, None], cache.lengths, cache)
     positions = cache.lengths + 1  # absolute position of the token being sampled
-    new_token = sample_token(step.logits[:, 0], sampling, seed, rows, positions, PURPOSE_SAMPLE)
+    new_token = sample_token(step.logits[:, 0], sampling, seeds, positions, PURPOSE_SAMPLE)
     live = ~done
     cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
     out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")

@@ -12,6 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.sampling import Sampling
+
+NEW_TOKEN_BUCKET = 64  # output/cache capacity is max_new_tokens rounded up to this
+
 
 def is_concrete(x) -> bool:
   return not isinstance(x, jax.core.Tracer)
@@ -74,17 +78,23 @@ def check_context(lengths, width: int, max_new_tokens: int, max_len: int, what: 
                      "tokens")
 
 
-def check_rng(rng):
+def check_rng(rng, batch: int | None = None):
+  """One PRNG key, or (with `batch`) a `[batch]` array of keys, one per row (per request).
+
+  Raw `uint32[2]` keys (`jax.random.PRNGKey`) and `uint32[batch, 2]` arrays of them are accepted.
+  """
   if not hasattr(rng, "dtype"):
     raise ValueError(f"rng must be a JAX PRNG key (jax.random.key(0)), got {type(rng).__name__}")
+  shape = tuple(rng.shape)
+  per_row = "" if batch is None else f" or an array of {batch} keys (one per row)"
   if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
-    if rng.shape != ():
-      raise ValueError(f"rng must be a single PRNG key, got a key array of shape {rng.shape}")
+    if shape == () or (batch is not None and shape == (batch,)):
+      return rng
+    raise ValueError(f"rng must be a single PRNG key{per_row}, got a key array of shape {shape}")
+  if rng.dtype == jnp.uint32 and (shape == (2,) or (batch is not None and shape == (batch, 2))):
     return rng
-  if rng.dtype == jnp.uint32 and tuple(rng.shape) == (2,):
-    return rng
-  raise ValueError("rng must be a JAX PRNG key (jax.random.key(seed) or jax.random.PRNGKey(seed)),"
-                   f" got dtype {rng.dtype} shape {tuple(rng.shape)}")
+  raise ValueError(f"rng must be a JAX PRNG key (jax.random.key(seed) or "
+                   f"jax.random.PRNGKey(seed)){per_row}, got dtype {rng.dtype} shape {shape}")
 
 
 def check_eos(eos_id, vocab_size: int) -> tuple[int, ...]:
@@ -109,3 +119,22 @@ def is_eos(tokens: jax.Array, eos_ids: jax.Array) -> jax.Array:
 
 def round_up(value: int, multiple: int) -> int:
   return int(math.ceil(value / multiple) * multiple)
+
+
+def check_model(model, name: str = "model"):
+  """The model protocol: `vocab_size`, `max_len`, `init_cache`."""
+  for attribute in ("vocab_size", "max_len", "init_cache"):
+    if not hasattr(model, attribute):
+      raise ValueError(f"{name} does not follow the specjax model protocol: no `{attribute}` "
+                       "(pass a specjax.Model or wrap your module with specjax.models.adapter)")
+
+
+def check_sampling(sampling):
+  if not isinstance(sampling, Sampling):
+    raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
+  return sampling
+
+
+def resolve_pad_id(model, pad_id: int | None) -> int:
+  """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None."""
+  return int(getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id)

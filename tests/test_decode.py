@@ -84,19 +84,19 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
   #                    0  1  2  3  4  5  6  7  8  9
   seq = jnp.array([[4, 5, 6, 1, 4, 5, 2, 8, 4, 5, 0, 0, 0, 0]], jnp.int32)
   _, proposal = drafter.propose((), seq, jnp.array([10]), num_draft=3,
-                                sampling=sj.Sampling(), seed=None, rows=None)
+                                sampling=sj.Sampling(), seeds=None)
   # Suffix [4, 5] last occurred at 4..5 (followed by 2, 8, 4), more recently than at 0..1.
   assert proposal.tokens.tolist() == [[2, 8, 4]]
   assert proposal.logits is None
   # Only a 1-gram match: suffix [9]; 9 occurs at slot 1, followed by 3, then the end of the text.
   seq = jnp.array([[2, 9, 3, 7, 9, 0, 0, 0]], jnp.int32)
   _, proposal = drafter.propose((), seq, jnp.array([5]), num_draft=4, sampling=sj.Sampling(),
-                                seed=None, rows=None)
+                                seeds=None)
   assert proposal.tokens.tolist() == [[3, 7, 9, 9]]
   # No match at all: the last token repeated.
   seq = jnp.array([[1, 2, 3, 0, 0]], jnp.int32)
   _, proposal = drafter.propose((), seq, jnp.array([3]), num_draft=2, sampling=sj.Sampling(),
-                                seed=None, rows=None)
+                                seeds=None)
   assert proposal.tokens.tolist() == [[3, 3]]
 
 
@@ -105,13 +105,15 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   tokens, lengths = batch
   expected = _greedy(target, batch, max_new=8).tokens
   k = 3
-  state = sj.init_state(target, sj.ModelDrafter(draft), tokens, lengths, jnp.int32(8),
-                        jnp.int32(-1), num_draft=k, capacity=NEW_TOKEN_BUCKET)
+  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  drafter = sj.ModelDrafter(draft)
+  state = sj.init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
+                        num_draft=k, capacity=NEW_TOKEN_BUCKET)
   wrong = (expected + 1) % VOCAB
   drafts = jnp.stack([expected[0, :3],
                       jnp.array([wrong[1, 0], expected[1, 1], expected[1, 2]]),
                       jnp.array([expected[2, 0], wrong[2, 1], expected[2, 2]])])
-  state = sj.verify_block(target, state, sj.Proposal(drafts, None), jax.random.key(0),
+  state = sj.verify_block(target, drafter, state, sj.Proposal(drafts, None),
                           sampling=sj.Sampling())
   np.testing.assert_array_equal(state.stats.accepted, [3, 0, 1])
   np.testing.assert_array_equal(state.lengths - lengths, [4, 1, 2])
@@ -120,11 +122,9 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
     np.testing.assert_array_equal(state.tokens[b, start:start + count], expected[b, :count])
   np.testing.assert_array_equal(state.target_cache.lengths, state.lengths - 1)
   # Keep going with the draft model from this ragged state: still exactly greedy.
-  drafter = sj.ModelDrafter(draft)
-  for round_index in range(8):
-    key = jax.random.fold_in(jax.random.key(0), round_index)
-    state, proposal = sj.draft_step(drafter, state, key, num_draft=k, sampling=sj.Sampling())
-    state = sj.verify_block(target, state, proposal, key, sampling=sj.Sampling())
+  for _ in range(8):
+    state, proposal = sj.draft_step(drafter, state, num_draft=k, sampling=sj.Sampling())
+    state = sj.verify_block(target, drafter, state, proposal, sampling=sj.Sampling())
   assert bool(jnp.all(state.done))
   for b in range(3):
     start = int(lengths[b])
@@ -214,7 +214,7 @@ def test_decode_rejects_vocab_mismatch_and_short_draft_context(target, batch):
 
 
 def test_streaming_decode_validates_like_decode(target, batch):
-  from specjax.streaming import decode_stream
+  from specjax.stream import decode_stream
   tokens, lengths = batch
   other = sj.init_params(tiny_config(vocab_size=VOCAB + 1), jax.random.key(2))
   with pytest.raises(ValueError, match="draft vocabulary"):

@@ -1,0 +1,27 @@
+"""Drafters: the `Drafter` protocol and the built-in drafters (a draft model, prompt lookup)."""
+
+from specjax.drafters.base import Drafter
+from specjax.drafters.model import ModelDrafter
+from specjax.drafters.ngram import NGramDrafter
+from specjax.state import Proposal
+
+__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "as_drafter"]
+
+
+def as_drafter(draft) -> Drafter:
+  """A `specjax.Model` (or protocol-following model) becomes a `ModelDrafter`; drafters pass.
+
+  Raises:
+    ValueError: `draft` is neither a model nor a complete `Drafter`.
+  """
+  if isinstance(draft, Drafter):
+    return draft
+  if hasattr(draft, "init_cache") and hasattr(draft, "vocab_size"):
+    return ModelDrafter(draft)
+  if hasattr(draft, "propose"):
+    missing = [name for name in ("vocab_size", "taps", "needs_hidden", "forwards_per_round",
+                                 "init", "propose", "observe") if not hasattr(draft, name)]
+    raise ValueError(f"draft {type(draft).__name__} does not follow the Drafter protocol: no "
+                     f"{', '.join(missing)} (see specjax.drafters.base)")
+  raise ValueError(f"draft must be a specjax.Model, a model following the specjax protocol, or a "
+                   f"Drafter (e.g. specjax.NGramDrafter()), got {type(draft).__name__}")

@@ -1,0 +1,60 @@
+"""The `Drafter` protocol: whatever proposes `k` tokens per round for the target to verify.
+
+A drafter is a pytree (it crosses `jax.jit` as an argument) with:
+
+* `vocab_size`: the vocabulary its proposals live in (None: it copies tokens from the sequence,
+  so it fits any vocabulary).
+* `taps`: the target layers whose residual stream it reads (`()` = none), and `needs_hidden`:
+  whether it reads the target's final normed hidden state. The loop asks the target's forward
+  for exactly these, in the prefill and in every verify.
+* `forwards_per_round(num_draft)`: its forward passes per round (for `DecodeStats.draft_calls`).
+* `init(tokens, lengths, buffer_len, prefill) -> state`: its own per-call state (e.g. a KV
+  cache), built from the right-padded prompt; `prefill` is the target's `ForwardOutput` over
+  the prompt.
+* `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Proposal)`: `k`
+  tokens for positions `lengths .. lengths + k - 1`, given the whole token buffer. Random
+  numbers come from the row's `seeds [B]` and absolute positions (purpose `PURPOSE_DRAFT`).
+* `observe(state, scored, block, emitted, count, lengths) -> state`: called after every verify
+  with the target's `ForwardOutput` over `block [B, k + 1] = [last, d_1 .. d_k]` at positions
+  `lengths - 1 .. lengths + k - 1`; `emitted [B, k + 1]` are the tokens the row keeps (the first
+  `count[b]`), `lengths` the lengths before the round. Features at block index `j < count` are
+  the target's features of accepted tokens.
+
+A drafter that proposes deterministically returns `Proposal.logits = None`: a point mass `q`, for
+which the verify rule is still exact. Rolling back after rejections is the drafter's own
+business (`ModelDrafter` does it lazily at the start of the next round).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import jax
+
+from specjax.sampling import Sampling
+from specjax.state import Proposal
+
+__all__ = ["Drafter", "Proposal"]
+
+
+@runtime_checkable
+class Drafter(Protocol):
+  """See the module docstring."""
+
+  vocab_size: int | None
+  taps: tuple[int, ...]
+  needs_hidden: bool
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    ...
+
+  def init(self, tokens: jax.Array, lengths: jax.Array, buffer_len: int, prefill: Any) -> Any:
+    ...
+
+  def propose(self, state: Any, sequence: jax.Array, lengths: jax.Array, *, num_draft: int,
+              sampling: Sampling, seeds: jax.Array) -> tuple[Any, Proposal]:
+    ...
+
+  def observe(self, state: Any, scored: Any, block: jax.Array, emitted: jax.Array,
+              count: jax.Array, lengths: jax.Array) -> Any:
+    ...

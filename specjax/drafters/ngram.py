@@ -1,0 +1,69 @@
+"""Prompt lookup: a drafter with no weights that copies what followed an earlier match."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.state import Proposal
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NGramDrafter:
+  """Prompt lookup: propose the tokens that followed the latest earlier match of the last `n`
+  tokens (longest `n` from `max_ngram` down to `min_ngram`), searched over the prompt and the
+  generated text on device. No weights, a point-mass `q`, so sampling stays exact.
+
+  When nothing matches it proposes the last token repeated (a valid, if rarely accepted, guess).
+  """
+
+  max_ngram: int = dataclasses.field(default=3, metadata=dict(static=True))
+  min_ngram: int = dataclasses.field(default=1, metadata=dict(static=True))
+  vocab_size: None = dataclasses.field(default=None, metadata=dict(static=True))
+
+  taps = ()
+  needs_hidden = False
+
+  def __post_init__(self):
+    if not 1 <= self.min_ngram <= self.max_ngram:
+      raise ValueError(f"NGramDrafter needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
+                       f"{self.max_ngram}")
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return 0
+
+  def init(self, tokens, lengths, buffer_len, prefill=None):
+    del tokens, lengths, buffer_len, prefill
+    return ()
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del sampling, seeds
+    proposals = jax.vmap(lambda row, length: self._lookup(row, length, num_draft))(sequence,
+                                                                                   lengths)
+    return state, Proposal(proposals, None)
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    del scored, block, emitted, count, lengths
+    return state
+
+  def _lookup(self, row: jax.Array, length: jax.Array, num_draft: int) -> jax.Array:
+    """Draft tokens for one row `[S]` whose first `length` tokens are valid."""
+    size = row.shape[0]
+    j = jnp.arange(size, dtype=jnp.int32)  # candidate: the match ends just before slot j
+    best = jnp.int32(-1)
+    for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest match wins
+      match = (j >= n) & (j < length) & (length >= n + 1)
+      for i in range(n):
+        suffix_token = row[jnp.maximum(length - n + i, 0)]
+        match &= jnp.take(row, jnp.maximum(j - n + i, 0)) == suffix_token
+      latest = jnp.max(jnp.where(match, j, -1))
+      best = jnp.where(best >= 0, best, latest)
+    offsets = jnp.arange(num_draft, dtype=jnp.int32)
+    # Copy what followed the match; past the known text, keep repeating the last copied token.
+    source = jnp.minimum(best + offsets, length - 1)
+    fallback = jnp.full((num_draft,), row[length - 1])
+    return jnp.where(best >= 0, jnp.take(row, source), fallback).astype(jnp.int32)

@@ -1,0 +1,13 @@
+"""Sharding: logical-axis rules (`rules`) and meshes and placement (`mesh`).
+
+The vocabulary-sharded verify rule lives in `specjax.sharding` (moving to `parallel/verify.py`).
+"""
+
+from specjax.parallel.mesh import (cache_shardings, call_context, make_mesh, param_shardings,
+                                   param_specs, per_device_bytes, shard, shard_cache, use_mesh)
+from specjax.parallel.rules import (DEFAULT_RULES, ShardingRules, active_rules, constrain,
+                                    logical_axes, use_rules)
+
+__all__ = ["DEFAULT_RULES", "ShardingRules", "active_rules", "cache_shardings", "call_context",
+           "constrain", "logical_axes", "make_mesh", "param_shardings", "param_specs",
+           "per_device_bytes", "shard", "shard_cache", "use_mesh", "use_rules"]

@@ -1,0 +1,121 @@
+"""One draft/verify round: `draft_step`, `verify_block` and `round_step`, the one loop body.
+
+`specjax.decode` runs `round_step` inside a `lax.while_loop`; `specjax.stream.decode_stream` runs
+the same function from the host, one jitted (and donated) call per round. A round:
+
+1. `draft_step`: the drafter proposes `k` tokens per row after each row's sequence.
+2. `verify_block`: the target scores `[last token, d_1 .. d_k]` at each row's own offset in one
+   forward pass, which gives its distributions at the `k` draft positions and one past them; the
+   exact accept/reject rule keeps a prefix of the drafts plus one target token (the correction,
+   or the bonus when every draft is accepted), cut at EOS and at the row's length limit. Rejected
+   drafts are rolled back by setting the target cache's length, never by copying. The drafter
+   then observes the target's outputs over the block (`Drafter.observe`).
+
+Random numbers are keyed by each row's seed and the token's absolute position, so a round needs
+no key and no round counter: a row's tokens depend on its own seed and prompt only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax.sampling import Sampling
+from specjax.state import DecodeState, Proposal, gather_tokens
+from specjax.validation import is_eos as is_eos_token
+from specjax.verify import verify_tokens
+
+__all__ = ["draft_step", "round_step", "verify_block"]
+
+
+def draft_step(drafter, state: DecodeState, *, num_draft: int,
+               sampling: Sampling) -> tuple[DecodeState, Proposal]:
+  """Proposes `num_draft` tokens per row after each row's current sequence.
+
+  Args:
+    drafter: a `specjax.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
+    state: the decode state.
+    num_draft: `k`.
+    sampling: the sampling settings (identical to the target's).
+
+  Returns:
+    `(state with the drafter's new state, Proposal(tokens [B, k], logits [B, k, V] or None))`.
+  """
+  draft_state, proposal = drafter.propose(
+      state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
+      seeds=state.seeds)
+  calls = drafter.forwards_per_round(num_draft)
+  live = (~state.done).astype(jnp.int32)
+  stats = dataclasses.replace(state.stats, draft_calls=state.stats.draft_calls + calls * live)
+  return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
+
+
+def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
+                 sampling: Sampling, impl="auto") -> DecodeState:
+  """Verifies one round of drafts for every row and advances the state.
+
+  Args:
+    target: the target model.
+    drafter: the drafter that made `proposal` (its taps are asked of the target, and it observes
+      the target's outputs).
+    state: the decode state before verification (its target cache holds all but the last token).
+    proposal: the round's drafts from `draft_step`.
+    sampling: the sampling settings (identical to the drafter's).
+    impl: which verify implementation to run (see `specjax.verify.verify_tokens`).
+
+  Returns:
+    The advanced state. Rows already done are left unchanged.
+  """
+  _, k = proposal.tokens.shape
+  lengths = state.lengths
+  last = gather_tokens(state.tokens, lengths - 1, 1)
+  block = jnp.concatenate([last, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, k+1]
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  scored = target(block, lengths - 1, state.target_cache, **kwargs)
+  result = verify_tokens(scored.logits, proposal.logits, proposal.tokens, sampling=sampling,
+                         seeds=state.seeds, positions=lengths, impl=impl)
+  accepted = result.num_accepted
+
+  # How many of the k+1 candidate tokens each row keeps: up to the correction, cut at EOS
+  # (inclusive) and at the row's limit.
+  index = jnp.arange(k + 1, dtype=jnp.int32)
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
+  live = ~state.done
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
+  count = jnp.where(live, count, 0)
+  new_lengths = lengths + count
+
+  def write(row, new, start):
+    return jax.lax.dynamic_update_slice(row, new, (start,))
+
+  tokens = jax.vmap(write)(state.tokens, result.tokens, lengths)  # past new_lengths is scratch
+  hit_eos = live & (first_eos < count)
+  done = state.done | hit_eos | (new_lengths >= state.limits)
+  target_cache = scored.cache.with_lengths(new_lengths - 1)
+  draft_state = drafter.observe(state.draft_state, scored, block, result.tokens, count, lengths)
+
+  live_i = live.astype(jnp.int32)
+  stats = state.stats
+  stats = dataclasses.replace(
+      stats,
+      rounds=stats.rounds + live_i,
+      drafted=stats.drafted + k * live_i,
+      accepted=stats.accepted + accepted * live_i,
+      accepted_per_position=stats.accepted_per_position
+      + (index[None, :k] < accepted[:, None]).astype(jnp.int32) * live_i[:, None],
+      target_calls=stats.target_calls + live_i,
+  )
+  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
+                             target_cache=target_cache, draft_state=draft_state, stats=stats)
+
+
+def round_step(target, drafter, state: DecodeState, *, num_draft: int, sampling: Sampling,
+               verify_impl="auto") -> DecodeState:
+  """One round: `draft_step` then `verify_block`. The body of `decode`'s loop and of the stream."""
+  state, proposal = draft_step(drafter, state, num_draft=num_draft, sampling=sampling)
+  return verify_block(target, drafter, state, proposal, sampling=sampling, impl=verify_impl)

@@ -1,0 +1,76 @@
+"""Streaming speculative decoding: the same rounds as `specjax.decode`, one host step per round.
+
+`decode` runs every round inside one `lax.while_loop`, so nothing is visible until the call ends.
+`decode_stream` runs the same loop body (`specjax.round.round_step`) from Python, one jitted call
+per round with the state donated (the caches are updated in place, not copied), and yields each
+row's tokens as soon as a round accepts them. The tokens are exactly `decode`'s for the same
+arguments; the price is one device-to-host transfer per round.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.decode import check_decode_arguments
+from specjax.parallel.mesh import call_context
+from specjax.parallel.rules import rules_scope
+from specjax.round import round_step
+from specjax.sampling import GREEDY, Sampling, row_seeds
+from specjax.state import DecodeState, init_state
+
+__all__ = ["decode_stream"]
+
+
+@functools.partial(jax.jit, static_argnames=("num_draft", "capacity", "rules"))
+def _start(target, drafter, tokens, lengths, max_new_tokens, eos, rng, *, num_draft, capacity,
+           rules=None) -> DecodeState:
+  with rules_scope(rules):
+    return init_state(target, drafter, tokens, lengths, max_new_tokens, eos,
+                      row_seeds(rng, tokens.shape[0]), num_draft=num_draft, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("num_draft", "sampling", "verify_impl", "rules"),
+                   donate_argnames=("state",))
+def _round(target, drafter, state, *, num_draft, sampling, verify_impl, rules=None):
+  with rules_scope(rules):
+    return round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,
+                      verify_impl=verify_impl)
+
+
+def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                  num_draft: int = 4, sampling: Sampling = GREEDY,
+                  eos_id: int | tuple[int, ...] | None = None,
+                  verify_impl: str = "auto") -> Iterator[tuple[list[np.ndarray], DecodeState]]:
+  """Speculative decoding that yields after every round.
+
+  Args:
+    Same as `specjax.decode` (without `pad_id`).
+
+  Yields:
+    `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
+    gained in that round (possibly empty); `state` is the `DecodeState` (its `stats` are the
+    running counters). The concatenation of a row's yields equals `decode(...).tokens[b]` up to
+    `num_tokens[b]`. The state's buffers are donated to the next round: read what you need from
+    it before advancing the iterator.
+  """
+  args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
+                                max_new_tokens=max_new_tokens, num_draft=num_draft,
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
+  with call_context((target, args.drafter)) as (rules, (target, drafter)):
+    state = _start(target, drafter, args.tokens, args.lengths, jnp.int32(args.max_new_tokens),
+                   args.eos_ids, args.rng, num_draft=args.num_draft, capacity=args.capacity,
+                   rules=rules)
+  seen = np.asarray(args.lengths)
+  while not bool(np.all(np.asarray(state.done))):
+    with call_context((target, drafter)):
+      state = _round(target, drafter, state, num_draft=args.num_draft, sampling=sampling,
+                     verify_impl=verify_impl, rules=rules)
+    now = np.asarray(state.lengths)
+    sequence = np.asarray(state.tokens)
+    yield [sequence[b, seen[b]:now[b]] for b in range(len(now))], state
+    seen = now
