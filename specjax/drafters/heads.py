@@ -1,0 +1,218 @@
+"""Draft heads on the target's own features as `Drafter`s: EAGLE-3, MTP and Medusa.
+
+`EagleDrafter` wraps an `EagleHead` (`specjax.drafters.eagle`). The head is one decoder layer
+with its own KV cache; its entry at slot `t` reads the pair `(feature_t, token_{t+1})` and its
+output predicts `token_{t+2}` (and stands in for `feature_{t+1}` when drafting on). Features are
+the target's taps projected by the head's `fc` (EAGLE-3, `head.config.taps` non-empty) or the
+target's final normed hidden state (MTP, `taps == ()`).
+
+Invariant between rounds, per row with `L = lengths[b]`: the head's cache holds the pairs of
+slots `0 .. L - 2`, each built from the *target's* feature (never the head's own prediction of
+it), and `hidden`/`logits` are the head's output at slot `L - 2`, i.e. its guess for the feature
+at `L - 1` and its logits for `token_L`.
+
+* `init` runs the head over the prompt's pairs (the target's prefill features).
+* `propose` samples `d_1` from the stored logits, then runs `k - 1` single-token steps, each
+  feeding the previous step's output feature with the token just drafted.
+* `observe` runs the head over the round's verified block: block index `j < count` holds the
+  target's feature for position `lengths - 1 + j`, paired with `emitted[j]` (token
+  `lengths + j`). That overwrites the slots the drafting steps filled with the head's own
+  features, so rejected drafts roll back for free, and it leaves the output at the last kept
+  entry as the next round's starting point. Per round the head runs `k` forwards.
+
+`MedusaDrafter` keeps the target's final hidden state at the last position whose token the
+target scored and kept (`lengths - 2` between rounds); head `i` reads it and predicts
+`token_{lengths + i}`, so all `k` drafts come out of one forward.
+
+At temperature > 0 every draft is sampled from the head's warped distribution over the full
+vocabulary (the reduced draft vocabulary mapped through `d2t`, `-inf` elsewhere) with the
+`PURPOSE_DRAFT` stream, and those full-vocabulary logits go into the `Proposal`, so the verify
+rule divides by the `q` each draft was really drawn from. Greedy drafts are the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.cache import KVCache
+from specjax.drafters import eagle, medusa
+from specjax.sampling import PURPOSE_DRAFT, Sampling, sample_token
+from specjax.state import Proposal
+
+__all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
+
+
+def _take_rows(values: jax.Array, index: jax.Array) -> jax.Array:
+  """`values[b, index[b]]` for every row: `[B, T, ...]` -> `[B, ...]`."""
+  index = jnp.clip(index, 0, values.shape[1] - 1).astype(jnp.int32)
+  return jax.vmap(lambda row, i: row[i])(values, index)
+
+
+def draft_from(logits: jax.Array, sampling: Sampling, seeds: jax.Array,
+               positions: jax.Array) -> jax.Array:
+  """One draft per row from full-vocabulary logits `[B, V]` (argmax when greedy)."""
+  return sample_token(logits, sampling, seeds, positions, PURPOSE_DRAFT)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleState:
+  """The head's state between rounds (see the module docstring for the invariant)."""
+
+  cache: KVCache  # the head's own 1-layer cache; lengths = L - 1
+  hidden: jax.Array  # [B, E] head output at slot L - 2 (its guess for feature_{L-1})
+  logits: jax.Array  # [B, N] draft-vocabulary logits for token_L from that output
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter:
+  """An EAGLE-3 head (taps) or an MTP head (final hidden state) as a `Drafter`.
+
+  Attributes:
+    head: an `EagleHead`.
+    target_embed: `[V, E]` the target's input embedding (the head embeds tokens with it).
+  """
+
+  head: Any
+  target_embed: jax.Array
+
+  @property
+  def taps(self) -> tuple[int, ...]:
+    return tuple(self.head.config.taps)
+
+  @property
+  def needs_hidden(self) -> bool:
+    return not self.taps
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self.head.config.vocab_size)
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    return num_draft
+
+  def features(self, out) -> jax.Array:
+    """The head's input features `[B, T, E]` from a target `ForwardOutput`."""
+    source = out.taps if self.taps else out.hidden
+    if source is None:
+      raise ValueError("the target forward returned no "
+                       + ("taps" if self.taps else "hidden state") + " for this head")
+    return eagle.project_features(self.head, source)
+
+  def _run(self, tokens, features, starts, cache):
+    return eagle.head_forward(self.head, self.target_embed, tokens, features, starts, cache)
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    batch = tokens.shape[0]
+    # Pair t = (feature_t, token_{t+1}); the pad after the last pair only feeds unused slots.
+    shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    cache = self.head.init_cache(batch, buffer_len)
+    logits, hidden, cache = self._run(shifted, self.features(prefill),
+                                      jnp.zeros((batch,), jnp.int32), cache)
+    last = lengths - 2  # the last prompt pair; a 1-token prompt has none (any q stays exact)
+    return EagleState(cache.with_lengths(jnp.maximum(lengths - 1, 0)), _take_rows(hidden, last),
+                      _take_rows(logits, last))
+
+  def full_logits(self, logits: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits `[..., N]` -> `[..., V]` (`-inf` outside the draft vocabulary)."""
+    return eagle.to_target_logits(self.head, logits)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del sequence
+    first_logits = self.full_logits(state.logits)  # [B, V]
+    first = draft_from(first_logits, sampling, seeds, lengths)
+
+    def step(carry, i):
+      cache, hidden, token = carry
+      # Pair (guessed feature_{L-2+i}, d_i) at slot L - 2 + i predicts token_{L+i}.
+      logits, out, cache = self._run(token[:, None], hidden[:, None], lengths - 2 + i, cache)
+      logits = self.full_logits(logits[:, 0])
+      next_token = draft_from(logits, sampling, seeds, lengths + i)
+      return (cache, out[:, 0], next_token), (next_token, logits)
+
+    (cache, _, _), (tokens, all_logits) = jax.lax.scan(
+        step, (state.cache, state.hidden, first), jnp.arange(1, num_draft, dtype=jnp.int32))
+    tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)  # [B, k]
+    all_logits = jnp.concatenate([first_logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
+    state = dataclasses.replace(state, cache=cache)
+    return state, Proposal(tokens, None if sampling.greedy else all_logits)
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    del block
+    # Block index j: the target's feature at position lengths - 1 + j with token emitted[j].
+    logits, hidden, cache = self._run(emitted.astype(jnp.int32), self.features(scored),
+                                      lengths - 1, state.cache)
+    kept = count > 0  # rows that are done keep their state
+    last = count - 1
+    return EagleState(
+        cache.with_lengths(jnp.where(kept, lengths - 1 + count, state.cache.lengths)),
+        jnp.where(kept[:, None], _take_rows(hidden, last), state.hidden),
+        jnp.where(kept[:, None], _take_rows(logits, last), state.logits))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MedusaState:
+  hidden: jax.Array  # [B, E] the target's final hidden state at position lengths - 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter:
+  """Medusa heads as a `Drafter`: all `k` drafts from one forward over the target's final
+  hidden state. `num_draft` may not exceed the number of heads.
+
+  Attributes:
+    heads: `MedusaHeads`.
+  """
+
+  heads: Any
+
+  taps = ()
+  needs_hidden = True
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self.heads.config.vocab_size)
+
+  @property
+  def num_heads(self) -> int:
+    return medusa.num_heads(self.heads)
+
+  @property
+  def max_draft(self) -> int:
+    return self.num_heads
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return 1
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    del tokens, buffer_len
+    if prefill.hidden is None:
+      raise ValueError("the target forward returned no hidden state for the Medusa heads")
+    return MedusaState(_take_rows(prefill.hidden, lengths - 2))
+
+  def full_logits(self, logits: jax.Array) -> jax.Array:
+    return medusa.to_target_logits(self.heads, logits)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del sequence
+    if num_draft > self.num_heads:
+      raise ValueError(f"num_draft ({num_draft}) exceeds the number of Medusa heads "
+                       f"({self.num_heads})")
+    logits = medusa.medusa_forward(self.heads, state.hidden[:, None])[:, 0, :num_draft]
+    logits = self.full_logits(logits)  # [B, k, V]
+    positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
+    tokens = sample_token(logits, sampling, seeds[:, None], positions, PURPOSE_DRAFT)
+    return state, Proposal(tokens, None if sampling.greedy else logits)
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    del block, emitted, lengths
+    hidden = _take_rows(scored.hidden, count - 1)
+    return MedusaState(jnp.where((count > 0)[:, None], hidden, state.hidden))
