@@ -1,7 +1,7 @@
 """specjax: exact speculative decoding in JAX, built for Cloud TPU."""
 
 from specjax.cache import KVCache
-from specjax.io import from_hf, load, save
+from specjax.io import from_gguf, from_hf, load, save
 from specjax.decode import DecodeState, decode, draft_step, init_state
 from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal
 from specjax.generate import generate
