@@ -54,7 +54,7 @@ def _inputs(batch, num_draft, vocab, dtype, seed=0):
   target = target + 0.5 * jax.random.normal(key_t, target.shape)
   tokens = jax.random.categorical(key_d, draft, axis=-1).astype(jnp.int32)
   return dict(target_logits=target.astype(dtype), draft_logits=draft.astype(dtype),
-              draft_tokens=tokens, seed=jnp.array([1, 2], jnp.uint32),
+              draft_tokens=tokens, seeds=jnp.arange(batch, dtype=jnp.uint32),
               positions=jnp.arange(batch, dtype=jnp.int32) * 7)
 
 

@@ -36,8 +36,8 @@ VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
 
 
 def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
-                    draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
-                    positions: jax.Array, rows: jax.Array | None = None, impl: str = "auto",
+                    draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                    positions: jax.Array, impl: str = "auto",
                     block_sizes: BlockSizes | None = None) -> VerifyResult:
   """The speculative accept/reject rule, by the implementation `impl` names (see module doc).
 
@@ -46,9 +46,8 @@ def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
     draft_logits: `[B, k, V]` raw draft logits, or None for a point-mass drafter.
     draft_tokens: `[B, k]` int32.
     sampling: static sampling settings.
-    seed: `uint32[2]`.
+    seeds: `[B]` uint32 per-row stream seeds.
     positions: `[B]` int32 absolute position of each row's first draft token.
-    rows: `[B]` int32 random-stream ids (default `arange(B)`).
     impl: "auto" | "reference" | "kernel" | "interpret".
     block_sizes: the TPU / interpret kernel's `BlockSizes` (default: `BlockSizes.get_default`);
       the GPU kernel always takes `GpuBlockSizes.get_default`.
@@ -58,7 +57,7 @@ def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
   """
   if impl not in VERIFY_IMPLS:
     raise ValueError(f"verify impl must be one of {VERIFY_IMPLS}, got {impl!r}")
-  kwargs = dict(sampling=sampling, seed=seed, positions=positions, rows=rows)
+  kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
   reference = functools.partial(verify_reference, **kwargs)
   if impl == "reference":
     return reference(target_logits, draft_logits, draft_tokens)

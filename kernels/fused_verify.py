@@ -134,9 +134,9 @@ def _round_up(x: int, multiple: int) -> int:
 
 @functools.partial(jax.jit, static_argnames=("sampling", "block_sizes", "interpret"))
 def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
-                 draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
-                 positions: jax.Array, rows: jax.Array | None = None,
-                 block_sizes: BlockSizes | None = None, interpret=False) -> VerifyResult:
+                 draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                 positions: jax.Array, block_sizes: BlockSizes | None = None,
+                 interpret=False) -> VerifyResult:
   """The speculative accept/reject rule, fused over vocabulary tiles.
 
   Same contract and same tokens as `specjax.sampling.verify_reference`.
@@ -146,9 +146,8 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     draft_logits: `[B, k, V]` raw draft logits, or None for a point-mass (deterministic) drafter.
     draft_tokens: `[B, k]` int32 proposals.
     sampling: `specjax.Sampling`, static; applied to both models' logits.
-    seed: `uint32[2]` seed words of this round.
+    seeds: `[B]` uint32 per-row stream seeds.
     positions: `[B]` int32 absolute position of each row's first draft token.
-    rows: `[B]` int32 random-stream row ids (default `arange(B)`).
     block_sizes: `BlockSizes` (default `BlockSizes.get_default(...)`, with the interpret-mode
       budget when `interpret` is set).
     interpret: False (compiled: Mosaic on TPU), True (Pallas interpreter) or
@@ -164,9 +163,8 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
               if interpret else {})
     block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype, batch=batch,
                                          has_draft_logits=draft_logits is not None, **budget)
-  rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
   out = _fused_verify_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
-                           seed.astype(jnp.uint32), positions.astype(jnp.int32), rows,
+                           jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                            sampling=sampling, block_v=block_sizes.tile(vocab),
                            block_b=block_sizes.rows(batch), interpret=interpret)
   return VerifyResult(num_accepted=out[:, 0, NUM_ACCEPTED_LANE],
@@ -191,13 +189,12 @@ def check_verify_args(target_logits, draft_logits, draft_tokens) -> tuple[int, i
   return batch, num_draft
 
 
-def accept_uniforms(seed, rows, positions, num_draft: int, sampling: Sampling) -> jax.Array:
+def accept_uniforms(seeds, positions, num_draft: int, sampling: Sampling) -> jax.Array:
   """`[B, k]` float32 uniforms of the ratio test: tiny, and bit-identical to the reference's."""
   if sampling.greedy:
-    return jnp.zeros((rows.shape[0], num_draft), jnp.float32)
+    return jnp.zeros((seeds.shape[0], num_draft), jnp.float32)
   token_positions = positions[:, None] + jnp.arange(num_draft, dtype=jnp.int32)
-  return sampling_lib.uniform(seed, rows[:, None], token_positions, 0,
-                              sampling_lib.PURPOSE_ACCEPT)
+  return sampling_lib.uniform(seeds[:, None], token_positions, 0, sampling_lib.PURPOSE_ACCEPT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,7 +255,7 @@ _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallb
                          has_mass=jnp.int32)
 
 
-def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, positions, rows, *,
+def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positions, *,
                        sampling: Sampling, block_v: int, block_b: int, interpret):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
@@ -267,11 +264,12 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seed, position
   has_draft_logits = draft_logits is not None and not schedule.greedy
 
   # Per-row columns [B, k+1, 1]: slot k holds draft token -1 (matches nothing) and uniform 1.
-  uniforms = accept_uniforms(seed, rows, positions, num_draft, sampling)
+  uniforms = accept_uniforms(seeds, positions, num_draft, sampling)
   draft_column = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)[..., None]
   uniform_column = jnp.pad(uniforms, ((0, 0), (0, 1)), constant_values=1.0)[..., None]
-  row_columns = jnp.stack([rows, positions], axis=-1)[:, None, :]  # [B, 1, 2]
-  scalars = (jax.lax.bitcast_convert_type(seed, jnp.int32),)  # SMEM [2]
+  seed_words = jax.lax.bitcast_convert_type(seeds, jnp.int32)
+  row_columns = jnp.stack([seed_words, positions], axis=-1)[:, None, :]  # [B, 1, 2]
+  scalars = ()
 
   def logits_spec(num_rows):  # [block_b, rows, block_v]: rows = whole axis, block_v aligned or V
     return pl.BlockSpec((block_b, num_rows, block_v), lambda b, p, j, *_: (b, 0, j))
@@ -347,7 +345,7 @@ def _select_row(values, n):
   return jnp.max(jnp.where(row_ids == n, values, empty), axis=1, keepdims=True)
 
 
-def _fused_verify_kernel(seed_ref, draft_column_ref, uniform_column_ref, row_columns_ref, *refs,
+def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, *refs,
                          sampling: Sampling, schedule: Schedule, num_draft: int, vocab: int,
                          block_v: int, num_tiles: int, has_draft_logits: bool):
   target_ref, *refs = refs
@@ -540,8 +538,7 @@ def _fused_verify_kernel(seed_ref, draft_column_ref, uniform_column_ref, row_col
       q = (vocab_ids == _select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
     row_columns = row_columns_ref[...]  # [bb, 1, 2]
-    noise = sampling_lib.gumbel((seed_ref[0], seed_ref[1]), row_columns[:, :, 0:1],
-                                row_columns[:, :, 1:2] + n, vocab_ids,
+    noise = sampling_lib.gumbel(row_columns[:, :, 0:1], row_columns[:, :, 1:2] + n, vocab_ids,
                                 sampling_lib.PURPOSE_RESIDUAL)  # [bb, 1, bv]
     for weights, best_key, token_key in ((residual, "residual_best", "residual_token"),
                                          (p, "fallback_best", "fallback_token")):

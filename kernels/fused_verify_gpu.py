@@ -93,9 +93,8 @@ class GpuBlockSizes:
 
 @functools.partial(jax.jit, static_argnames=("sampling", "block_sizes", "interpret"))
 def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
-                     draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
-                     positions: jax.Array, rows: jax.Array | None = None,
-                     block_sizes: GpuBlockSizes | None = None,
+                     draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                     positions: jax.Array, block_sizes: GpuBlockSizes | None = None,
                      interpret: bool = False) -> VerifyResult:
   """The speculative accept/reject rule on GPU (Triton), fused over vocabulary tiles.
 
@@ -107,14 +106,13 @@ def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
   vocab = target_logits.shape[-1]
   if block_sizes is None:
     block_sizes = GpuBlockSizes.get_default(vocab, num_draft, batch)
-  rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
   out = _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
-                               seed.astype(jnp.uint32), positions.astype(jnp.int32), rows,
+                               jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                                sampling=sampling, block_sizes=block_sizes, interpret=interpret)
   return VerifyResult(num_accepted=out[:, 0, -1], tokens=out[:, 0, :num_draft + 1])
 
 
-def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seed, positions, rows, *,
+def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seeds, positions, *,
                            sampling: Sampling, block_sizes: GpuBlockSizes, interpret: bool):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
@@ -124,15 +122,15 @@ def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seed, posi
   out_lanes = pl.next_power_of_2(num_draft + 2)  # tokens in lanes 0..k, n in the last lane
 
   # Small per-row inputs, padded to R rows: draft token -1 (matches nothing), uniform 1.
-  uniforms = accept_uniforms(seed, rows, positions, num_draft, sampling)
+  uniforms = accept_uniforms(seeds, positions, num_draft, sampling)
   pad = ((0, 0), (0, num_rows - num_draft))
   draft_column = jnp.pad(draft_tokens, pad, constant_values=-1)[..., None]  # [B, R, 1]
   uniform_column = jnp.pad(uniforms, pad, constant_values=1.0)[..., None]  # [B, R, 1]
-  row_columns = jnp.stack([rows, positions, jnp.zeros_like(rows), jnp.zeros_like(rows)],
-                          axis=-1)[:, None, :]  # [B, 1, 4]: stream row, position
-  seed_words = jnp.broadcast_to(jax.lax.bitcast_convert_type(seed, jnp.int32)[None, None],
-                                (1, 1, 2))
-  inputs = [seed_words, draft_column, uniform_column, row_columns, target_logits]
+  seed_words = jax.lax.bitcast_convert_type(seeds, jnp.int32)
+  zeros = jnp.zeros_like(positions)
+  row_columns = jnp.stack([seed_words, positions, zeros, zeros],
+                          axis=-1)[:, None, :]  # [B, 1, 4]: stream seed, position
+  inputs = [draft_column, uniform_column, row_columns, target_logits]
   if has_draft_logits:
     inputs.append(draft_logits)
 
@@ -155,7 +153,7 @@ def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seed, posi
 # Kernel body.
 # --------------------------------------------------------------------------------------------
 
-def _fused_verify_gpu_kernel(seed_ref, draft_column_ref, uniform_column_ref, row_columns_ref,
+def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_ref,
                              *refs, sampling: Sampling, schedule: Schedule, batch: int,
                              num_draft: int, vocab: int, num_rows: int, out_lanes: int,
                              block_b: int, block_v: int, has_draft_logits: bool):
@@ -168,7 +166,6 @@ def _fused_verify_gpu_kernel(seed_ref, draft_column_ref, uniform_column_ref, row
   batch_ids = pl.program_id(0) * block_b + lax.broadcasted_iota(jnp.int32, (block_b, 1, 1), 0)
   row_ids = lax.broadcasted_iota(jnp.int32, (1, num_rows, 1), 1)
   batch_ok = batch_ids < batch  # [bb, 1, 1]
-  column_ids = lax.broadcasted_iota(jnp.int32, (1, 1, 1), 2)
 
   def small(ref, rows_, lanes, other):  # [bb, rows_, lanes] of a small per-row input
     lane_ids = lax.broadcasted_iota(jnp.int32, (1, 1, lanes), 2)
@@ -176,12 +173,6 @@ def _fused_verify_gpu_kernel(seed_ref, draft_column_ref, uniform_column_ref, row
     return plgpu.load(ref.at[batch_ids, ids, lane_ids], mask=batch_ok, other=other)
 
   draft_column = small(draft_column_ref, num_rows, 1, -1)  # [bb, R, 1]; -1 from slot k on
-  seed_pair = plgpu.load(seed_ref.at[column_ids, column_ids, lax.broadcasted_iota(
-      jnp.int32, (1, 1, 2), 2)])  # [1, 1, 2]
-  seed_words = (jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2) == 0,
-                                  seed_pair, 0), axis=-1, keepdims=True),
-                jnp.sum(jnp.where(lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2) == 1,
-                                  seed_pair, 0), axis=-1, keepdims=True))
 
   sets = [(target_ref, k + 1)] + ([(draft_ref, k)] if has_draft_logits else [])
 
@@ -294,7 +285,7 @@ def _fused_verify_gpu_kernel(seed_ref, draft_column_ref, uniform_column_ref, row
   n = num_accepted  # [bb, 1, 1]
   row_columns = small(row_columns_ref, 1, 4, 0)  # [bb, 1, 4]
   lane4 = lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
-  stream_rows = jnp.sum(jnp.where(lane4 == 0, row_columns, 0), axis=-1, keepdims=True)
+  stream_seeds = jnp.sum(jnp.where(lane4 == 0, row_columns, 0), axis=-1, keepdims=True)
   positions = jnp.sum(jnp.where(lane4 == 1, row_columns, 0), axis=-1, keepdims=True)
 
   def race_step(tile, carry):
@@ -307,7 +298,7 @@ def _fused_verify_gpu_kernel(seed_ref, draft_column_ref, uniform_column_ref, row
     else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
       q = (vocab_ids == _select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
-    noise = sampling_lib.gumbel(seed_words, stream_rows, positions + n, vocab_ids,
+    noise = sampling_lib.gumbel(stream_seeds, positions + n, vocab_ids,
                                 sampling_lib.PURPOSE_RESIDUAL)  # [bb, 1, bv]
     in_vocab = vocab_ids < vocab
     out = []

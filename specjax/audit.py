@@ -53,16 +53,16 @@ SAMPLE_CHUNK = 64  # rows per sampled decode call (bounds memory and compile siz
 # It wraps the real rule so that only the named step is wrong; the audit must reject it.
 # --------------------------------------------------------------------------------------------
 
-def _rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seed,
-                           positions, rows):
+def _rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
+                           positions):
   """On rejection, samples the correction from p instead of normalize(max(p - q, 0))."""
   result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                            seed=seed, positions=positions, rows=rows)
+                            seeds=seeds, positions=positions)
   if sampling.greedy:  # greedy has no residual to skip
     return result
   n = result.num_accepted
   p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
-  from_p = sample_race(warp_logits(p_at_n, sampling), seed, rows, positions + n,
+  from_p = sample_race(warp_logits(p_at_n, sampling), seeds, positions + n,
                        PURPOSE_RESIDUAL)
   final = jnp.where(n < draft_tokens.shape[1], from_p,
                     jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])

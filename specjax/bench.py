@@ -16,7 +16,7 @@ Suites (`--suite`):
   (`synthetic_verify`): every draft is accepted with probability `a` from an on-device hash of the
   round seed. Benchmark only: the output is not the target's distribution (with a random draft
   greedy identity does not hold), and every record says so.
-* `peer`: the same weights exported to a Hugging Face Llama directory (`specjax.export_hf`):
+* `peer`: the same weights exported to a Hugging Face Llama directory (`specjax.io.export_hf`):
   `transformers` greedy `generate` and assisted generation (`assistant_model=`) against specjax
   `generate` and `decode`, with tokens/s, each one's speculative speedup and a token-by-token
   comparison of the greedy streams (first divergence reported).
@@ -101,18 +101,17 @@ def synthetic_verify(acceptance: float) -> Callable[..., VerifyResult]:
   if not 0.0 <= acceptance <= 1.0:
     raise ValueError(f"synthetic acceptance must be in [0, 1], got {acceptance}")
 
-  def rule(target_logits, draft_logits, draft_tokens, *, sampling: Sampling, seed, positions,
-           rows=None) -> VerifyResult:
+  def rule(target_logits, draft_logits, draft_tokens, *, sampling: Sampling, seeds,
+           positions) -> VerifyResult:
     del draft_logits
     batch, k = draft_tokens.shape
-    rows = jnp.arange(batch, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+    seeds = jnp.asarray(seeds, jnp.uint32)
     index = jnp.arange(k + 1, dtype=jnp.int32)
     token_positions = positions.astype(jnp.int32)[:, None] + index  # [B, k+1]
-    u = uniform(seed, rows[:, None], token_positions[:, :k], 0, PURPOSE_SYNTHETIC)  # [B, k]
+    u = uniform(seeds[:, None], token_positions[:, :k], 0, PURPOSE_SYNTHETIC)  # [B, k]
     num_accepted = _leading_true(u < jnp.float32(acceptance))
-    choice = sample_token(target_logits, sampling, seed,
-                          jnp.broadcast_to(rows[:, None], token_positions.shape),
-                          token_positions, PURPOSE_RESIDUAL)  # [B, k+1]
+    choice = sample_token(target_logits, sampling, seeds[:, None], token_positions,
+                          PURPOSE_RESIDUAL)  # [B, k+1]
     final = jnp.take_along_axis(choice, num_accepted[:, None], axis=1)[:, 0]
     tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens.astype(jnp.int32), 0)
     tokens = jnp.concatenate([tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
@@ -429,8 +428,8 @@ def load_pair(kind: str, *, seed: int = 0):
     pair = sj.load_default()
     return pair.target, pair.draft, pair.tokenizer, "shipped pair (specjax.load_default())"
   if kind.startswith(("ckpt:", "runs:")):
-    from specjax.checkpoint import load
-    from specjax.tokenizer import load_tokenizer
+    from specjax.io.orbax import load
+    from specjax.io.tokenizer import load_tokenizer
     paths = kind[5:].split(",")
     if len(paths) == 2 and kind.startswith("runs:"):
       from specjax.default import TOKENIZER_FILE, default_dir
@@ -616,7 +615,7 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
              log=print) -> dict:
   """specjax vs `transformers` on the same weights, batch 1, greedy, prompt by prompt.
 
-  The pair is exported with `specjax.export_hf` and loaded with
+  The pair is exported with `specjax.io.export_hf` and loaded with
   `LlamaForCausalLM.from_pretrained` in float32. Four calls per prompt are timed alternately:
   `transformers` greedy `generate`, its assisted generation (`assistant_model=` with
   `num_assistant_tokens=k` and a constant schedule, so both sides draft `k` per round), specjax
@@ -629,7 +628,7 @@ def run_peer(pair, settings: Settings, *, num_draft: int, workdir: str | None = 
   import torch
   from transformers import LlamaForCausalLM
 
-  from specjax.export_hf import export_hf
+  from specjax.io.export_hf import export_hf
 
   target, draft, _, description = pair
   own_dir = workdir is None

@@ -5,15 +5,33 @@ decoding, the Pallas kernel's reference and the exactness audit all share one de
 
 * `Sampling`: temperature, top-k and top-p. `warp_logits` applies them, in that order, identically
   to the target's and the drafter's logits.
-* Random numbers are a counter-based hash of `(seed, row, position, index, purpose)` built from
-  32-bit integer ops. The same numbers can be computed inside a Pallas kernel on TPU, on GPU and in
-  interpret mode, so the fused kernel and this reference return identical tokens.
+* Random numbers are a counter-based hash of `(seed, position, index, purpose)` built from 32-bit
+  integer ops, where `seed` is the row's own `uint32` (`row_seeds`: one per request), `position`
+  the token's absolute position in its row and `purpose` one of `PURPOSE_*`. There is no batch-slot
+  index and no round counter, so a request's tokens depend only on its seed and prompt: the same
+  request gives the same tokens in slot 0 of a batch of 1 and in slot 5 of a batch of 8, under any
+  mesh. The same numbers can be computed inside a Pallas kernel on TPU, on GPU and in interpret
+  mode, so the fused kernels and this reference return identical tokens.
 * Categorical sampling is a Gumbel-max race over the vocabulary: `argmax(logits + G_v)`. Each
   vocabulary entry has its own noise, so the race can be run tile by tile without a softmax or a
   sort.
 * `verify_reference`: accept draft `x` with probability `min(1, p(x) / q(x))`; at the first
   rejection sample from `normalize(max(p - q, 0))` (falling back to `p` when the residual has no
   mass); if every draft is accepted sample a bonus token from `p`. Temperature 0 is greedy.
+
+Why reusing a position's stream after a rejection is still exact. A speculative round at row
+length `L` draws the drafts with the `PURPOSE_DRAFT` noise of positions `L .. L+k-1`, the ratio
+tests with the `PURPOSE_ACCEPT` uniforms of the same positions, and the correction (or bonus) with
+the `PURPOSE_RESIDUAL` noise of position `L+n`, where `n` is the number of leading acceptances.
+Everything the round emits (the `n` accepted drafts and the token at `L+n`), and the decision to
+stop at `L+n`, is a function of the noise at positions `<= L+n` only: a draft at position `j`
+depends on the draft noise at positions `<= j`, and `n` reads the ratio tests only up to the first
+rejection. The next round starts at `L+n+1` and reuses the noise of positions `> L+n`, which the
+earlier drafts past the rejection consumed but which never influenced anything emitted. Given
+everything emitted so far, those numbers are therefore still independent and uniform (a stopping
+time argument: the stop position is decided by the noise before it), so each round sees fresh
+randomness exactly as if a new stream had been drawn. No position's residual noise is used twice:
+once a token at a position is emitted, no later round samples at that position again.
 
 Thresholds (shared with the kernel): top-k and top-p each keep the tokens whose (temperature-scaled)
 logit is `>=` a threshold, so tied tokens are kept or dropped together. Top-k's threshold is the k-th
@@ -93,19 +111,23 @@ def _fmix32(h):
   return h ^ (h >> jnp.uint32(16))
 
 
-def hash_bits(seed0, seed1, *counters) -> jax.Array:
-  """32 random bits from a seed pair and integer counters (MurmurHash3's 32-bit word mixing).
+def hash_bits(seed, *counters) -> jax.Array:
+  """32 random bits from a seed word and integer counters (MurmurHash3's 32-bit word mixing).
 
   Pure `uint32` multiply / xor / shift, so the same bits come out of a TPU or GPU kernel, the CPU
-  and interpret mode. Arguments broadcast against each other.
+  and interpret mode. `seed` is uint32 (an int32 seed is reinterpreted bit for bit, as kernels
+  carry it). Arguments broadcast against each other.
   """
-  h = jnp.asarray(seed0, jnp.uint32)
-  for word in (seed1, *counters):
+  seed = jnp.asarray(seed)
+  if seed.dtype == jnp.int32:
+    seed = jax.lax.bitcast_convert_type(seed, jnp.uint32)
+  h = seed.astype(jnp.uint32)
+  for word in counters:
     k = jnp.asarray(word).astype(jnp.uint32) * jnp.uint32(0xCC9E2D51)
     k = _rotl(k, 15) * jnp.uint32(0x1B873593)
     h = h ^ k
     h = _rotl(h, 13) * jnp.uint32(5) + jnp.uint32(0xE6546B64)
-  return _fmix32(h ^ jnp.uint32(4 * (len(counters) + 1)))
+  return _fmix32(h ^ jnp.uint32(4 * len(counters)))
 
 
 def bits_to_uniform(bits: jax.Array) -> jax.Array:
@@ -113,18 +135,39 @@ def bits_to_uniform(bits: jax.Array) -> jax.Array:
   return ((bits >> jnp.uint32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -24)
 
 
-def uniform(seed, *counters) -> jax.Array:
-  """A float32 uniform in (0, 1) for each counter tuple; `seed` is `uint32[2]`."""
-  return bits_to_uniform(hash_bits(seed[0], seed[1], *counters))
+def uniform(seeds, *counters) -> jax.Array:
+  """A float32 uniform in (0, 1) per element; `seeds` (uint32) broadcasts against the counters."""
+  return bits_to_uniform(hash_bits(seeds, *counters))
 
 
-def gumbel(seed, *counters) -> jax.Array:
-  return -jnp.log(-jnp.log(uniform(seed, *counters)))
+def gumbel(seeds, *counters) -> jax.Array:
+  return -jnp.log(-jnp.log(uniform(seeds, *counters)))
 
 
-def seed_from_key(key: jax.Array) -> jax.Array:
-  """`uint32[2]` seed words from a JAX PRNG key (typed or raw)."""
-  return jax.random.bits(key, (2,), jnp.uint32)
+def row_seeds(rng: jax.Array, batch: int) -> jax.Array:
+  """`[batch]` uint32 per-row stream seeds.
+
+  Args:
+    rng: one PRNG key (typed `jax.random.key` or raw `PRNGKey`): row `b` gets the seed of
+      `fold_in(rng, b)`; or a `[batch]` array of keys, one per request, so a request's tokens do
+      not depend on its batch slot or its neighbours.
+    batch: the number of rows.
+
+  Returns:
+    `[batch]` uint32.
+  """
+  keys = rng
+  if not jnp.issubdtype(keys.dtype, jax.dtypes.prng_key):
+    if keys.dtype != jnp.uint32 or keys.ndim not in (1, 2) or keys.shape[-1] != 2:
+      raise ValueError(f"rng must be a PRNG key or a [B] array of keys, got dtype {keys.dtype} "
+                       f"shape {tuple(keys.shape)}")
+    keys = jax.random.wrap_key_data(keys)
+  if keys.ndim == 0:
+    single = keys
+    keys = jax.vmap(lambda b: jax.random.fold_in(single, b))(jnp.arange(batch, dtype=jnp.uint32))
+  elif keys.shape != (batch,):
+    raise ValueError(f"a key array must hold one key per row: shape ({batch},), got {keys.shape}")
+  return jax.vmap(lambda key: jax.random.bits(key, (), jnp.uint32))(keys)
 
 
 # --------------------------------------------------------------------------------------------
@@ -223,30 +266,39 @@ def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
   return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
 
 
-def sample_race(scores: jax.Array, seed: jax.Array, rows: jax.Array, positions: jax.Array,
+def sample_race(scores: jax.Array, seeds: jax.Array, positions: jax.Array,
                 purpose: int) -> jax.Array:
-  """Gumbel-max: `argmax_v(scores_v + G(seed, row, position, v, purpose))`.
+  """Gumbel-max: `argmax_v(scores_v + G(seed, position, v, purpose))`.
 
   Args:
     scores: `[..., V]` float32 log-weights (unnormalised; `-inf` = excluded).
-    seed: `uint32[2]`.
-    rows, positions: int32 arrays of shape `scores.shape[:-1]`.
+    seeds: uint32 per-row stream seeds, broadcastable to `scores.shape[:-1]`.
+    positions: int32 absolute positions, broadcastable to `scores.shape[:-1]`.
     purpose: one of the `PURPOSE_*` stream ids.
 
   Returns:
     int32 ids of shape `scores.shape[:-1]`.
   """
   vocab_ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
-  noise = gumbel(seed, rows[..., None], positions[..., None], vocab_ids, purpose)
+  seeds = jnp.asarray(seeds)
+  noise = gumbel(seeds[..., None], jnp.asarray(positions)[..., None], vocab_ids, purpose)
   return jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
 
 
-def sample_token(logits: jax.Array, sampling: Sampling, seed: jax.Array, rows: jax.Array,
-                 positions: jax.Array, purpose: int = PURPOSE_SAMPLE) -> jax.Array:
-  """One token per leading index from raw logits `[..., V]`: argmax if greedy, else a race."""
+def sample_token(logits: jax.Array, sampling: Sampling, seeds: jax.Array, positions: jax.Array,
+                 purpose: int = PURPOSE_SAMPLE) -> jax.Array:
+  """One token per leading index from raw logits `[..., V]`: argmax if greedy, else a race.
+
+  Args:
+    logits: `[..., V]` raw logits.
+    sampling: the sampling settings.
+    seeds: uint32 per-row seeds (`row_seeds`), broadcastable to `logits.shape[:-1]`.
+    positions: int32 absolute position of the sampled token in its row.
+    purpose: the stream id (`PURPOSE_*`).
+  """
   if sampling.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  return sample_race(warp_logits(logits, sampling), seed, rows, positions, purpose)
+  return sample_race(warp_logits(logits, sampling), seeds, positions, purpose)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,8 +311,8 @@ class VerifyResult(NamedTuple):
 
 
 def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
-                     draft_tokens: jax.Array, *, sampling: Sampling, seed: jax.Array,
-                     positions: jax.Array, rows: jax.Array | None = None) -> VerifyResult:
+                     draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                     positions: jax.Array) -> VerifyResult:
   """The exact speculative accept/reject rule.
 
   Args:
@@ -269,9 +321,8 @@ def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
       proposes deterministically (a point mass: n-gram lookup, argmax drafts).
     draft_tokens: `[B, k]` int32 proposals.
     sampling: applied identically to both models' logits.
-    seed: `uint32[2]` seed for this round.
+    seeds: `[B]` uint32 per-row stream seeds (`row_seeds`).
     positions: `[B]` int32 absolute sequence position of each row's first draft token.
-    rows: `[B]` int32 row ids of the random streams (default `arange(B)`).
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
@@ -279,7 +330,7 @@ def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
   """
   b, k = draft_tokens.shape
   vocab = target_logits.shape[-1]
-  rows = jnp.arange(b, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
+  seeds = jnp.asarray(seeds, jnp.uint32)
   draft_tokens = draft_tokens.astype(jnp.int32)
   index = jnp.arange(k + 1, dtype=jnp.int32)
   token_positions = positions.astype(jnp.int32)[:, None] + index  # [B, k+1]
@@ -299,7 +350,7 @@ def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
     else:
       q = jax.nn.softmax(warp_logits(draft_logits, sampling), axis=-1)  # [B, k, V]
       q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-    u = uniform(seed, rows[:, None], token_positions[:, :k], 0, PURPOSE_ACCEPT)  # [B, k]
+    u = uniform(seeds[:, None], token_positions[:, :k], 0, PURPOSE_ACCEPT)  # [B, k]
     accepted = u * q_draft < p_draft  # u < p/q without dividing; q = 0 < p always accepts
     num_accepted = _leading_true(accepted)
     # Correction at the first rejection, or bonus from p after k acceptances.
@@ -311,7 +362,7 @@ def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
     weights = jnp.where(has_mass, residual, p_n)
     scores = jnp.where(weights > 0, jnp.log(weights), -jnp.inf)
     final_positions = positions.astype(jnp.int32) + num_accepted
-    final = sample_race(scores, seed, rows, final_positions, PURPOSE_RESIDUAL)
+    final = sample_race(scores, seeds, final_positions, PURPOSE_RESIDUAL)
 
   tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens, 0)
   tokens = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)

@@ -105,11 +105,10 @@ def run_decode(target, drafter, sampling, num_draft=2, seed=0, verify_impl="auto
 rule_without_residual = _rule_without_residual
 
 
-def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seed, positions,
-                        rows):
+def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seeds, positions):
   """The ratio test and residual use the draft's distribution without the temperature."""
   return verify_reference(target_logits, draft_logits * sampling.temperature, draft_tokens,
-                          sampling=sampling, seed=seed, positions=positions, rows=rows)
+                          sampling=sampling, seeds=seeds, positions=positions)
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))

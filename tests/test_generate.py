@@ -114,9 +114,9 @@ def test_sample_token_frequencies_match_softmax():
   scipy_stats = pytest.importorskip("scipy.stats")
   logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
   n = 40_000
-  seed = jnp.array([123, 456], jnp.uint32)
-  draws = sj.sampling.sample_token(jnp.broadcast_to(logits, (n, 6)), sj.Sampling(1.0), seed,
-                                   jnp.arange(n, dtype=jnp.int32), jnp.zeros(n, jnp.int32))
+  seeds = sj.sampling.row_seeds(jax.random.key(123), n)  # [n] one stream per draw
+  draws = sj.sampling.sample_token(jnp.broadcast_to(logits, (n, 6)), sj.Sampling(1.0), seeds,
+                                   jnp.zeros(n, jnp.int32))
   counts = np.bincount(np.asarray(draws), minlength=6)
   expected = np.asarray(jax.nn.softmax(logits), np.float64)
   expected = expected / expected.sum() * n

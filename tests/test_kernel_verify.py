@@ -27,7 +27,7 @@ from specjax.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSiz
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
-SEED = jnp.array([0x1234, 0xBEEF], jnp.uint32)
+SEED_KEY = jax.random.key(0x1234)
 
 SAMPLINGS = [
     S.Sampling(),  # greedy
@@ -46,13 +46,13 @@ def _case(rng, batch, num_draft, vocab, *, sampling, with_draft_logits, dtype=np
   draft = rng.normal(size=(batch, num_draft + 1, vocab)).astype(np.float32) * 3
   target = draft + closeness * rng.normal(size=draft.shape).astype(np.float32)
   draft_logits = jnp.asarray(draft[:, :num_draft], dtype)
-  rows = jnp.asarray(rng.permutation(64)[:batch], jnp.int32)
+  seeds = jnp.asarray(rng.integers(0, 2**32, size=batch, dtype=np.uint64), jnp.uint32)
   positions = jnp.asarray(rng.integers(0, 1000, size=batch), jnp.int32)
   token_positions = positions[:, None] + jnp.arange(num_draft)
   if sampling.greedy:
     tokens = jnp.argmax(draft_logits, -1).astype(jnp.int32)
   else:
-    tokens = S.sample_token(draft_logits, sampling, SEED, rows[:, None], token_positions,
+    tokens = S.sample_token(draft_logits, sampling, seeds[:, None], token_positions,
                             S.PURPOSE_DRAFT)
   if not with_draft_logits:  # a confident target whose argmax the drafter often proposes
     target_argmax = np.argmax(target[:, :num_draft], -1)
@@ -62,7 +62,7 @@ def _case(rng, batch, num_draft, vocab, *, sampling, with_draft_logits, dtype=np
     tokens = jnp.where(rng.random(size=tokens.shape) < 0.7, target_argmax, tokens)
   return dict(target_logits=jnp.asarray(target, dtype),
               draft_logits=draft_logits if with_draft_logits else None,
-              draft_tokens=tokens, rows=rows, positions=positions)
+              draft_tokens=tokens, seeds=seeds, positions=positions)
 
 
 # (B, k, V, block_v, block_b): several ragged tiles, full row blocks; one tile of the whole axis,
@@ -78,12 +78,12 @@ FOCUSED_SHAPES = ((8, 4, 1000, 512, 8), (5, 2, 384, 4096, 2), (8, 3, 90, 128, 8)
 class TestFusedVerify:
   INTERPRET = True
 
-  def _verify(self, case, sampling, block_sizes=None, seed=SEED):
-    return fused_verify(**case, sampling=sampling, seed=seed, block_sizes=block_sizes,
+  def _verify(self, case, sampling, block_sizes=None):
+    return fused_verify(**case, sampling=sampling, block_sizes=block_sizes,
                         interpret=self.INTERPRET)
 
   def _check(self, case, sampling, block_sizes=None):
-    want = fused_verify_reference(**case, sampling=sampling, seed=SEED)
+    want = fused_verify_reference(**case, sampling=sampling)
     got = self._verify(case, sampling, block_sizes)
     np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
     np.testing.assert_array_equal(got.tokens, want.tokens)
@@ -99,7 +99,7 @@ class TestFusedVerify:
                          [0., 8., 7., 1., 2.],
                          [1., 1., 1., 1., 5.]]], jnp.float32)
     case = dict(target_logits=target, draft_logits=None, draft_tokens=jnp.array([[3, 2]]),
-                positions=jnp.array([4]), rows=None)
+                positions=jnp.array([4]), seeds=S.row_seeds(SEED_KEY, 1))
     got = self._verify(case, S.GREEDY)
     np.testing.assert_array_equal(got.num_accepted, [1])
     np.testing.assert_array_equal(got.tokens, [[3, 1, 0]])
@@ -119,10 +119,10 @@ class TestFusedVerify:
     drafts = argmax[:, :3].at[0, 1].set((argmax[0, 1] + 1) % 300)  # row 0 wrong at position 1
     draft_logits = jnp.asarray(rng.normal(size=(2, 3, 300)), jnp.float32)
     case = dict(target_logits=target, draft_logits=draft_logits, draft_tokens=drafts,
-                positions=jnp.array([0, 9]), rows=None)
+                positions=jnp.array([0, 9]))
     for seed in range(3):
-      got = self._verify(case, S.Sampling(top_k=1, temperature=2.0), BlockSizes(128),
-                         seed=jnp.array([seed, 7], jnp.uint32))
+      case["seeds"] = S.row_seeds(jax.random.key(seed), 2)
+      got = self._verify(case, S.Sampling(top_k=1, temperature=2.0), BlockSizes(128))
       np.testing.assert_array_equal(got.num_accepted, [1, 3])
       np.testing.assert_array_equal(got.tokens[0], [argmax[0, 0], argmax[0, 1], 0, 0])
       np.testing.assert_array_equal(got.tokens[1], argmax[1])
@@ -139,7 +139,7 @@ class TestFusedVerify:
     target = jnp.broadcast_to(logits, (16, 2, 4))
     case = dict(target_logits=target, draft_logits=None,
                 draft_tokens=jnp.full((16, 1), 3, jnp.int32),
-                positions=jnp.zeros(16, jnp.int32), rows=jnp.arange(16, dtype=jnp.int32))
+                positions=jnp.zeros(16, jnp.int32), seeds=S.row_seeds(SEED_KEY, 16))
     got = self._verify(case, sampling)
     np.testing.assert_array_equal(got.num_accepted, np.zeros(16))
     assert set(np.asarray(got.tokens[:, 0]).tolist()) == {0, 1}  # 16 draws: both show up
@@ -247,11 +247,11 @@ class TestFusedVerifyGpuInterpret(TestFusedVerify):
   block_b)` of a case maps to `GpuBlockSizes` with the same tile (every tile used here is a power
   of two, as Triton requires)."""
 
-  def _verify(self, case, sampling, block_sizes=None, seed=SEED):
+  def _verify(self, case, sampling, block_sizes=None):
     if block_sizes is not None:
       block_sizes = GpuBlockSizes(block_v=block_sizes.block_v,
                                   block_b=_next_power_of_two(block_sizes.block_b))
-    return fused_verify_gpu(**case, sampling=sampling, seed=seed, block_sizes=block_sizes,
+    return fused_verify_gpu(**case, sampling=sampling, block_sizes=block_sizes,
                             interpret=True)
 
   @pytest.mark.parametrize("sampling", [*SAMPLINGS[:3], SAMPLINGS[4], *[pytest.param(
@@ -353,7 +353,7 @@ def _abstract_args(batch=4, num_draft=4, vocab=32000, dtype=jnp.bfloat16, draft=
   args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
           jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype) if draft else None,
           jax.ShapeDtypeStruct((batch, num_draft), jnp.int32))
-  kwargs = dict(seed=jax.ShapeDtypeStruct((2,), jnp.uint32),
+  kwargs = dict(seeds=jax.ShapeDtypeStruct((batch,), jnp.uint32),
                 positions=jax.ShapeDtypeStruct((batch,), jnp.int32))
   return args, kwargs
 
@@ -426,12 +426,12 @@ def test_dispatch_impls_agree_on_cpu():
   rng = np.random.default_rng(6)
   sampling = S.Sampling(temperature=1.0)
   case = _case(rng, 2, 3, 400, sampling=sampling, with_draft_logits=True)
-  results = {impl: verify_dispatch(**case, sampling=sampling, seed=SEED, impl=impl)
+  results = {impl: verify_dispatch(**case, sampling=sampling, impl=impl)
              for impl in ("auto", "reference", "interpret")}
   for impl in ("auto", "interpret"):
     np.testing.assert_array_equal(results[impl].tokens, results["reference"].tokens)
   with pytest.raises(ValueError, match="impl"):
-    verify_dispatch(**case, sampling=sampling, seed=SEED, impl="fast")
+    verify_dispatch(**case, sampling=sampling, impl="fast")
 
 
 # --------------------------------------------------------------------------------------------

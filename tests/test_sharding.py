@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import specjax as sj
 from specjax import sharding as sh
 from specjax.decode import _decode, decode
-from specjax.draft import ModelDrafter
+from specjax.drafters import ModelDrafter
 from specjax.generate import _generate
 from specjax.models import tiny_config
 from specjax.sampling import Sampling, verify_reference, warp_logits
@@ -296,7 +296,7 @@ def _verify_inputs(seed: int, batch: int = 8, k: int = 4, vocab: int = 128):
   draft = target[:, :k] + 0.5 * jax.random.normal(keys[1], (batch, k, vocab))
   draft_tokens = jax.random.categorical(keys[2], draft).astype(jnp.int32)
   positions = 3 * jnp.arange(batch, dtype=jnp.int32) + 5
-  return target, draft, draft_tokens, jnp.array([seed, 7], jnp.uint32), positions
+  return target, draft, draft_tokens, sj.sampling.row_seeds(jax.random.key(seed), batch), positions
 
 
 @pytest.mark.parametrize("sampling", VERIFY_SAMPLINGS, ids=str)
@@ -306,9 +306,9 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(0, batch=32)
   draft = None if point_mass else draft
   expected = jax.jit(lambda t, d: verify_reference(
-      t, d, draft_tokens, sampling=sampling, seed=seed_words, positions=positions))(target, draft)
+      t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions))(target, draft)
   got = jax.jit(lambda t, d: sh.sharded_verify(
-      t, d, draft_tokens, sampling=sampling, seed=seed_words, positions=positions,
+      t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions,
       mesh=mesh))(target, draft)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
@@ -324,9 +324,9 @@ def test_sharded_verify_other_layouts(shape, vocab):
   mesh = sj.make_mesh(shape)
   sampling = Sampling(temperature=0.9, top_k=20, top_p=0.8)
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
-  expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seed=seed_words,
+  expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                               positions=positions)
-  got = sh.sharded_verify(target, draft, draft_tokens, sampling=sampling, seed=seed_words,
+  got = sh.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                           positions=positions, mesh=mesh)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -355,7 +355,7 @@ def test_sharded_verify_never_gathers_the_vocabulary():
   shard = NamedSharding(mesh, P("data", None, "model"))
   target, draft = jax.device_put(target, shard), jax.device_put(draft, shard)
   text = jax.jit(lambda t, d: sh.sharded_verify(
-      t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seed=seed_words, positions=positions,
+      t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seeds=seed_words, positions=positions,
       mesh=mesh)).lower(target, draft).compile().as_text()
   assert "f32[4,5,32]" in text  # the local slice: 8/2 rows, k+1, 128/4 vocab
   assert not re.search(r"f32\[\d+,5,128\]", text) and not re.search(r"f32\[\d+,128\]", text)

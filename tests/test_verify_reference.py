@@ -20,7 +20,7 @@ stats = pytest.importorskip("scipy.stats")
 
 N = 50_000
 ALPHA = 1e-3
-SEED = jnp.array([2024, 7], jnp.uint32)
+SEEDS = sj.sampling.row_seeds(jax.random.key(2024), N)  # [N] one stream per row
 P_LOGITS = np.log(np.array([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]))
 Q_LOGITS = np.log(np.array([0.05, 0.10, 0.40, 0.30, 0.05, 0.10]))
 P = np.exp(P_LOGITS)
@@ -42,14 +42,13 @@ def _one_position(q_logits=Q_LOGITS, draft_tokens=None, sampling=sj.Sampling(1.0
   draft = None if q_logits is None else jnp.broadcast_to(
       jnp.asarray(q_logits, jnp.float32), (N, 1, V))
   result = verify_reference(target, draft, jnp.asarray(draft_tokens, jnp.int32)[:, None],
-                            sampling=sampling, seed=SEED, positions=jnp.zeros(N, jnp.int32))
+                            sampling=sampling, seeds=SEEDS, positions=jnp.zeros(N, jnp.int32))
   return np.asarray(draft_tokens), np.asarray(result.num_accepted), np.asarray(result.tokens)
 
 
 def test_every_decision_is_u_below_p_over_q():
   drafts, accepted, _ = _one_position()
-  u = np.asarray(uniform(SEED, jnp.arange(N, dtype=jnp.int32)[:, None],
-                         jnp.zeros((N, 1), jnp.int32), 0, PURPOSE_ACCEPT))[:, 0]
+  u = np.asarray(uniform(SEEDS[:, None], jnp.zeros((N, 1), jnp.int32), 0, PURPOSE_ACCEPT))[:, 0]
   ratio = np.minimum(1.0, P[drafts] / Q[drafts])
   expected = u < ratio
   clear = np.abs(u - ratio) > 1e-6  # float32 vs float64 at the boundary
@@ -86,7 +85,7 @@ def test_number_accepted_over_k_positions_is_geometric():
   target = jnp.broadcast_to(jnp.asarray(P_LOGITS, jnp.float32), (N, k + 1, V))
   draft = jnp.broadcast_to(jnp.asarray(Q_LOGITS, jnp.float32), (N, k, V))
   result = verify_reference(target, draft, jnp.asarray(drafts, jnp.int32),
-                            sampling=sj.Sampling(1.0), seed=SEED,
+                            sampling=sj.Sampling(1.0), seeds=SEEDS,
                             positions=jnp.full(N, 5, jnp.int32))
   beta = np.minimum(P, Q).sum()
   probs = np.array([beta ** j * (1 - beta) for j in range(k)] + [beta ** k])
@@ -103,12 +102,12 @@ def test_greedy_hand_worked():
   # Target argmax per position: [3, 1, 4, 0]; drafts [3, 1, 2]: two accepted, correction 4.
   logits = jnp.full((1, 4, 5), -1.0).at[0, [0, 1, 2, 3], [3, 1, 4, 0]].set(2.0)
   result = verify_reference(logits, None, jnp.array([[3, 1, 2]]), sampling=sj.Sampling(0.0),
-                            seed=SEED, positions=jnp.zeros(1, jnp.int32))
+                            seeds=SEEDS[:1], positions=jnp.zeros(1, jnp.int32))
   assert int(result.num_accepted[0]) == 2
   assert result.tokens.tolist() == [[3, 1, 4, 0]]
   # All three accepted: the bonus is the argmax at the last position.
   result = verify_reference(logits, None, jnp.array([[3, 1, 4]]), sampling=sj.Sampling(0.0),
-                            seed=SEED, positions=jnp.zeros(1, jnp.int32))
+                            seeds=SEEDS[:1], positions=jnp.zeros(1, jnp.int32))
   assert result.tokens.tolist() == [[3, 1, 4, 0]] and int(result.num_accepted[0]) == 3
 
 
@@ -126,7 +125,7 @@ def test_ids_always_inside_the_vocabulary(sampling):
   target = target.at[:, :, 5:].set(-1e30)  # almost all of the vocabulary is impossible
   draft = 30 * jax.random.normal(jax.random.fold_in(key, 1), (512, 3, vocab))
   drafts = jax.random.randint(jax.random.fold_in(key, 2), (512, 3), 0, vocab)
-  result = verify_reference(target, draft, drafts, sampling=sampling, seed=SEED,
+  result = verify_reference(target, draft, drafts, sampling=sampling, seeds=SEEDS[:512],
                             positions=jnp.zeros(512, jnp.int32))
   tokens = np.asarray(result.tokens)
   n = np.asarray(result.num_accepted)
