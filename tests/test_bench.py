@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from benchmarks import bound, cli as bench_cli, synthetic, timing
+from benchmarks import bound, cli as bench_cli, plots, real, real_models, report, synthetic, timing
+from benchmarks.models import environment
 from specjax.io.export_hf import export_hf
 from specjax.models.config import tiny_config
 
 
+@pytest.mark.slow  # ~3 min on a shared 2-core CPU (every suite compiles its own calls)
 def test_tiny_suite_writes_json_plots_and_table(tmp_path):
   code = bench_cli.main(["--suite", "tiny", "--out", str(tmp_path), "--k", "1,2", "--batch", "1,2",
                      "--temperature", "1",
@@ -34,9 +36,9 @@ def test_tiny_suite_writes_json_plots_and_table(tmp_path):
     assert r["label"] == "exact"
     if r["temperature"] == 0.0:
       assert r["greedy_identical"]
-  synthetic = result["synthetic_records"]
-  assert synthetic and all(r["label"] == synthetic.SYNTHETIC_LABEL for r in synthetic)
-  assert all(r["synthetic_acceptance"] == 0.8 for r in synthetic)
+  records = result["synthetic_records"]
+  assert records and all(r["label"] == synthetic.SYNTHETIC_LABEL for r in records)
+  assert all(r["synthetic_acceptance"] == 0.8 for r in records)
   peer = result["peer"]
   assert peer["greedy_streams_identical"]
   assert set(peer["tokens_per_s"]) == {"hf_generate", "hf_assisted", "specjax_generate",
@@ -131,3 +133,80 @@ def test_export_hf_rejects_non_llama(tmp_path):
   model = sj.init_params(gemma_style(tiny_config()), jax.random.key(0))
   with pytest.raises(ValueError, match="Llama"):
     export_hf(model, tmp_path / "hf")
+
+
+def test_real_prompt_file_is_well_formed():
+  data = json.loads(real.PROMPTS_FILE.read_text())
+  assert "never" in data["not_for_training"].lower()
+  prompts = real.load_prompts()
+  assert set(prompts) == {"multi_turn", "translation", "summarization", "qa", "math", "code"}
+  ids = set()
+  for category, items in prompts.items():
+    assert len(items) >= 6, category
+    for item in items:
+      roles = [m["role"] for m in item["messages"]]
+      assert roles[-1] == "user" and set(roles) <= {"user", "assistant"}
+      assert all(m["content"].strip() for m in item["messages"])
+      ids.add(item["id"])
+  assert len(ids) == sum(len(v) for v in prompts.values())  # unique ids
+  assert any(len(item["messages"]) > 1 for item in prompts["multi_turn"])
+  assert len(real.load_prompts(categories=("code",), per_category=2)["code"]) == 2
+  with pytest.raises(ValueError, match="unknown categories"):
+    real.load_prompts(categories=("poetry",))
+  with pytest.raises(ValueError, match="per category"):
+    real.load_prompts(per_category=0)
+
+
+def test_real_suite_machinery_on_a_tiny_model(tmp_path):
+  """The real suite's measurement, summary, table and plots on a tiny random Llama and its
+  `transformers` twin (exported weights), with prompts that repeat so lookup drafts get accepted."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  peer = transformers.LlamaForCausalLM.from_pretrained(
+      export_hf(target, tmp_path / "hf"), dtype=torch.float32).eval()
+  cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6)),
+           real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
+  drafters = real.library_drafters(target, num_draft=2)
+  assert [d.name for d in drafters] == ["ngram"]
+  with pytest.raises(ValueError, match="not available"):
+    real.library_drafters(target, num_draft=2, names=("eagle-nonexistent",))
+  measured = real.measure_suite(
+      target, cases, drafters, samplings={"greedy": sj.Sampling(), "T=1": sj.Sampling(1.0)},
+      max_new_tokens=6, eos=(2,), peer_model=peer, log=lambda line: None)
+  assert len(measured["records"]) == 2 * len(cases)
+  for record in measured["records"]:
+    assert record["width"] == 32 and record["calls"]["generate"]["new_tokens"] >= 1
+    assert set(record["calls"]) == {"generate", "ngram"}
+  summary = measured["summary"]
+  assert {(r["sampling"], r["category"]) for r in summary} == {
+      (s, c) for s in ("greedy", "T=1") for c in ("code", "math", "all")}
+  for r in summary:
+    for key in ("acceptance_per_token", "tokens_per_round", "speedup", "bound", "efficiency",
+                "generate_tokens_per_s", "decode_tokens_per_s"):
+      assert np.isfinite(r[key]) and r[key] >= 0, key
+    assert 1.0 <= r["tokens_per_round"] <= 3.0
+    if r["sampling"] == "greedy":
+      assert r["greedy_identical"]
+      assert r["hf_generate_tokens_per_s"] > 0 and r["hf_prompt_lookup_tokens_per_s"] > 0
+  overall = next(r for r in summary if r["sampling"] == "greedy" and r["category"] == "all")
+  assert overall["new_tokens"] == sum(r["calls"]["ngram"]["new_tokens"]
+                                      for r in measured["records"] if r["sampling"] == "greedy")
+  for p in measured["peer_records"]:  # same weights, same ids: the same greedy tokens
+    assert all(d is None for d in p["first_divergence_from_specjax_generate"].values()), p
+  result = {"model": "tiny", "model_description": "tiny random Llama", "wall_s": 1.0,
+            "load_s": 0.0, "environment": environment(),
+            "settings": {"prompts": 2, "prompts_per_category": 1, "max_new_tokens": 6},
+            **measured}
+  table = report.real_table(result)
+  assert "| **overall** | ngram | 2 |" in table and "transformers prompt lookup" in table
+  files = plots.plot_real(result, tmp_path, "real_tiny")
+  assert files == ["real_tiny_speedup.png", "real_tiny_peer.png"]
+  for name in files:
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_real_model_names_are_checked():
+  with pytest.raises(ValueError, match="unknown real model"):
+    real_models.gguf_path("llama-70b")

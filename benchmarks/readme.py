@@ -1,8 +1,0 @@
-"""`specjax bench --suite readme`; extra arguments are passed through (see benchmarks/README.md)."""
-
-import sys
-
-from specjax import bench
-
-if __name__ == "__main__":
-  sys.exit(bench.main(["--suite", "readme", *sys.argv[1:]]))

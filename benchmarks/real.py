@@ -1,0 +1,353 @@
+"""`specjax bench --suite real`: pretrained models on the project's own prompts, every drafter.
+
+For each prompt of `benchmarks/prompts/real.json` (Spec-Bench's categories, written for this
+benchmark and never used for training), chat-templated with the model's own template, at batch 1
+and stopping at the model's own EOS ids:
+
+* `specjax.generate` and `specjax.decode` with each drafter of the library (a drafter is one
+  `DrafterEntry` of `library_drafters`), timed alternately in one process (the order flips from
+  prompt to prompt), greedy and one sampled setting, same prompt, same `max_new_tokens`, same key;
+* acceptance `a` per token (from `accepted_per_position`), tokens per round `tau`, the speedup
+  (decode tokens/s over generate tokens/s), the analytic bound from the measured `a`, `k` and the
+  measured cost of a `(k + 1)`-token verify over one target step (and the drafter's step, for
+  drafters with a forward of their own), and efficiency = speedup / bound; per category and
+  overall (sums over the prompts: time-weighted);
+* the same prompt ids through `transformers` on the same weights: plain greedy `generate` and
+  `prompt_lookup_num_tokens=k`, with its tokens/s beside specjax's.
+
+Prompts are padded to a power-of-two width (one compile per width; both calls pay the same
+prefill). Writes `real.json`, `real_speedup.png`, `real_peer.png` and `real_table.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bound import analytic_bound, per_token_acceptance
+from benchmarks.models import environment
+from benchmarks.timing import first_divergence, measure_costs, time_alternately
+
+PROMPTS_FILE = pathlib.Path(__file__).resolve().parent / "prompts" / "real.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptCase:
+  """One chat-templated prompt."""
+
+  category: str
+  id: str
+  ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterEntry:
+  """One drafter of the suite.
+
+  Attributes:
+    name: its label in the results.
+    drafter: what `specjax.decode` takes as `draft`.
+    num_draft: `k`.
+    draft_ratio: the cost of one draft step over one target step (`c` of the bound); None = a
+      drafter without a forward of its own (a lookup), `c = 0`.
+    description: one line for the table.
+  """
+
+  name: str
+  drafter: Any
+  num_draft: int
+  draft_ratio: float | None = None
+  description: str = ""
+
+
+def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_category: int = 6):
+  """`{category: [messages, ...]}` from the prompt file, the first `per_category` of each."""
+  data = json.loads(pathlib.Path(path).read_text())
+  known = data["categories"]
+  unknown = [c for c in categories if c not in known]
+  if unknown:
+    raise ValueError(f"unknown categories {unknown}; the prompt file has {', '.join(known)}")
+  if per_category < 1:
+    raise ValueError(f"prompts per category must be >= 1, got {per_category}")
+  chosen = categories or tuple(known)
+  return {c: known[c][:per_category] for c in chosen}
+
+
+def library_drafters(target, *, num_draft: int, names=()) -> list[DrafterEntry]:
+  """Every drafter the library has for `target` (or the `names` asked for).
+
+  The n-gram (prompt lookup) drafter needs no weights. Trained heads join this list when
+  `specjax.drafters` can give them for the target.
+  """
+  import specjax as sj
+
+  entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
+                          "prompt lookup (n-gram 3..1, no weights)")]
+  known = {e.name for e in entries}
+  missing = [n for n in names if n not in known]
+  if missing:
+    raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
+  return [e for e in entries if not names or e.name in names]
+
+
+def _bucket(length: int) -> int:
+  return max(32, 1 << (length - 1).bit_length())
+
+
+def _padded(case: PromptCase, pad_id: int):
+  width = _bucket(len(case.ids))
+  row = np.full((1, width), pad_id, np.int32)
+  row[0, :len(case.ids)] = case.ids
+  return jnp.asarray(row), jnp.asarray([len(case.ids)], jnp.int32)
+
+
+def _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tokens, eos):
+  import specjax as sj
+  calls = {"generate": lambda: sj.generate(target, tokens, rng, lengths=lengths,
+                                           max_new_tokens=max_new_tokens, sampling=sampling,
+                                           eos_id=eos)}
+  for entry in drafters:
+    calls[entry.name] = (lambda e: lambda: sj.decode(
+        target, e.drafter, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+        num_draft=e.num_draft, sampling=sampling, eos_id=eos))(entry)
+  return calls
+
+
+def _ordered(calls: dict, flip: bool) -> dict:
+  return dict(reversed(list(calls.items()))) if flip else calls
+
+
+def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry], *,
+                    samplings: dict, max_new_tokens: int, eos: tuple[int, ...], repeats: int = 1,
+                    seed: int = 0, statistic: str = "min", log=print) -> list[dict]:
+  """specjax `generate` vs `decode` (each drafter), prompt by prompt, for each sampling.
+
+  Returns:
+    One record per (sampling, prompt): per call `seconds`, `new_tokens`; per drafter its stats
+    (`rounds`, `accepted`, `accepted_per_position`) and, greedy, whether its tokens equal
+    `generate`'s.
+  """
+  pad_id = target.config.pad_id
+  warm: set = set()
+  records = []
+  for sampling_name, sampling in samplings.items():
+    for index, case in enumerate(cases):
+      tokens, lengths = _padded(case, pad_id)
+      rng = jax.random.key(seed + index)
+      calls = _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tokens,
+                             eos)
+      shape = (sampling_name, tokens.shape[1])
+      if shape not in warm:  # compile each call once per prompt width, untimed
+        for call in calls.values():
+          jax.block_until_ready(call())
+        warm.add(shape)
+      timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
+                               warmup=False)
+      plain = timed["generate"]["result"]
+      plain_tokens = np.asarray(plain.tokens[0, :int(plain.num_tokens[0])])
+      record = {"sampling": sampling_name, "category": case.category, "id": case.id,
+                "prompt_tokens": len(case.ids), "width": int(tokens.shape[1]), "calls": {}}
+      for name, entry in timed.items():
+        out = entry["result"]
+        call = {"seconds": entry["seconds"], "times_s": entry["times_s"],
+                "new_tokens": int(out.num_tokens[0])}
+        if name != "generate":
+          stats = out.stats.summary()
+          call.update(rounds=stats["rounds"], accepted=stats["accepted"],
+                      accepted_per_position=stats["accepted_per_position"])
+          if sampling_name == "greedy":
+            call["first_divergence_from_generate"] = first_divergence(
+                plain_tokens, np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
+        record["calls"][name] = call
+      record["generate_tokens"] = plain_tokens.tolist() if sampling_name == "greedy" else None
+      records.append(record)
+      log(f"  {sampling_name:7s} {case.id:16s} " + ", ".join(
+          f"{n} {c['new_tokens'] / c['seconds']:.1f} tok/s" for n, c in record["calls"].items()))
+  return records
+
+
+def measure_peer(peer_model, cases: list[PromptCase], *, num_draft: int, max_new_tokens: int,
+                 eos: tuple[int, ...], pad_id: int, repeats: int = 1, statistic: str = "min",
+                 log=print) -> list[dict]:
+  """`transformers` greedy `generate` and `prompt_lookup_num_tokens=k`, prompt by prompt."""
+  import torch
+
+  from benchmarks.peer import fastest_torch_threads
+
+  fastest_torch_threads(peer_model)
+  records = []
+  for index, case in enumerate(cases):
+    input_ids = torch.tensor([list(case.ids)], dtype=torch.long)
+
+    def call(lookup):
+      def run():
+        kwargs = dict(prompt_lookup_num_tokens=num_draft) if lookup else {}
+        with torch.no_grad():
+          out = peer_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    max_new_tokens=max_new_tokens, do_sample=False,
+                                    eos_token_id=list(eos), pad_token_id=pad_id, **kwargs)
+        return out[0, input_ids.shape[1]:].numpy()
+      return run
+
+    calls = {"hf_generate": call(False), "hf_prompt_lookup": call(True)}
+    timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
+                             warmup=index == 0)
+    record = {"category": case.category, "id": case.id, "calls": {
+        name: {"seconds": e["seconds"], "times_s": e["times_s"],
+               "new_tokens": int(len(e["result"])), "tokens": e["result"].tolist()}
+        for name, e in timed.items()}}
+    records.append(record)
+    log(f"  peer    {case.id:16s} " + ", ".join(
+        f"{n} {c['new_tokens'] / c['seconds']:.1f} tok/s" for n, c in record["calls"].items()))
+  return records
+
+
+def _rate(records, name) -> float:
+  tokens = sum(r["calls"][name]["new_tokens"] for r in records)
+  seconds = sum(r["calls"][name]["seconds"] for r in records)
+  return tokens / seconds if seconds > 0 else float("nan")
+
+
+def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
+              peer_records: list[dict] | None = None) -> list[dict]:
+  """Aggregates per (sampling, drafter, category) and overall ("all")."""
+  summary = []
+  samplings = list(dict.fromkeys(r["sampling"] for r in records))
+  categories = list(dict.fromkeys(r["category"] for r in records))
+  for sampling in samplings:
+    for entry in drafters:
+      for category in categories + ["all"]:
+        group = [r for r in records if r["sampling"] == sampling
+                 and (category == "all" or r["category"] == category)]
+        calls = [r["calls"][entry.name] for r in group]
+        rounds = sum(c["rounds"] for c in calls)
+        accepted = sum(c["accepted"] for c in calls)
+        per_position = np.sum([c["accepted_per_position"] for c in calls], axis=0).tolist()
+        a = per_token_acceptance(per_position, rounds)
+        k = entry.num_draft
+        verify_ratio = costs["verify_s"][k] / costs["target_step_s"]
+        bound = analytic_bound(a, k, entry.draft_ratio or 0.0, verify_ratio)
+        row = {"sampling": sampling, "drafter": entry.name, "category": category,
+               "prompts": len(group), "num_draft": k, "acceptance_per_token": a,
+               "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+               "generate_tokens_per_s": _rate(group, "generate"),
+               "decode_tokens_per_s": _rate(group, entry.name),
+               "new_tokens": sum(c["new_tokens"] for c in calls),
+               "verify_ratio": verify_ratio, "draft_ratio": entry.draft_ratio or 0.0,
+               "bound": bound}
+        row["speedup"] = row["decode_tokens_per_s"] / row["generate_tokens_per_s"]
+        row["efficiency"] = row["speedup"] / bound
+        if sampling == "greedy":
+          row["greedy_identical"] = all(c.get("first_divergence_from_generate") is None
+                                        for c in calls)
+        if peer_records and sampling == "greedy":
+          peer = [p for p in peer_records if category == "all" or p["category"] == category]
+          row["hf_generate_tokens_per_s"] = _rate(peer, "hf_generate")
+          row["hf_prompt_lookup_tokens_per_s"] = _rate(peer, "hf_prompt_lookup")
+          row["hf_prompt_lookup_speedup"] = (row["hf_prompt_lookup_tokens_per_s"]
+                                             / row["hf_generate_tokens_per_s"])
+        summary.append(row)
+  return summary
+
+
+def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, repeats=1, seed=0,
+                  statistic="min", peer_model=None, log=print) -> dict:
+  """The suite on any target (a real one, or a tiny random one in the tests); no files."""
+  widths = sorted(_bucket(len(c.ids)) for c in cases)
+  width = widths[len(widths) // 2]
+  num_drafts = tuple(sorted({e.num_draft for e in drafters}))
+  from specjax.validation import round_up
+  from specjax.generate import NEW_TOKEN_BUCKET
+  costs = measure_costs(target, None, batch=1,
+                        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+                        + max(num_drafts) + 1,
+                        position=int(np.median([len(c.ids) for c in cases])) + max_new_tokens // 2,
+                        num_drafts=num_drafts, repeats=5, statistic=statistic)
+  log(f"costs: target step {costs['target_step_s'] * 1e3:.1f} ms, verify " + ", ".join(
+      f"k={k} {s * 1e3:.1f} ms" for k, s in costs["verify_s"].items()))
+  records = measure_prompts(target, cases, drafters, samplings=samplings,
+                            max_new_tokens=max_new_tokens, eos=eos, repeats=repeats, seed=seed,
+                            statistic=statistic, log=log)
+  peer_records = None
+  if peer_model is not None:
+    peer_records = measure_peer(peer_model, cases, num_draft=num_drafts[0],
+                                max_new_tokens=max_new_tokens, eos=eos,
+                                pad_id=target.config.pad_id, repeats=repeats,
+                                statistic=statistic, log=log)
+    for record, peer in zip([r for r in records if r["sampling"] == "greedy"], peer_records):
+      peer["first_divergence_from_specjax_generate"] = {
+          name: first_divergence(record["generate_tokens"], call["tokens"])
+          for name, call in peer["calls"].items()}
+  return {"costs": costs, "records": records, "peer_records": peer_records,
+          "summary": summarize(records, drafters, costs, peer_records),
+          "drafters": [{"name": e.name, "num_draft": e.num_draft, "draft_ratio": e.draft_ratio,
+                        "description": e.description} for e in drafters]}
+
+
+def _samplings(temperatures) -> dict:
+  import specjax as sj
+  out = {}
+  for t in temperatures:
+    out["greedy" if t == 0 else f"T={t:g}"] = sj.Sampling(temperature=float(t))
+  return out
+
+
+def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
+  """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
+  from benchmarks.real_models import (REAL_MODELS, chat_ids, eos_ids, gguf_path, load_peer,
+                                      load_specjax)
+  from benchmarks.suites import json_default
+
+  start, cpu_start = time.perf_counter(), time.process_time()
+  out.mkdir(parents=True, exist_ok=True)
+  model_name = settings.model
+  if model_name not in REAL_MODELS:
+    raise ValueError(f"--suite real takes --model {' or '.join(REAL_MODELS)}, got {model_name!r}")
+  path = gguf_path(model_name)
+  log(f"{REAL_MODELS[model_name].description}: {path}")
+  peer_model, tokenizer = load_peer(path)
+  target, how = load_specjax(path, peer_model)
+  eos = eos_ids(peer_model, tokenizer)
+  loaded_s = time.perf_counter() - start
+  log(f"loaded in {loaded_s:.0f}s ({how}); {target.config.num_params() / 1e6:.0f}M params, "
+      f"EOS ids {eos}")
+  prompts = load_prompts(categories=settings.categories,
+                         per_category=settings.prompts_per_category)
+  cases = [PromptCase(category, p["id"], tuple(chat_ids(tokenizer, p["messages"])))
+           for category, items in prompts.items() for p in items]
+  drafters = library_drafters(target, num_draft=settings.num_drafts[0], names=settings.drafters)
+  measured = measure_suite(target, cases, drafters, samplings=_samplings(settings.temperatures),
+                           max_new_tokens=settings.max_new_tokens, eos=eos,
+                           repeats=settings.repeats, seed=settings.seed,
+                           statistic=settings.statistic,
+                           peer_model=peer_model if settings.peer else None, log=log)
+  result = {
+      "suite": "real", "model": model_name, "model_description": REAL_MODELS[model_name].description,
+      "gguf_file": path.name, "loaded_with": how, "dtype": "float32", "eos_ids": list(eos),
+      "settings": {"max_new_tokens": settings.max_new_tokens, "batch": 1,
+                   "prompts_per_category": settings.prompts_per_category,
+                   "categories": list(prompts), "prompts": len(cases),
+                   "temperatures": list(settings.temperatures), "repeats": settings.repeats,
+                   "statistic": settings.statistic, "seed": settings.seed,
+                   "prompt_file": str(PROMPTS_FILE.relative_to(PROMPTS_FILE.parents[2])),
+                   "prompt_widths": "padded to a power of two >= 32 (one compile per width)"},
+      "environment": environment(), "load_s": loaded_s, **measured, "files": []}
+  result["wall_s"] = time.perf_counter() - start
+  result["process_cpu_s"] = time.process_time() - cpu_start
+  stem = "real" if model_name == "smollm2-135m" else f"real_{model_name}"
+  if plots:
+    from benchmarks.plots import plot_real
+    result["files"] += plot_real(result, out, stem)
+  from benchmarks.report import real_table
+  result["files"] += [f"{stem}_table.md", f"{stem}.json"]
+  (out / f"{stem}_table.md").write_text(real_table(result))
+  (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=json_default) + "\n")
+  log(f"wrote {', '.join(result['files'])} to {out} in {result['wall_s']:.0f}s")
+  return result

@@ -1,0 +1,124 @@
+"""Markdown tables for the README, from suite results."""
+
+from __future__ import annotations
+
+from benchmarks.timing import paired_speedup
+
+
+def readme_table(result: dict) -> str:
+  """The markdown table the README quotes, from a `readme` suite result."""
+  env = result["environment"]
+  lines = [f"<!-- written by `specjax bench --suite readme` on {env['date']} -->",
+           f"Measured on {env['device']} ({env['platform']}, {env['cpu_count']} cores, "
+           f"jax {env['jax']}), float32, {result['settings']['max_new_tokens']} new tokens per "
+           f"row, ratios of calls timed alternately in one process ({result['settings']['statistic']}"
+           f" of {result['settings']['repeats']} timed calls each after a warm-up). speedup = "
+           "generate time / decode time; paired = median of that ratio over back-to-back call "
+           "pairs; bound = DESIGN.md's analytic speedup from the measured per-token acceptance a "
+           "and measured draft-step, target-step and (k+1)-verify costs; efficiency = speedup / "
+           "bound.", ""]
+  pair = result.get("pair_records") or []
+  if pair:
+    lines += [f"**{pair[0]['pair']}**: `decode` vs `generate` (best k per row)", "",
+              "| batch | temperature | k | generate tok/s | decode tok/s | speedup | paired | "
+              "bound | efficiency | a (per token) | tokens/round |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    best: dict = {}
+    for r in pair:
+      key = (r["batch"], r["temperature"])
+      if key not in best or r["speedup"] > best[key]["speedup"]:
+        best[key] = r
+    for (batch, temperature), r in sorted(best.items()):
+      lines.append(f"| {batch} | {temperature} | {r['num_draft']} | "
+                   f"{r['generate']['tokens_per_s']:.0f} | {r['decode']['tokens_per_s']:.0f} | "
+                   f"**{r['speedup']:.2f}x** | {paired_speedup(r):.2f}x | {r['bound']:.2f}x | "
+                   f"{r['efficiency']:.2f} | {r['acceptance_per_token']:.2f} | {r['mean_accepted_length']:.2f} |")
+    lines.append("")
+  synthetic = result.get("synthetic_records") or []
+  if synthetic:
+    lines += ["**Synthetic acceptance** (benchmark-only rule: each draft accepted with probability "
+              f"a; random weights; not exact; greedy; {synthetic[0]['max_new_tokens']} new tokens)",
+              "",
+              "| target | params | batch | a (set / measured) | k | generate tok/s | decode tok/s | "
+              "speedup | paired | bound | efficiency |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in synthetic:
+      lines.append(f"| {r['target_size']} | {r['target']['params'] / 1e6:.0f}M | {r['batch']} | "
+                   f"{r['synthetic_acceptance']} / {r['acceptance_per_token']:.2f} | {r['num_draft']} | "
+                   f"{r['generate']['tokens_per_s']:.1f} | {r['decode']['tokens_per_s']:.1f} | "
+                   f"**{r['speedup']:.2f}x** | {paired_speedup(r):.2f}x | {r['bound']:.2f}x | "
+                   f"{r['efficiency']:.2f} |")
+    lines.append("")
+  peer = result.get("peer")
+  if peer:
+    s = peer["tokens_per_s"]
+    lines += [f"**Same weights, transformers vs specjax** ({peer['pair']}, batch 1, greedy, "
+              f"k={peer['num_draft']}, CPU float32)", "",
+              "| | plain tok/s | speculative tok/s | speculative speedup |", "|---|---|---|---|",
+              f"| transformers (`generate`, `assistant_model=`) | {s['hf_generate']:.1f} | "
+              f"{s['hf_assisted']:.1f} | {peer['hf_speculative_speedup']:.2f}x |",
+              f"| specjax (`generate`, `decode`) | {s['specjax_generate']:.1f} | "
+              f"{s['specjax_decode']:.1f} | {peer['specjax_speculative_speedup']:.2f}x |", "",
+              f"specjax `decode` / transformers assisted: "
+              f"**{peer['specjax_decode_over_hf_assisted']:.2f}x**; greedy token streams "
+              f"identical: **{'yes' if peer['greedy_streams_identical'] else 'NO'}**", ""]
+  return "\n".join(lines) + "\n"
+
+
+CATEGORY_NAMES = {"multi_turn": "multi-turn chat", "translation": "translation",
+                  "summarization": "summarization", "qa": "QA over a text", "math": "math reasoning",
+                  "code": "code", "all": "**overall**"}
+
+
+def real_table(result: dict) -> str:
+  """The markdown table of a `real` suite result (per category and overall, each drafter)."""
+  env, settings, costs = result["environment"], result["settings"], result["costs"]
+  lines = [f"<!-- written by `specjax bench --suite real` on {env['date']} -->",
+           f"**{result['model_description']}**, {settings['prompts']} prompts written for this "
+           f"benchmark ({settings['prompts_per_category']} per category, Spec-Bench's categories, "
+           f"chat-templated, never used for training), batch 1, up to "
+           f"{settings['max_new_tokens']} new tokens, stopping at the model's EOS. Measured on "
+           f"{env['device']} ({env['platform']}, {env['cpu_count']} cores, jax {env['jax']}), "
+           "float32; `generate` and `decode` timed alternately in one process, prompt by prompt. "
+           "a = per-token acceptance; tau = tokens per round; speedup = decode tok/s / generate "
+           "tok/s; bound = (1 - a^(k+1)) / (1 - a) / (k c + v) with v = one (k+1)-token verify / "
+           f"one target step = {costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f}"
+           f" at k={min(costs['verify_s'])} (measured) and c = 0 for lookup drafters; "
+           "efficiency = speedup / bound.", ""]
+  summary = result["summary"]
+  for sampling in dict.fromkeys(r["sampling"] for r in summary):
+    rows = [r for r in summary if r["sampling"] == sampling]
+    lines += [f"**{sampling}**", "",
+              "| category | drafter | k | a | tau | generate tok/s | decode tok/s | speedup | "
+              "bound | efficiency |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+      lines.append(f"| {CATEGORY_NAMES.get(r['category'], r['category'])} | {r['drafter']} | "
+                   f"{r['num_draft']} | {r['acceptance_per_token']:.2f} | "
+                   f"{r['tokens_per_round']:.2f} | {r['generate_tokens_per_s']:.1f} | "
+                   f"{r['decode_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | "
+                   f"{r['bound']:.2f}x | {r['efficiency']:.2f} |")
+    lines.append("")
+  peer_rows = [r for r in summary if "hf_generate_tokens_per_s" in r]
+  if peer_rows:
+    drafter = peer_rows[0]["drafter"]
+    peer_rows = [r for r in peer_rows if r["drafter"] == drafter]
+    lines += [f"**Same weights and prompt ids, greedy: transformers vs specjax** (transformers "
+              f"`generate` and `prompt_lookup_num_tokens={peer_rows[0]['num_draft']}`; specjax "
+              f"`generate` and `decode` with the {drafter} drafter)", "",
+              "| category | transformers tok/s | transformers prompt lookup tok/s | its speedup | "
+              "specjax generate tok/s | specjax decode tok/s | its speedup |",
+              "|---|---|---|---|---|---|---|"]
+    for r in peer_rows:
+      lines.append(f"| {CATEGORY_NAMES.get(r['category'], r['category'])} | "
+                   f"{r['hf_generate_tokens_per_s']:.1f} | "
+                   f"{r['hf_prompt_lookup_tokens_per_s']:.1f} | "
+                   f"{r['hf_prompt_lookup_speedup']:.2f}x | {r['generate_tokens_per_s']:.1f} | "
+                   f"{r['decode_tokens_per_s']:.1f} | {r['speedup']:.2f}x |")
+    lines.append("")
+  identical = [r.get("greedy_identical") for r in summary
+               if r["category"] == "all" and "greedy_identical" in r]
+  if identical:
+    lines.append(f"Greedy `decode` tokens identical to `generate` on every prompt: "
+                 f"**{'yes' if all(identical) else 'NO'}**. Suite wall time "
+                 f"{result['wall_s'] / 60:.1f} min (model loading {result['load_s']:.0f}s).")
+  return "\n".join(lines) + "\n"
