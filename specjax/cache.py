@@ -1,10 +1,15 @@
 """Fixed-shape key/value cache with per-row lengths.
 
-The cache never changes shape while decoding: every layer owns a `[B, max_len, kv_heads, head_dim]`
+The cache never changes shape while decoding: every layer owns a `[B, kv_heads, max_len, head_dim]`
 buffer (stacked over layers), and `lengths[B]` says how many slots of each row are valid. Rows
 advance independently: a block of new keys is written at each row's own offset, and rolling back
 rejected draft tokens is only a matter of lowering `lengths` -- the stale slots are masked out by
 attention and overwritten by the next write.
+
+The layout `[L, B, KVH, S, D]` is the one attention reads: the score and value einsums
+(`btkgd,bksd->bkgts`, `bkgts,bksd->btkgd`) take a layer's `[B, KVH, S, D]` slab as it lies, so no
+forward copies a transposed slab. Writes are one scatter with explicit `(row, slot)` indices
+whatever the batch size and under any mesh: the cost is the block's size, not the cache's.
 """
 
 from __future__ import annotations
@@ -20,14 +25,14 @@ import jax.numpy as jnp
 class KVCache:
   """Keys and values of every layer plus the valid length of each row."""
 
-  k: jax.Array  # [L, B, S, KVH, D]
-  v: jax.Array  # [L, B, S, KVH, D]
+  k: jax.Array  # [L, B, KVH, S, D]
+  v: jax.Array  # [L, B, KVH, S, D]
   lengths: jax.Array  # [B] int32, valid slots per row
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
              dtype=jnp.float32) -> "KVCache":
-    shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
+    shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -37,7 +42,7 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[2]
+    return self.k.shape[3]
 
   def room(self) -> jax.Array:
     """Free slots left in each row, `[B]` int32."""
@@ -48,54 +53,87 @@ class KVCache:
     return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
 
 
+def _slots(starts: jax.Array, width: int) -> jax.Array:
+  """`[B, T, 1]` int32: the slot entry `t` of row `b` of a block goes to."""
+  starts = jnp.asarray(starts, jnp.int32)
+  return (starts[:, None] + jnp.arange(width, dtype=jnp.int32))[..., None]
+
+
+def _scatter(buffer, slots, block, dims):
+  return jax.lax.scatter(buffer, slots, block.astype(buffer.dtype), dims, indices_are_sorted=True,
+                         unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
+# Row b of the indices addresses row b of the buffer (a batching dimension, so each device of a
+# batch-sharded mesh scatters into its own rows without gathering the block); the slot index picks
+# the S position; the block's KVH and D (and L) dimensions are the window written at that slot.
+_LAYER_DIMS = jax.lax.ScatterDimensionNumbers(  # buffer [B, KVH, S, D] <- block [B, T, KVH, D]
+    update_window_dims=(2, 3), inserted_window_dims=(2,), scatter_dims_to_operand_dims=(2,),
+    operand_batching_dims=(0,), scatter_indices_batching_dims=(0,))
+_STACKED_DIMS = jax.lax.ScatterDimensionNumbers(  # [L, B, KVH, S, D] <- [L, B, T, KVH, D]
+    update_window_dims=(0, 3, 4), inserted_window_dims=(3,), scatter_dims_to_operand_dims=(3,),
+    operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
+
+
 def write_block(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes `block[b]` into `buffer[b]` at slot `starts[b]`, for every row (one layer).
+  """Writes `block[b]` into `buffer[b]` at slots `starts[b] ..`, for every row (one layer).
 
   Args:
-    buffer: `[B, S, H, D]` one layer's keys or values.
-    block: `[B, T, H, D]` new entries.
+    buffer: `[B, KVH, S, D]` one layer's keys or values.
+    block: `[B, T, KVH, D]` new entries (the layout of a key/value projection).
     starts: `[B]` int32 slot of each row's first new entry.
 
   Returns:
-    The updated buffer. Callers size the cache so that `starts + T <= S`; an update past the end
-    would be clamped by `dynamic_update_slice`, which is why `decode` and `generate` reserve room.
+    The updated buffer. Entries that would land at slot `S` or later are dropped (callers size the
+    cache so that `starts + T <= S`; `decode` and `generate` reserve that room).
   """
-  def one_row(row_buffer, row_block, start):
-    return jax.lax.dynamic_update_slice(row_buffer, row_block.astype(row_buffer.dtype),
-                                        (start, 0, 0))
-
-  return jax.vmap(one_row)(buffer, block, starts.astype(jnp.int32))
-
-
-UNROLLED_WRITE_MAX_BATCH = 16  # larger batches write with one batched scatter
+  return _scatter(buffer, _slots(starts, block.shape[1]), block, _LAYER_DIMS)
 
 
 def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
-  """Writes every layer's `block[:, b]` into `stacked[:, b]` at slot `starts[b]`, for every row.
+  """Writes every layer's `block[:, b]` into `stacked[:, b]` at slots `starts[b] ..`, every row.
 
   Args:
-    stacked: `[L, B, S, H, D]` all layers' keys or values.
-    block: `[L, B, T, H, D]` new entries.
+    stacked: `[L, B, KVH, S, D]` all layers' keys or values.
+    block: `[L, B, T, KVH, D]` new entries (per-layer key/value projections, stacked).
     starts: `[B]` int32 slot of each row's first new entry.
 
   Returns:
-    The updated buffer. Callers size the cache so that `starts + T <= S` (see `write_block`).
+    The updated buffer; entries past slot `S - 1` are dropped (see `write_block`).
 
-  For a small batch on one device this is one in-place `dynamic_update_slice` of a `[L, T, H, D]`
-  slab per row, unrolled: the cost is the block's size, not the cache's. A large batch (the unrolled
-  updates would grow the program with B) and any batch under a mesh (per-row updates of a sharded
-  array would need collective permutes; the SPMD partitioner keeps a batched scatter local to each
-  device) use one batched scatter instead.
+  One scatter with explicit `(row, slot)` indices, the same program for every batch size and on
+  any mesh (Auto or Explicit axes): rows are a batching dimension, so the SPMD partitioner keeps
+  the write local to the devices holding each row, and a donated cache is updated in place. A
+  write costs the block's size, not the cache's.
   """
-  starts = starts.astype(jnp.int32)
-  block = block.astype(stacked.dtype)
-  mesh = jax.sharding.get_abstract_mesh()
-  under_mesh = mesh is not None and not mesh.empty and any(size > 1 for size in mesh.axis_sizes)
-  if under_mesh or stacked.shape[1] > UNROLLED_WRITE_MAX_BATCH:
-    def one_row(row_buffer, row_block, start):  # [L, S, H, D] <- [L, T, H, D]
-      return jax.lax.dynamic_update_slice(row_buffer, row_block, (0, start, 0, 0))
-    return jax.vmap(one_row, in_axes=(1, 1, 0), out_axes=1)(stacked, block, starts)
-  for row in range(stacked.shape[1]):
-    stacked = jax.lax.dynamic_update_slice(stacked, block[:, row:row + 1],
-                                           (0, row, starts[row], 0, 0))
-  return stacked
+  return _scatter(stacked, _slots(starts, block.shape[2]), block, _STACKED_DIMS)
+
+
+def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.Array) -> KVCache:
+  """Moves each row's accepted tree path to contiguous slots (ragged per row, fixed shapes).
+
+  Slot `starts[b] + j` receives slot `sources[b, j]` for `j < counts[b]`; the other slots keep
+  their entries (they are rewritten with their own values). No index is ever -1: sources are
+  clamped into the buffer and masked by `counts`; writes past slot `S - 1` are dropped.
+
+  Args:
+    cache: the cache after scoring a tree block.
+    sources: `[B, W]` int32 slot of the `j`-th path entry (path order, so `sources >= starts`
+      never reads a slot that is written earlier in the same call: all reads happen first).
+    starts: `[B]` int32 first destination slot; counts: `[B]` int32 entries moved per row.
+
+  Returns:
+    The cache with the same `lengths` (callers set them).
+  """
+  width = sources.shape[1]
+  starts = jnp.asarray(starts, jnp.int32)
+  index = jnp.arange(width, dtype=jnp.int32)
+  dest = starts[:, None] + index  # [B, W]
+  src = jnp.where(index[None] < counts[:, None], sources.astype(jnp.int32), dest)
+  src = jnp.clip(src, 0, cache.max_len - 1)
+
+  def move(stacked):  # [L, B, KVH, S, D]
+    block = jnp.take_along_axis(stacked, src[None, :, None, :, None], axis=3)  # [L, B, KVH, W, D]
+    return write_stacked_block(stacked, block.swapaxes(2, 3), starts)
+
+  return KVCache(move(cache.k), move(cache.v), cache.lengths)

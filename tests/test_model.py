@@ -78,7 +78,8 @@ def test_block_forward_equals_single_token_steps(name):
   # Both paths leave the same keys in the valid slots.
   for b in range(2):
     end = int(offsets[b]) + block
-    np.testing.assert_allclose(blocked.cache.k[:, b, :end], stepped_cache.k[:, b, :end], **TOL)
+    np.testing.assert_allclose(blocked.cache.k[:, b, :, :end], stepped_cache.k[:, b, :, :end],
+                               **TOL)
 
 
 def test_rollback_then_rewrite_equals_never_written():
@@ -105,7 +106,7 @@ def test_stale_slots_past_length_are_never_read():
   model = _model("llama")
   tokens = _tokens(1, 6, model.vocab_size, seed=6)
   cache = model.init_cache(1, 12)
-  poisoned = sj.KVCache(cache.k.at[:, :, 6:].set(1e4), cache.v.at[:, :, 6:].set(-1e4),
+  poisoned = sj.KVCache(cache.k.at[:, :, :, 6:].set(1e4), cache.v.at[:, :, :, 6:].set(-1e4),
                         cache.lengths)
   a = forward(model, tokens, jnp.zeros(1, jnp.int32), cache).logits
   b = forward(model, tokens, jnp.zeros(1, jnp.int32), poisoned).logits

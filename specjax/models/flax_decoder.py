@@ -48,16 +48,16 @@ def cached_attention(q, k, v, starts, cache: KVCache, layer: int):
   Returns:
     `(out [B, T, H, D], cache with layer updated)`.
   """
-  keys = write_block(cache.k[layer], k, starts)  # [B, S, H, D]
+  keys = write_block(cache.k[layer], k, starts)  # [B, H, S, D]
   values = write_block(cache.v[layer], v, starts)
   cache = dataclasses.replace(cache, k=cache.k.at[layer].set(keys),
                               v=cache.v.at[layer].set(values))
   q_pos = starts[:, None] + jnp.arange(q.shape[1])  # [B, T]
-  k_pos = jnp.arange(keys.shape[1])  # [S]
+  k_pos = jnp.arange(keys.shape[2])  # [S]
   mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, T, S]: stale slots are in the future
-  scores = jnp.einsum("bthd,bshd->bhts", q, keys.astype(q.dtype)) / jnp.sqrt(q.shape[-1])
+  scores = jnp.einsum("bthd,bhsd->bhts", q, keys.astype(q.dtype)) / jnp.sqrt(q.shape[-1])
   scores = jnp.where(mask[:, None], scores, -1e30)
-  out = jnp.einsum("bhts,bshd->bthd", jax.nn.softmax(scores, axis=-1), values.astype(q.dtype))
+  out = jnp.einsum("bhts,bhsd->bthd", jax.nn.softmax(scores, axis=-1), values.astype(q.dtype))
   return out, cache
 
 

@@ -74,8 +74,10 @@ class Model:
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
                           dtype or self.dtype)
 
-  def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False) -> ForwardOutput:
-    return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden)
+  def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False,
+               positions=None, block_mask=None) -> ForwardOutput:
+    return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden,
+                   positions=positions, block_mask=block_mask)
 
   def astype(self, dtype) -> "Model":
     """The same model with floating-point weights cast to `dtype`."""
@@ -172,9 +174,9 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
 
   Args:
     q: `[B, T, H, D]` queries.
-    segments: a sequence of `(keys [B, S, KVH, D], values [B, S, KVH, D], k_pos [B, S],
-      valid [B, T, S] bool or None)`; a key is visible to a query when it is valid, not after the
-      query's position and inside the window.
+    segments: a sequence of `(keys [B, KVH, S, D], values [B, KVH, S, D], k_pos [B, S],
+      valid [B, T, S] bool or None)` in the cache's layout; a key is visible to a query when it is
+      valid, not after the query's position and inside the window.
     q_pos: `[B, T]` absolute position of each query.
     window: scalar int, 0 for global attention.
     config: the model config.
@@ -183,11 +185,11 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
     `[B, T, H * D]`.
   """
   b, t, h, d = q.shape
-  kvh = segments[0][0].shape[2]
+  kvh = segments[0][0].shape[1]
   q = q.reshape(b, t, kvh, h // kvh, d)
   all_scores = []
   for keys, _, k_pos, valid in segments:
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys,
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
                         preferred_element_type=jnp.float32) * config.attention_scale
     scores = _softcap(scores, config.attn_logit_softcap)
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
@@ -201,7 +203,7 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
   for _, values, k_pos, _ in segments:
     size = k_pos.shape[1]
     part = probs[..., offset:offset + size].astype(values.dtype)
-    out = out + jnp.einsum("bkgts,bskd->btkgd", part, values, preferred_element_type=jnp.float32)
+    out = out + jnp.einsum("bkgts,bksd->btkgd", part, values, preferred_element_type=jnp.float32)
     offset += size
   return out.reshape(b, t, h * d).astype(q.dtype)
 
@@ -223,7 +225,8 @@ def check_taps(taps, num_layers: int) -> tuple[int, ...]:
 
 
 def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache | None = None,
-            *, taps=(), return_hidden: bool = False) -> ForwardOutput:
+            *, taps=(), return_hidden: bool = False, positions: jax.Array | None = None,
+            block_mask: jax.Array | None = None) -> ForwardOutput:
   """Runs the decoder on a block of tokens per row.
 
   Args:
@@ -234,6 +237,10 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     taps: layer indices `i` in `0..L` whose incoming residual stream to return (`i == L` is the
       stream after the last layer, before the final norm), in the order given.
     return_hidden: also return the final hidden states (for draft heads).
+    positions: `[B, T]` int32 position of each block token (default `starts + arange(T)`); a draft
+      tree scores its nodes at `starts + depth`.
+    block_mask: `[B, T, T]` bool, which block tokens each block token may see (a tree's ancestor
+      mask); default causal. The cache before `starts` stays visible to every token.
 
   Returns:
     `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, taps [n, B, T, E] or None,
@@ -246,6 +253,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   b, t = tokens.shape
   starts = jnp.asarray(starts, jnp.int32)
   q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  if positions is not None:
+    q_pos = jnp.asarray(positions, jnp.int32)
 
   x = p["embed"][tokens]
   if c.scale_embeddings:
@@ -282,7 +291,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     sin = jnp.where(is_local, local_rope[0], global_rope[0])
     cos = jnp.where(is_local, local_rope[1], global_rope[1])
     q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
-    segments = [(k, v, q_pos, None)]  # the block itself, causally
+    segments = [(k.swapaxes(1, 2), v.swapaxes(1, 2), q_pos, block_mask)]  # the block, causally
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     attn = attention(q, segments, q_pos, window, c)
