@@ -139,7 +139,8 @@ class EagleDrafter:
         step, (state.cache, state.hidden, first), jnp.arange(1, num_draft, dtype=jnp.int32))
     tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)  # [B, k]
     all_logits = jnp.concatenate([first_logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
-    state = dataclasses.replace(state, cache=cache)
+    # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
+    state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
     return state, Proposal(tokens, None if sampling.greedy else all_logits)
 
   def observe(self, state, scored, block, emitted, count, lengths):
