@@ -55,8 +55,8 @@ class DrafterEntry:
     name: its label in the results.
     drafter: what `specjax.decode` takes as `draft`.
     num_draft: `k`.
-    draft_ratio: the cost of one draft step over one target step (`c` of the bound); None = a
-      drafter without a forward of its own (a lookup), `c = 0`.
+    draft_ratio: the cost of one draft step over one target step (`c` of the bound); None =
+      measured (`benchmarks.drafter_cost`: the round's propose + observe over `k` target steps).
     description: one line for the table.
   """
 
@@ -83,18 +83,46 @@ def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_catego
 def library_drafters(target, *, num_draft: int, names=()) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
-  The n-gram (prompt lookup) drafter needs no weights. Trained heads join this list when
-  `specjax.drafters` can give them for the target.
+  The n-gram (prompt lookup) drafter needs no weights. A trained head joins the list when the
+  library ships one for this target (`specjax.load_default()` whose target has `target`'s
+  config); it is named by its kind (`eagle3`, `mtp`, `medusa`).
   """
   import specjax as sj
 
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
                           "prompt lookup (n-gram 3..1, no weights)")]
+  if not names or set(names) - {"ngram"}:
+    entries += _shipped_heads(target, num_draft)
   known = {e.name for e in entries}
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
   return [e for e in entries if not names or e.name in names]
+
+
+def _head_name(drafter) -> str:
+  kind = type(drafter).__name__
+  if kind == "EagleDrafter":
+    return "eagle3" if tuple(drafter.taps) else "mtp"
+  if kind == "MedusaDrafter":
+    return "medusa"
+  return kind.lower()
+
+
+def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
+  """The shipped default pair's head, if it was trained for this very target."""
+  import specjax as sj
+
+  try:
+    pair = sj.load_default()
+  except (FileNotFoundError, ValueError, ImportError):
+    return []
+  draft = pair.draft
+  if not hasattr(draft, "observe") or pair.target.config != target.config:
+    return []  # the shipped draft is a model of its own, or a head for another target
+  max_draft = getattr(draft, "max_draft", num_draft)
+  return [DrafterEntry(_head_name(draft), draft, min(num_draft, max_draft), None,
+                       f"the shipped {type(draft).__name__} (specjax.load_default())")]
 
 
 def _bucket(length: int) -> int:
@@ -233,14 +261,17 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         a = per_token_acceptance(per_position, rounds)
         k = entry.num_draft
         verify_ratio = costs["verify_s"][k] / costs["target_step_s"]
-        bound = analytic_bound(a, k, entry.draft_ratio or 0.0, verify_ratio)
+        draft_ratio = entry.draft_ratio
+        if draft_ratio is None and costs.get("draft_round_s", {}).get(entry.name) is not None:
+          draft_ratio = costs["draft_round_s"][entry.name] / (k * costs["target_step_s"])
+        bound = analytic_bound(a, k, draft_ratio or 0.0, verify_ratio)
         row = {"sampling": sampling, "drafter": entry.name, "category": category,
                "prompts": len(group), "num_draft": k, "acceptance_per_token": a,
                "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
                "generate_tokens_per_s": _rate(group, "generate"),
                "decode_tokens_per_s": _rate(group, entry.name),
                "new_tokens": sum(c["new_tokens"] for c in calls),
-               "verify_ratio": verify_ratio, "draft_ratio": entry.draft_ratio or 0.0,
+               "verify_ratio": verify_ratio, "draft_ratio": draft_ratio or 0.0,
                "bound": bound}
         row["speedup"] = row["decode_tokens_per_s"] / row["generate_tokens_per_s"]
         row["efficiency"] = row["speedup"] / bound
@@ -270,8 +301,19 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
                         + max(num_drafts) + 1,
                         position=int(np.median([len(c.ids) for c in cases])) + max_new_tokens // 2,
                         num_drafts=num_drafts, repeats=5, statistic=statistic)
+  from benchmarks.drafter_cost import draft_round_seconds
+  costs["draft_round_s"] = {}
+  probe = min(cases, key=lambda c: abs(_bucket(len(c.ids)) - width))
+  tokens, lengths = _padded(probe, target.config.pad_id)
+  for entry in drafters:
+    costs["draft_round_s"][entry.name] = draft_round_seconds(
+        target, entry.drafter, tokens, lengths,
+        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET) + entry.num_draft + 1,
+        num_draft=entry.num_draft, sampling=next(iter(samplings.values())),
+        statistic=statistic)
   log(f"costs: target step {costs['target_step_s'] * 1e3:.1f} ms, verify " + ", ".join(
-      f"k={k} {s * 1e3:.1f} ms" for k, s in costs["verify_s"].items()))
+      f"k={k} {s * 1e3:.1f} ms" for k, s in costs["verify_s"].items()) + "; drafting per round "
+      + ", ".join(f"{n} {s * 1e3:.2f} ms" for n, s in costs["draft_round_s"].items()))
   records = measure_prompts(target, cases, drafters, samplings=samplings,
                             max_new_tokens=max_new_tokens, eos=eos, repeats=repeats, seed=seed,
                             statistic=statistic, log=log)
