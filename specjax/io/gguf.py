@@ -1,4 +1,4 @@
-"""GGUF import: llama.cpp's single-file format, read with the `gguf` package's reader.
+"""GGUF import: llama.cpp's single-file format.
 
 `from_gguf(path)` maps the file's metadata onto a `ModelConfig`, dequantizes every tensor straight to
 the requested dtype (`specjax.io.ggml`), undoes the layout changes llama.cpp's converter makes, and
@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 
 from specjax.io.ggml import dequantize
+from specjax.io.gguf_file import GGUFFile
 from specjax.io.orbax import check_param_shapes, expected_shapes, put, resolve_sharding, save
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model
@@ -49,19 +50,15 @@ _LAYER_TENSORS = {"attn_norm": ("attn_norm", False), "wq": ("attn_q", True),
 
 
 class _Metadata:
-  """Typed access to a GGUF file's key/value metadata."""
+  """Access to a GGUF file's metadata, with `arch_get` for `<architecture>.<key>`."""
 
-  def __init__(self, reader, path):
-    self._fields = reader.fields
+  def __init__(self, metadata: dict, path):
+    self._values = metadata
     self.path = path
-    self.arch = self.get("general.architecture")
+    self.arch = metadata.get("general.architecture")
 
   def get(self, key: str, default=None):
-    field = self._fields.get(key)
-    if field is None:
-      return default
-    value = field.contents()
-    return value
+    return self._values.get(key, default)
 
   def arch_get(self, key: str, default=None):
     return self.get(f"{self.arch}.{key}", default)
@@ -74,22 +71,8 @@ class _Metadata:
 
 
 def read_metadata(path: str | os.PathLike) -> dict:
-  """Every metadata key of a GGUF file, arrays as lists (large token tables included)."""
-  reader = _reader(path)
-  return {key: field.contents() for key, field in reader.fields.items()}
-
-
-def _reader(path):
-  from gguf import GGUFReader
-
-  path = pathlib.Path(path)
-  if not path.is_file():
-    raise FileNotFoundError(f"no GGUF file at {path}")
-  try:
-    return GGUFReader(path)
-  except Exception as error:  # the reader raises ValueError/struct errors on bad files
-    raise ValueError(f"{path} is not a readable GGUF file: {type(error).__name__}: {error}"
-                     ) from None
+  """Every metadata key of a GGUF file (numeric arrays as NumPy arrays, strings as lists)."""
+  return GGUFFile(path).metadata
 
 
 def _sliding_pattern(meta: _Metadata, num_layers: int) -> int:
@@ -247,22 +230,21 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
   """
   import jax.numpy as jnp
 
-  reader = _reader(path)
-  meta = _Metadata(reader, pathlib.Path(path))
+  file = GGUFFile(path)
+  meta = _Metadata(file.metadata, file.path)
   if meta.arch is None:
     raise ValueError(f"{path}: GGUF metadata lacks general.architecture")
-  tensors = {t.name: t for t in reader.tensors}
+  tensors = file.tensors
   dtype = np.dtype(jnp.dtype(dtype))
 
   def read(name: str) -> np.ndarray:
     t = tensors[name]
-    shape = tuple(int(n) for n in reversed(t.shape))  # GGUF lists dimensions fastest-first
-    return dequantize(t.data, t.tensor_type.name, shape, np.float32 if name == "rope_freqs.weight"
-                      else dtype, name)
+    return dequantize(t.data, t.type_name, t.shape,
+                      np.float32 if name == "rope_freqs.weight" else dtype, name)
 
   if "token_embd.weight" not in tensors:
     raise ValueError(f"{path}: missing tensor token_embd.weight")
-  vocab_size = int(tensors["token_embd.weight"].shape[1])
+  vocab_size = int(tensors["token_embd.weight"].shape[0])
   rope_freqs = read("rope_freqs.weight") if "rope_freqs.weight" in tensors else None
   config = gguf_config(meta, set(tensors), vocab_size, rope_freqs)
   permute = meta.arch == "llama"
@@ -287,12 +269,12 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
                      f"unsupported feature?): {shown}")
   found = {}
   for name, entries in plan.items():
-    shapes = {tuple(int(n) for n in tensors[n].shape) for n, _ in entries}  # GGUF order = [in, out]
+    shapes = {tensors[n].shape for n, _ in entries}  # [out, in] for a matrix
     if len(shapes) > 1:
       raise ValueError(f"{path}: shape mismatch: the layers' {entries[0][0]} have shapes "
                        f"{sorted(shapes)}")
     shape = shapes.pop()
-    shape = shape if entries[0][1] else shape[::-1]
+    shape = shape[::-1] if entries[0][1] else shape
     found[name] = (len(entries),) + shape if name.startswith("layers/") else shape
   check_param_shapes(found, config, str(path))
 
@@ -307,20 +289,24 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
   total, done = len(wanted), 0
   flat = {}
   for name, entries in plan.items():
-    out = np.empty(expected[name], dtype)
-    target = out if name.startswith("layers/") else out[None]
+    stacked = name.startswith("layers/")
+    out = np.empty(expected[name], dtype) if stacked else None
     for i, (gguf_name, transpose) in enumerate(entries):
       value = read(gguf_name)
       if permute and name in ("layers/wq", "layers/wk"):
         value = _unpermute(value, config.num_heads if name == "layers/wq" else config.num_kv_heads)
       if config.norm_offset and gguf_name.endswith("norm.weight"):
         value = (value.astype(np.float32) - np.float32(1.0)).astype(dtype)
-      target[i] = value.T if transpose else value
+      value = value.T if transpose else value
+      if stacked:
+        out[i] = value
+      else:
+        out = np.ascontiguousarray(value)
       done += 1
       if progress is not None:
         progress(done, total, gguf_name)
     flat[name] = put(out, None if shardings is None else shardings[name])
-    del out, target
+    del out
   params: dict = {"layers": {}}
   for name, value in flat.items():
     if name.startswith("layers/"):

@@ -1,8 +1,11 @@
-"""Tokenizers: a thin, batch-friendly wrapper around a Hugging Face `tokenizers` tokenizer.json.
+"""Tokenizers: a thin, batch-friendly wrapper around a Hugging Face `tokenizers` backend, with the
+model's chat template.
 
 `load_tokenizer(path)` accepts a directory (as written by `save_pretrained`, or a converted specjax
-checkpoint) or the tokenizer.json file itself. Special ids are taken, in order of precedence, from
-generation_config.json, tokenizer_config.json, and the special tokens of tokenizer.json.
+checkpoint), a tokenizer.json file, or a GGUF file (the vocabulary is rebuilt from its metadata,
+`specjax.io.gguf_vocab`). Special ids are taken, in order of precedence, from
+generation_config.json, tokenizer_config.json, and the special tokens of tokenizer.json; for a
+GGUF, from `tokenizer.ggml.*`. `eos_ids` includes the model's end-of-turn token.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "generation_config.json")
+                   "generation_config.json", "chat_template.jinja")
 
 # Conventional names of special tokens, tried when no config file names them.
 _BOS_NAMES = ("<|begin_of_text|>", "<bos>", "<s>", "<|startoftext|>", "<|im_start|>")
@@ -50,12 +53,15 @@ class Tokenizer:
     pad_id: the id used for right padding (the pad token, else `eos_id`, else 0).
     add_bos: whether `encode`/`encode_batch` prepend `bos_id` by default (what the tokenizer's
       own post-processing does).
+    chat_template: the model's Jinja2 chat template, or None.
   """
 
   def __init__(self, tokenizer, *, bos_id: int | None = None, eos_id: int | None = None,
                pad_id: int | None = None, eos_ids: Sequence[int] | None = None,
-               add_bos: bool | None = None, files: dict[str, pathlib.Path] | None = None):
+               add_bos: bool | None = None, files: dict[str, pathlib.Path] | None = None,
+               chat_template: str | None = None):
     self._tokenizer = tokenizer
+    self.chat_template = chat_template
     self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
     self.bos_id = bos_id
     self.eos_ids: tuple[int, ...] = tuple(eos_ids) if eos_ids else (
@@ -139,6 +145,49 @@ class Tokenizer:
   def token_to_id(self, token: str) -> int | None:
     return self._tokenizer.token_to_id(token)
 
+  def special_tokens(self) -> dict[str, str | None]:
+    """`{"bos_token": ..., "eos_token": ..., "pad_token": ...}` as strings (chat templates)."""
+    text = lambda i: None if i is None else self._tokenizer.id_to_token(i)
+    return {"bos_token": text(self.bos_id), "eos_token": text(self.eos_id),
+            "pad_token": text(self.pad_id)}
+
+  def render_chat(self, messages, add_generation_prompt: bool = True, *,
+                  chat_template: str | None = None, **variables) -> str:
+    """The conversation as text under the model's chat template (`specjax.io.chat.render`).
+
+    Args:
+      messages: [{"role": "system" | "user" | "assistant", "content": str}, ...].
+      add_generation_prompt: end with the header that opens the assistant's reply.
+      chat_template: a template to use instead of the tokenizer's own.
+      **variables: extra template variables.
+
+    Raises:
+      ValueError: no chat template, malformed messages, or a template error.
+    """
+    from specjax.io import chat
+    template = chat_template or self.chat_template
+    if not template:
+      raise ValueError("this tokenizer has no chat template (none in the GGUF metadata, "
+                       "tokenizer_config.json or chat_template.jinja); pass chat_template=, e.g. "
+                       "specjax.io.chat.builtin_template('gemma') or ('chatml')")
+    return chat.render(template, messages, add_generation_prompt=add_generation_prompt,
+                       special_tokens=self.special_tokens(), **variables)
+
+  def apply_chat_template(self, messages, add_generation_prompt: bool = True, *,
+                          chat_template: str | None = None, **variables) -> list[int]:
+    """Token ids of a conversation, as `transformers`' `apply_chat_template(..., tokenize=True)`:
+    the rendered text encoded without an extra BOS (templates write their own).
+
+    Args:
+      messages: [{"role": "system" | "user" | "assistant", "content": str}, ...].
+      add_generation_prompt: end with the header that opens the assistant's reply.
+      chat_template: a template to use instead of the tokenizer's own.
+      **variables: extra template variables.
+    """
+    text = self.render_chat(messages, add_generation_prompt, chat_template=chat_template,
+                            **variables)
+    return self.encode(text, add_bos=False)
+
   def save(self, directory: str | os.PathLike) -> pathlib.Path:
     """Writes tokenizer.json and any config files it was loaded from into `directory`."""
     import shutil
@@ -148,6 +197,14 @@ class Tokenizer:
     for name, source in self._files.items():
       if name != "tokenizer.json" and source.is_file():
         shutil.copyfile(source, directory / name)
+    if "tokenizer_config.json" not in self._files:  # built from a GGUF: record what it held
+      config = {**self.special_tokens(), "add_bos_token": self.add_bos}
+      if self.chat_template:
+        config["chat_template"] = self.chat_template
+      (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+      generation = {"bos_token_id": self.bos_id, "eos_token_id": list(self.eos_ids),
+                    "pad_token_id": self.pad_id}
+      (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return directory
 
   def __repr__(self):
@@ -160,7 +217,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
 
   Args:
     path: a directory with tokenizer.json (and optionally tokenizer_config.json,
-      special_tokens_map.json, generation_config.json), or a tokenizer.json file.
+      special_tokens_map.json, generation_config.json, chat_template.jinja), a tokenizer.json
+      file, or a `.gguf` file.
 
   Returns:
     A `specjax.Tokenizer`.
@@ -172,6 +230,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
   from tokenizers import Tokenizer as Backend
 
   path = pathlib.Path(path)
+  if path.is_file() and _is_gguf(path):
+    return _load_gguf(path)
   if path.is_dir():
     directory, file = path, path / "tokenizer.json"
   else:
@@ -213,6 +273,21 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
   eos_ids = as_ids(generation.get("eos_token_id")) or as_ids(from_token("eos_token", _EOS_NAMES))
   pad = as_ids(generation.get("pad_token_id")) or as_ids(from_token("pad_token", _PAD_NAMES))
   add_bos = config.get("add_bos_token")
+  from specjax.io.chat import template_from_directory
   return Tokenizer(backend, bos_id=bos[0] if bos else None, eos_ids=eos_ids,
                    pad_id=pad[0] if pad else None,
-                   add_bos=add_bos if isinstance(add_bos, bool) else None, files=files)
+                   add_bos=add_bos if isinstance(add_bos, bool) else None, files=files,
+                   chat_template=template_from_directory(directory, config))
+
+
+def _is_gguf(path: pathlib.Path) -> bool:
+  with open(path, "rb") as stream:
+    return stream.read(4) == b"GGUF"
+
+
+def _load_gguf(path: pathlib.Path) -> Tokenizer:
+  from specjax.io.gguf_file import GGUFFile
+  from specjax.io.gguf_vocab import tokenizer_from_gguf
+
+  backend, special = tokenizer_from_gguf(GGUFFile(path).metadata, str(path))
+  return Tokenizer(backend, **special)
