@@ -1,10 +1,15 @@
 """Decode throughput against mesh shape on 8 simulated CPU devices (ratio to one device).
 
     python benchmarks/mesh_throughput.py [--out benchmarks/results] [--repeats 3]
+        [--meshes 1x8,8x1,2x4,4x2] [--kinds auto,explicit] [--name mesh_throughput]
 
 Runs greedy `sj.decode` (target + 1-layer draft) with the same weights and prompts on one device
-(no mesh) and on the `(data, model)` meshes 1x8, 8x1, 2x4 and 4x2, checks every mesh returns the
-single-device tokens, and writes `mesh_throughput.json` and `mesh_throughput.png`.
+(no mesh) and on `(data, model)` meshes, checks every mesh returns the single-device tokens, and
+writes `<name>.json` and `<name>.png`. Mesh kinds: `auto` is `sj.make_mesh` (Auto axes) inside
+`use_mesh`; `explicit` is `jax.make_mesh` (Explicit axes, JAX 0.10's default) inside
+`jax.set_mesh`. The script only uses names that exist before and after the core rebuild
+(`sj.make_mesh`, `sj.shard`, `specjax.sharding.use_mesh` / `specjax.parallel.use_mesh`), so the
+same file measures an older checkout too.
 
 What this can and cannot show: the 8 "devices" are XLA CPU devices that share this host's cores
 and memory, so splitting a model over them adds collectives without adding compute or memory
@@ -32,10 +37,12 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import sharding  # noqa: E402
 from specjax.models import tiny_config  # noqa: E402
 
-MESHES = [None, (1, 8), (8, 1), (2, 4), (4, 2)]
+try:  # the layout after the core rebuild
+  from specjax import parallel as sharding  # noqa: E402
+except ImportError:  # an older checkout
+  from specjax import sharding  # noqa: E402
 
 
 def main(argv=None) -> dict:
@@ -44,7 +51,12 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--meshes", default="1x8,8x1,2x4,4x2")
+  parser.add_argument("--kinds", default="auto")
+  parser.add_argument("--name", default="mesh_throughput")
   args = parser.parse_args(argv)
+  meshes = [None] + [(kind, tuple(int(n) for n in shape.split("x")))
+                     for kind in args.kinds.split(",") for shape in args.meshes.split(",")]
 
   dims = dict(vocab_size=1024, embed_dim=256, num_heads=8, num_kv_heads=8, head_dim=32,
               mlp_dim=1024, max_len=512)
@@ -54,25 +66,38 @@ def main(argv=None) -> dict:
   call = dict(max_new_tokens=args.new_tokens, num_draft=4)
 
   records, reference = [], None
-  for shape in MESHES:
-    if shape is None:
-      label, t, d, context = "1 device", target, draft, None
+  for entry in meshes:
+    shape = None if entry is None else entry[1]
+    if entry is None:
+      label, t, d, kind = "1 device", target, draft, None
     else:
-      mesh = sj.make_mesh(shape)
-      label = f"{shape[0]}x{shape[1]}"
-      t, d, context = sj.shard(target, mesh), sj.shard(draft, mesh), sharding.use_mesh(mesh)
+      kind = entry[0]
+      if kind == "auto":
+        mesh = sj.make_mesh(shape)
+        context = lambda: sharding.use_mesh(mesh)  # noqa: E731
+      else:
+        mesh = jax.make_mesh(shape, ("data", "model"))  # Explicit axes by default
+        context = lambda: jax.set_mesh(mesh)  # noqa: E731
+      label = f"{shape[0]}x{shape[1]}" + ("" if kind == "auto" else f" {kind}")
+      t, d = sj.shard(target, mesh), sj.shard(draft, mesh)
 
     def run():
-      if context is None:
+      if kind is None:
         out = sj.decode(t, d, tokens, jax.random.key(3), **call)
       else:
-        with sharding.use_mesh(mesh):
+        with context():
           out = sj.decode(t, d, tokens, jax.random.key(3), **call)
       jax.block_until_ready(out.tokens)
       return out
 
     start = time.perf_counter()
-    out = run()  # compile
+    try:
+      out = run()  # compile
+    except Exception as error:  # noqa: BLE001 (an older checkout fails on Explicit meshes)
+      records.append({"mesh": label, "kind": kind, "data": shape[0], "model": shape[1],
+                      "error": f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"})
+      print(f"{label:>9}: FAILED {records[-1]['error']}")
+      continue
     compile_s = time.perf_counter() - start
     times = []
     for _ in range(args.repeats):
@@ -84,7 +109,7 @@ def main(argv=None) -> dict:
       reference = tokens_out
     seconds = statistics.median(times)
     records.append({
-        "mesh": label, "data": shape[0] if shape else 1, "model": shape[1] if shape else 1,
+        "mesh": label, "kind": kind, "data": shape[0] if shape else 1, "model": shape[1] if shape else 1,
         "seconds": seconds, "tokens_per_second": int(np.sum(out.num_tokens)) / seconds,
         "compile_seconds": compile_s, "same_tokens_as_one_device": bool(
             np.array_equal(tokens_out, reference)),
@@ -95,7 +120,8 @@ def main(argv=None) -> dict:
 
   base = records[0]["tokens_per_second"]
   for record in records:
-    record["ratio_to_one_device"] = record["tokens_per_second"] / base
+    if "error" not in record:
+      record["ratio_to_one_device"] = record["tokens_per_second"] / base
   result = {
       "benchmark": "mesh_throughput",
       "backend": jax.default_backend(),
@@ -105,13 +131,14 @@ def main(argv=None) -> dict:
       "note": ("8 simulated CPU devices share the host's cores: the ratio is the sharded "
                "program's overhead, not a multi-chip speedup"),
       "config": {"target_layers": 4, "draft_layers": 1, **dims, "batch": args.batch, **call,
-                 "repeats": args.repeats, "sampling": "greedy"},
+                 "repeats": args.repeats, "sampling": "greedy",
+                 "specjax": sj.__file__},
       "records": records,
   }
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
-  (out_dir / "mesh_throughput.json").write_text(json.dumps(result, indent=2))
-  _plot(records, out_dir / "mesh_throughput.png")
+  (out_dir / f"{args.name}.json").write_text(json.dumps(result, indent=2))
+  _plot([r for r in records if "error" not in r], out_dir / f"{args.name}.png")
   return result
 
 

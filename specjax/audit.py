@@ -32,46 +32,18 @@ tiny test pairs with p-values far below 1e-6 (see `tests/test_audit.py`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, probabilities,
-                              sample_race, verify_reference, warp_logits)
+from specjax.audit_stats import MIN_EXPECTED, PositionTest, position_tests
+from specjax.sampling import Sampling
 
 TIE_TOLERANCE = 1e-3  # float32 logit gap below which two argmax candidates are a near-tie
-MIN_EXPECTED = 5.0  # Pearson's rule of thumb: cells with a smaller expected count are pooled
 PROBABILITY_CHUNK = 256  # prefixes scored per target forward when computing exact distributions
 SAMPLE_CHUNK = 64  # rows per sampled decode call (bounds memory and compile size)
-
-
-# --------------------------------------------------------------------------------------------
-# A deliberately broken verify rule, reachable only through the private `_verify_rule` argument.
-# It wraps the real rule so that only the named step is wrong; the audit must reject it.
-# --------------------------------------------------------------------------------------------
-
-def _rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
-                           positions):
-  """On rejection, samples the correction from p instead of normalize(max(p - q, 0))."""
-  result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                            seeds=seeds, positions=positions)
-  if sampling.greedy:  # greedy has no residual to skip
-    return result
-  n = result.num_accepted
-  p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
-  from_p = sample_race(warp_logits(p_at_n, sampling), seeds, positions + n,
-                       PURPOSE_RESIDUAL)
-  final = jnp.where(n < draft_tokens.shape[1], from_p,
-                    jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])
-  return VerifyResult(n, result.tokens.at[jnp.arange(len(n)), n].set(final))
-
-
-_BROKEN_RULES = {
-    "broken-no-residual": _rule_without_residual,
-}
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,32 +72,6 @@ class Divergence:
 
 
 @dataclasses.dataclass(frozen=True)
-class PositionTest:
-  """Goodness of fit of the sampled token at one position of one prompt.
-
-  Attributes:
-    prompt: prompt index.
-    position: 1-based position of the generated token.
-    statistic: Pearson chi-square, summed over prefix groups.
-    dof: degrees of freedom (0 = nothing testable at this sample size).
-    pvalue: upper tail of chi-square(dof) at `statistic`; 1.0 when `dof == 0`; 0.0 when a token
-      the target cannot produce was sampled.
-    rows_tested: rows in prefix groups large enough to test.
-    groups_tested: prefix groups that contributed degrees of freedom.
-    impossible: rows whose token has probability 0 under the target's warped distribution.
-  """
-
-  prompt: int
-  position: int
-  statistic: float
-  dof: int
-  pvalue: float
-  rows_tested: int
-  groups_tested: int
-  impossible: int
-
-
-@dataclasses.dataclass(frozen=True)
 class AuditReport:
   """What `audit` found. `str(report)` is the readable report.
 
@@ -147,7 +93,7 @@ class AuditReport:
     corrected_alpha: Bonferroni level each p-value is compared with.
     acceptance_rate: acceptance rate of the sampled run (of the greedy run when skipped).
     num_draft: draft tokens per round.
-    verify_rule: "exact" or the name of a deliberately broken rule.
+    verify_rule: "exact" (a built-in implementation) or the name of the rule callable audited.
   """
 
   passed: bool
@@ -219,8 +165,8 @@ class AuditReport:
 def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1.0),
           num_draft: int = 4, max_new_tokens: int = 32, num_samples: int = 2000,
           num_positions: int = 3, seed: int = 0, alpha: float = 1e-3,
-          tie_tolerance: float = TIE_TOLERANCE, tokenizer=None, verify_impl: str = "auto",
-          _verify_rule: str | None = None) -> AuditReport:
+          tie_tolerance: float = TIE_TOLERANCE, tokenizer=None,
+          verify_impl="auto") -> AuditReport:
   """Audits speculative decoding of `target` with `draft` against the target alone.
 
   Args:
@@ -237,9 +183,8 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     tie_tolerance: greedy divergences with a top-2 logit gap below this are float32 near-ties.
     tokenizer: encodes string prompts (`specjax.Tokenizer`).
     verify_impl: the verify implementation under audit ("auto", "reference", "kernel",
-      "interpret").
-    _verify_rule: private, for testing the audit itself: the name of a deliberately broken verify
-      rule ("broken-no-residual": corrections sampled from p instead of the residual). Never set it to audit a real decoder.
+      "interpret"), or a rule callable with the signature of `specjax.rule.verify_reference`
+      (the report names it; `specjax.testing.rules` holds broken rules the audit must reject).
 
   Returns:
     An `AuditReport`; `report.passed` is the verdict and `print(report)` shows why.
@@ -263,12 +208,8 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
   if not 0.0 < alpha < 1.0:
     raise ValueError(f"alpha must be in (0, 1), got {alpha!r}")
-  if _verify_rule is None:
-    rule, rule_name = verify_impl, "exact"
-  elif _verify_rule in _BROKEN_RULES:
-    rule, rule_name = _BROKEN_RULES[_verify_rule], _verify_rule
-  else:
-    raise ValueError(f"unknown _verify_rule {_verify_rule!r}: one of {sorted(_BROKEN_RULES)}")
+  rule = verify_impl
+  rule_name = "exact" if isinstance(rule, str) else getattr(rule, "__name__", repr(rule))
 
   # 1. Greedy identity.
   tokens, lengths = _pad(rows)
@@ -315,7 +256,8 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
                                   num_positions=num_positions, num_draft=num_draft,
                                   sampling=sampling, verify_impl=rule)
     sampled = sampled.reshape(len(rows), num_samples, num_positions)
-    tests = _position_tests(target, rows, sampled, sampling, scipy_stats)
+    tests = position_tests(rows, sampled, sampling, scipy_stats,
+                           lambda prefixes: _last_logits(target, prefixes))
     num_tests = max(1, sum(1 for t in tests if t.dof > 0 or t.impossible))
     corrected = alpha / num_tests
     impossible = sum(t.impossible for t in tests)
@@ -419,71 +361,3 @@ def _last_logits(target, prefixes: list[list[int]]) -> np.ndarray:
       chunk_lengths = np.resize(chunk_lengths, (PROBABILITY_CHUNK,))
     out.append(np.asarray(_scored(target, chunk_tokens, chunk_lengths))[:count])
   return np.concatenate(out)
-
-
-def _position_tests(target, rows, sampled, sampling, scipy_stats) -> list[PositionTest]:
-  """Chi-square tests per (prompt, position) of `sampled [P, N, positions]`."""
-  num_prompts, num_samples, num_positions = sampled.shape
-  # Prefix groups large enough to test: two cells of >= 5 need at least 10 rows.
-  groups = {}  # (prompt, position) -> {prefix tuple: row indices}
-  wanted = []
-  for p in range(num_prompts):
-    for j in range(num_positions):
-      by_prefix: dict[tuple, list[int]] = {}
-      for i, prefix in enumerate(map(tuple, sampled[p, :, :j].tolist())):
-        by_prefix.setdefault(prefix, []).append(i)
-      groups[p, j] = by_prefix
-      wanted += [(p, prefix) for prefix, members in by_prefix.items()
-                 if len(members) >= 2 * MIN_EXPECTED]
-  index = {key: n for n, key in enumerate(wanted)}
-  probs = np.zeros((0, 0))
-  if wanted:
-    logits = _last_logits(target, [rows[p] + list(prefix) for p, prefix in wanted])
-    probs = np.asarray(probabilities(jnp.asarray(logits), sampling), np.float64)
-  tests = []
-  for p in range(num_prompts):
-    for j in range(num_positions):
-      statistic, dof, tested, group_count, impossible = 0.0, 0, 0, 0, 0
-      for prefix, members in groups[p, j].items():
-        if (p, prefix) not in index:
-          continue
-        dist = probs[index[p, prefix]]
-        dist = dist / dist.sum()
-        counts = np.bincount(sampled[p, members, j], minlength=len(dist)).astype(np.float64)
-        impossible += int(counts[dist == 0].sum())
-        chi2, cells = _pearson(counts, dist * len(members))
-        if cells > 1:
-          statistic += chi2
-          dof += cells - 1
-          tested += len(members)
-          group_count += 1
-      if impossible:
-        pvalue = 0.0
-      else:
-        pvalue = float(scipy_stats.chi2.sf(statistic, dof)) if dof > 0 else 1.0
-      tests.append(PositionTest(p, j + 1, float(statistic), dof, pvalue, tested, group_count,
-                                impossible))
-  return tests
-
-
-def _pearson(observed: np.ndarray, expected: np.ndarray) -> tuple[float, int]:
-  """Pearson's statistic with cells of expected count < `MIN_EXPECTED` pooled; `(chi2, cells)`."""
-  support = expected > 0
-  observed, expected = observed[support], expected[support]
-  small = expected < MIN_EXPECTED
-  kept_o, kept_e = observed[~small], expected[~small]
-  pool_o, pool_e = observed[small].sum(), expected[small].sum()
-  if pool_e > 0:
-    if pool_e < MIN_EXPECTED and len(kept_e):
-      smallest = int(np.argmin(kept_e))
-      kept_o = kept_o.copy()
-      kept_e = kept_e.copy()
-      kept_o[smallest] += pool_o
-      kept_e[smallest] += pool_e
-    else:
-      kept_o = np.append(kept_o, pool_o)
-      kept_e = np.append(kept_e, pool_e)
-  if len(kept_e) < 2:
-    return 0.0, len(kept_e)
-  return float(np.sum((kept_o - kept_e) ** 2 / kept_e)), len(kept_e)
-

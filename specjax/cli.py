@@ -269,7 +269,6 @@ def _add_audit(subparsers):
                       help="tokens per prompt in the greedy identity check (default 32)")
   parser.add_argument("--alpha", type=float, default=1e-3,
                       help="family-wise significance level (default 1e-3)")
-  parser.add_argument("--_verify-rule", dest="verify_rule", default=None, help=argparse.SUPPRESS)
   _add_pair_arguments(parser)
   _add_sampling_arguments(parser, temperature=1.0)
   parser.set_defaults(func=_run_audit)
@@ -292,7 +291,7 @@ def _run_audit(args):
   report = sj.audit(target, draft, prompts, tokenizer=tokenizer, sampling=sampling,
                     num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
                     num_samples=args.samples, num_positions=args.positions, seed=args.seed,
-                    alpha=args.alpha, _verify_rule=args.verify_rule)
+                    alpha=args.alpha)
   print(report)
   return 0 if report.passed else 1
 

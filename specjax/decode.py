@@ -29,7 +29,7 @@ from specjax.sampling import GREEDY, Sampling, row_seeds
 from specjax.state import DecodeOutput, DecodeState, finish, init_state
 from specjax.tracing import TRACE_COUNTS
 from specjax.validation import NEW_TOKEN_BUCKET
-from specjax.verify import check_verify_impl
+from specjax.dispatch import check_verify_impl
 
 __all__ = ["DecodeState", "NEW_TOKEN_BUCKET", "decode", "draft_step", "init_state",
            "verify_block"]
@@ -97,7 +97,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
       included in the output; None = never.
     pad_id: fills the output after each row's end; defaults to the target config's `pad_id`.
-    verify_impl: "auto", "reference", "kernel" or "interpret" (see `specjax.verify.verify_tokens`).
+    verify_impl: "auto", "reference", "kernel" or "interpret" (see `specjax.dispatch.verify_tokens`).
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -108,14 +108,15 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
-  with call_context((target, args.drafter)) as (rules, (target, drafter)):
-    out = _decode(target, drafter, args.tokens, args.lengths, args.rng,
-                  jnp.int32(args.max_new_tokens), args.eos_ids, sampling=sampling,
-                  num_draft=args.num_draft, capacity=args.capacity,
+  inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
+  with call_context(inputs) as call:
+    target, drafter, tokens, lengths, rng, eos_ids = call.inputs
+    out = _decode(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids,
+                  sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
                   pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-                  rules=rules)
-  return DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
-
+                  rules=call.rules)
+    out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
+    return call.output(out)
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
                                              "verify_impl", "rules"))

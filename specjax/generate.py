@@ -50,12 +50,13 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   validation.check_sampling(sampling)
   pad = validation.resolve_pad_id(model, pad_id)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
-  with call_context(model) as (rules, model):
-    out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens),
-                    jnp.array(eos, jnp.int32), sampling=sampling, capacity=capacity,
-                    pad_id=int(pad), rules=rules)
-  return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
-
+  inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
+  with call_context(inputs) as call:
+    model, tokens, lengths, rng, eos_ids = call.inputs
+    out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids,
+                    sampling=sampling, capacity=capacity, pad_id=int(pad), rules=call.rules)
+    out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
+    return call.output(out)
 
 def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   """The logits at each row's last prompt token: `[B, T, V]` -> `[B, V]`."""

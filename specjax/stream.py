@@ -61,13 +61,15 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
-  with call_context((target, args.drafter)) as (rules, (target, drafter)):
-    state = _start(target, drafter, args.tokens, args.lengths, jnp.int32(args.max_new_tokens),
-                   args.eos_ids, args.rng, num_draft=args.num_draft, capacity=args.capacity,
-                   rules=rules)
+  inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
+  with call_context(inputs) as call:
+    target, drafter, tokens, lengths, rng, eos_ids = call.inputs
+    rules = call.rules
+    state = _start(target, drafter, tokens, lengths, jnp.int32(args.max_new_tokens), eos_ids, rng,
+                   num_draft=args.num_draft, capacity=args.capacity, rules=rules)
   seen = np.asarray(args.lengths)
   while not bool(np.all(np.asarray(state.done))):
-    with call_context((target, drafter)):
+    with call_context((target, drafter, state)):
       state = _round(target, drafter, state, num_draft=args.num_draft, sampling=sampling,
                      verify_impl=verify_impl, rules=rules)
     now = np.asarray(state.lengths)

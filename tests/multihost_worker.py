@@ -14,7 +14,6 @@ import jax  # noqa: E402
 
 process_id, port, out_dir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.config.update("jax_num_cpu_devices", 4)
-jax.config.update("jax_default_matmul_precision", "highest")
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=process_id, initialization_timeout=120)
 
@@ -22,7 +21,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax import sharding as sh  # noqa: E402
+from specjax import parallel as sh  # noqa: E402
 from specjax.decode import decode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))

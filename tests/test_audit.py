@@ -14,6 +14,7 @@ import pytest
 import specjax as sj
 from specjax.audit import audit
 from specjax.models import tiny_config
+from specjax.testing.rules import rule_without_residual
 
 VOCAB = 32
 PROMPTS = [[1, 2, 3, 4, 5], [7, 3, 9]]
@@ -49,7 +50,7 @@ def test_exact_pair_passes(pair):
 
 
 def test_skipping_the_residual_fails(pair):
-  report = run(pair, _verify_rule="broken-no-residual")
+  report = run(pair, verify_impl=rule_without_residual)
   assert not report.passed
   assert report.min_pvalue < 1e-6
   assert report.greedy_identity_rate == 1.0  # greedy has no residual: only sampling can tell
@@ -72,7 +73,7 @@ def test_greedy_settings_skip_the_sampled_check(pair):
     (dict(prompts=[[1], []]), "empty prompt"),
     (dict(alpha=0.0), "alpha"),
     (dict(num_samples=1), "num_samples"),
-    (dict(_verify_rule="nope"), "_verify_rule"),
+    (dict(verify_impl="nope"), "verify_impl"),
 ])
 def test_bad_arguments(pair, kwargs, message):
   target, draft = pair

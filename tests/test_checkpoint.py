@@ -237,7 +237,7 @@ def test_config_dict_round_trip():
 
 
 def test_restore_onto_a_mesh_by_logical_axis_rules(tmp_path):
-  sharding_lib = pytest.importorskip("specjax.sharding", reason="specjax.sharding not built yet")
+  from specjax import parallel as sharding_lib
   mesh = _mesh_2x4()
   model = sj.init_params(CONFIGS["gemma2"], jax.random.key(6))
   sj.save(model, tmp_path / "ckpt")

@@ -4,6 +4,7 @@ The pair is random tiny models saved as Orbax checkpoints with `sj.save` in a te
 with a byte-level BPE tokenizer trained on a few lines by the `tokenizers` library.
 """
 
+import functools
 import json
 
 import jax
@@ -13,6 +14,7 @@ import pytest
 import specjax as sj
 from specjax import cli
 from specjax.models import tiny_config
+from specjax.testing.rules import rule_without_residual
 
 TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
         "import os\nimport sys\n", "class Point:\n    def __init__(self, x, y):\n"] * 20
@@ -93,14 +95,16 @@ def test_generate_from_file_with_ngram_drafter_and_sampling(pair_dirs, tmp_path,
   assert "rounds" in captured.err
 
 
-def test_audit_passes_and_fails_a_broken_rule(pair_dirs, capsys):
+def test_audit_passes_and_fails_a_broken_rule(pair_dirs, capsys, monkeypatch):
   args = ["audit", "--prompt", "def add(a, b):", "--samples", "1000", "--positions", "2",
           "--max-new-tokens", "8", "--temperature", "0.3", "--top-k", "8", "--num-draft", "2"
           ] + pair_args(pair_dirs)
   assert cli.main(args) == 0
   out = capsys.readouterr().out
   assert out.startswith("specjax exactness audit: PASS") and "Bonferroni" in out
-  assert cli.main(args + ["--_verify-rule", "broken-no-residual"]) == 1
+  broken = functools.partial(sj.audit, verify_impl=rule_without_residual)
+  monkeypatch.setattr(sj, "audit", broken)  # the real audit, run on a broken verify rule
+  assert cli.main(args) == 1
   out = capsys.readouterr().out
   assert out.startswith("specjax exactness audit: FAIL")
 

@@ -222,3 +222,46 @@ def test_streaming_decode_validates_like_decode(target, batch):
   with pytest.raises(ValueError, match="verify_impl"):
     next(decode_stream(target, target, tokens, jax.random.key(0), lengths=lengths,
                        verify_impl="fast"))
+
+
+REPRO_SAMPLINGS = [sj.Sampling(temperature=1.0), sj.Sampling(temperature=0.7, top_k=5)]
+
+
+def _slot_five_batch(prompt, key, rng_seed=100):
+  """A batch of 8 with `prompt` and `key` in slot 5 and different prompts and keys elsewhere."""
+  others = np.asarray(jax.random.randint(jax.random.key(rng_seed), (8, 6), 1, VOCAB), np.int32)
+  lengths = np.array([6, 3, 5, 2, 6, 0, 4, 1], np.int32)
+  others[5] = 0
+  others[5, :len(prompt)] = prompt
+  lengths[5] = len(prompt)
+  keys = jax.random.split(jax.random.key(rng_seed + 1), 8)
+  keys = keys.at[5].set(key)
+  return others, lengths, keys
+
+
+@pytest.mark.parametrize("sampling", REPRO_SAMPLINGS, ids=str)
+def test_sampled_tokens_depend_on_the_rows_own_key_not_its_slot(target, draft, sampling):
+  """Same prompt and key in slot 0 of a batch of 1 and in slot 5 of a batch of 8: same tokens."""
+  prompt, key = [5, 9, 2, 7], jax.random.key(42)
+  common = dict(max_new_tokens=20, num_draft=3, sampling=sampling)
+  alone = sj.decode(target, draft, np.array([prompt], np.int32), key[None],
+                    lengths=np.array([4], np.int32), **common)
+  tokens, lengths, keys = _slot_five_batch(prompt, key)
+  crowded = sj.decode(target, draft, tokens, keys, lengths=lengths, **common)
+  np.testing.assert_array_equal(crowded.tokens[5], alone.tokens[0])
+  # Power: the rows are not all the same stream (a different key changes the tokens).
+  other = sj.decode(target, draft, np.array([prompt], np.int32), jax.random.key(43)[None],
+                    lengths=np.array([4], np.int32), **common)
+  assert not np.array_equal(other.tokens[0], alone.tokens[0])
+  # One key for the whole batch gives row b the stream of fold_in(key, b).
+  folded = sj.decode(target, draft, np.array([prompt], np.int32),
+                     jax.random.fold_in(key, 0)[None], lengths=np.array([4], np.int32), **common)
+  single = sj.decode(target, draft, np.array([prompt], np.int32), key,
+                     lengths=np.array([4], np.int32), **common)
+  np.testing.assert_array_equal(folded.tokens, single.tokens)
+
+
+def test_rng_must_be_one_key_or_one_per_row(target, draft, batch):
+  tokens, lengths = batch
+  with pytest.raises(ValueError, match="array of 3 keys"):
+    sj.decode(target, draft, tokens, jax.random.split(jax.random.key(0), 2), lengths=lengths)

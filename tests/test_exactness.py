@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.audit import _rule_without_residual
+from specjax.testing.rules import rule_without_residual as _rule_without_residual
 from specjax.models import tiny_config
 from specjax.models.transformer import forward
 from specjax.sampling import verify_reference
 
-scipy_stats = pytest.importorskip("scipy.stats")
+from scipy import stats as scipy_stats  # noqa: E402
 
 VOCAB = 8
 NEW = 3

@@ -111,7 +111,7 @@ def test_top_k_top_p_never_leave_the_allowed_set(model, sampling):
 
 def test_sample_token_frequencies_match_softmax():
   """The Gumbel race samples the warped distribution: chi-square, 40k draws, alpha = 1e-3."""
-  scipy_stats = pytest.importorskip("scipy.stats")
+  from scipy import stats as scipy_stats
   logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
   n = 40_000
   seeds = sj.sampling.row_seeds(jax.random.key(123), n)  # [n] one stream per draw
@@ -125,3 +125,24 @@ def test_sample_token_frequencies_match_softmax():
   wrong = np.asarray(jax.nn.softmax(logits / 2), np.float64)
   wrong = wrong / wrong.sum() * n
   assert scipy_stats.chisquare(counts, wrong).pvalue < 1e-6
+
+
+@pytest.mark.parametrize("sampling", [sj.Sampling(temperature=1.0),
+                                      sj.Sampling(temperature=0.7, top_k=5)], ids=str)
+def test_sampled_tokens_depend_on_the_rows_own_key_not_its_slot(model, sampling):
+  """Same prompt and key in slot 0 of a batch of 1 and in slot 5 of a batch of 8: same tokens."""
+  vocab = model.vocab_size
+  prompt, key = [5, 9, 2, 7], jax.random.key(42)
+  alone = sj.generate(model, np.array([prompt], np.int32), key[None],
+                      lengths=np.array([4], np.int32), max_new_tokens=20, sampling=sampling)
+  tokens = np.asarray(jax.random.randint(jax.random.key(100), (8, 6), 1, vocab), np.int32)
+  lengths = np.array([6, 3, 5, 2, 6, 4, 4, 1], np.int32)
+  tokens[5] = 0
+  tokens[5, :4] = prompt
+  keys = jax.random.split(jax.random.key(101), 8).at[5].set(key)
+  crowded = sj.generate(model, tokens, keys, lengths=lengths, max_new_tokens=20,
+                        sampling=sampling)
+  np.testing.assert_array_equal(crowded.tokens[5], alone.tokens[0])
+  other = sj.generate(model, np.array([prompt], np.int32), jax.random.key(43)[None],
+                      lengths=np.array([4], np.int32), max_new_tokens=20, sampling=sampling)
+  assert not np.array_equal(other.tokens[0], alone.tokens[0])  # power: keys matter

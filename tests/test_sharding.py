@@ -19,12 +19,15 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax as sj
-from specjax import sharding as sh
+from specjax import parallel as sh
+from specjax import sharding as vocab
+from specjax.parallel import verify as parallel_verify
 from specjax.decode import _decode, decode
 from specjax.drafters import ModelDrafter
 from specjax.generate import _generate
 from specjax.models import tiny_config
-from specjax.sampling import Sampling, verify_reference, warp_logits
+from specjax.rule import verify_reference
+from specjax.sampling import Sampling, warp_logits
 
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]  # (data, model)
 SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9)
@@ -164,7 +167,7 @@ def test_cache_bytes_per_device(models, shape, expected):
   target, _ = models
   mesh = sj.make_mesh(shape, devices=jax.devices()[:shape[0] * shape[1]])
   cache = sh.shard_cache(target.init_cache(batch=8, max_len=64), mesh)
-  assert cache.k.shape == (2, 8, 64, 4, 8)
+  assert cache.k.shape == (2, 8, 4, 64, 8)
   assert sh.per_device_bytes(cache) == expected
 
 
@@ -236,30 +239,107 @@ def test_fsdp_mesh_restoring_a_checkpoint_into_it(models, prompts, single_device
   assert out.tokens.sharding.spec[0] == ("data", "fsdp")
 
 
-@pytest.mark.parametrize("shape", MESH_SHAPES)
-def test_decode_greedy_matches_single_device(models, prompts, single_device, shape):
+# Mesh kinds: `jax.make_mesh`'s default (Explicit axes in JAX 0.10), `sj.make_mesh` (Auto) and a
+# mixed mesh, each run outside any mesh context, inside `jax.set_mesh` and inside `sh.use_mesh`.
+MESH_KINDS = ("explicit", "auto", "mixed")
+CONTEXTS = ("none", "set_mesh", "use_mesh")
+
+
+def _mesh(kind, shape):
+  if kind == "auto":
+    return sj.make_mesh(shape)
+  explicit, auto = jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto
+  types = (explicit, explicit) if kind == "explicit" else (explicit, auto)
+  return jax.make_mesh(shape, ("data", "model"), axis_types=types)
+
+
+def _context(name, mesh):
+  import contextlib
+  return {"none": contextlib.nullcontext(), "set_mesh": jax.set_mesh(mesh),
+          "use_mesh": sh.use_mesh(mesh)}[name]
+
+
+def _grid():
+  """Every (kind, shape, sampled, context); the default run keeps one case per kind and shape
+  (alternating greedy/sampled and the context), the rest is marked slow."""
+  cases = []
+  for i, kind in enumerate(MESH_KINDS):
+    for j, shape in enumerate([(2, 4), (1, 8), (8, 1)]):
+      default = (bool((i + j) % 2), CONTEXTS[(i + 2 * j) % 3])
+      for sampled in (False, True):
+        for context in CONTEXTS:
+          marks = () if (sampled, context) == default else (pytest.mark.slow,)
+          cases.append(pytest.param(kind, shape, sampled, context, marks=marks,
+                                    id=f"{kind}-{shape[0]}x{shape[1]}-"
+                                       f"{'sampled' if sampled else 'greedy'}-{context}"))
+  return cases
+
+
+@pytest.mark.parametrize("kind, shape, sampled, context", _grid())
+def test_decode_on_every_mesh_kind_matches_single_device(models, prompts, single_device, kind,
+                                                         shape, sampled, context):
   target, draft = models
   tokens, lengths = prompts
-  mesh = sj.make_mesh(shape)
-  with sh.use_mesh(mesh):
-    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(2),
-                 lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=3)
-  np.testing.assert_array_equal(out.tokens, single_device["decode"])
+  mesh = _mesh(kind, shape)
+  target, draft = sj.shard(target, mesh), sj.shard(draft, mesh)
+  sampling, key, expected = ((SAMPLED, 3, single_device["decode_sampled"]) if sampled
+                             else (Sampling(), 2, single_device["decode"]))
+  with _context(context, mesh):
+    out = decode(target, draft, tokens, jax.random.key(key), lengths=lengths,
+                 max_new_tokens=NEW_TOKENS, num_draft=3, sampling=sampling)
+  np.testing.assert_array_equal(out.tokens, expected)
+  if not sampled:
+    np.testing.assert_array_equal(out.tokens, single_device["generate"])
+
+
+@pytest.mark.parametrize("kind", MESH_KINDS)
+def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, single_device, kind):
+  from specjax.stream import decode_stream
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = _mesh(kind, (2, 4))
+  target, draft = sj.shard(target, mesh), sj.shard(draft, mesh)
+  with jax.set_mesh(mesh):
+    out = sj.generate(target, tokens, jax.random.key(2), lengths=lengths,
+                      max_new_tokens=NEW_TOKENS)
+    rounds = list(decode_stream(target, draft, tokens, jax.random.key(3), lengths=lengths,
+                                max_new_tokens=NEW_TOKENS, num_draft=3, sampling=SAMPLED))
   np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  for b in range(len(lengths)):
+    streamed = np.concatenate([new[b] for new, _ in rounds])
+    np.testing.assert_array_equal(streamed, single_device["decode_sampled"][b])
 
 
-@pytest.mark.parametrize("shape", [
-    (2, 4), pytest.param((1, 8), marks=pytest.mark.slow),
-    pytest.param((8, 1), marks=pytest.mark.slow),
-    pytest.param((4, 2), marks=pytest.mark.slow)])
-def test_decode_sampled_matches_single_device(models, prompts, single_device, shape):
+def test_models_on_different_meshes_raise_before_tracing(models, prompts):
+  from specjax.tracing import TRACE_COUNTS
   target, draft = models
   tokens, lengths = prompts
-  mesh = sj.make_mesh(shape)
+  devices = jax.devices()
+  target = sj.shard(target, sj.make_mesh((2, 4), devices=devices))
+  draft = sj.shard(draft, sj.make_mesh((2, 4), devices=devices[::-1]))
+  before = TRACE_COUNTS["decode"]
+  with pytest.raises(ValueError, match="share one device mesh"):
+    decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=4)
+  with pytest.raises(ValueError, match="share one device mesh"):
+    with jax.set_mesh(sj.make_mesh((4, 2))):
+      sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=4)
+  assert TRACE_COUNTS["decode"] == before
+
+
+def test_rules_are_part_of_the_compiled_program_key(models, prompts):
+  """Changing the rules between two calls on the same mesh recompiles (no stale program)."""
+  target, _ = models
+  tokens, lengths = prompts
+  mesh = sj.make_mesh((2, 4))
+  target = sj.shard(target, mesh)
+  replicated_rows = sj.ShardingRules(batch=None)
   with sh.use_mesh(mesh):
-    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(3),
-                 lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=3, sampling=SAMPLED)
-  np.testing.assert_array_equal(out.tokens, single_device["decode_sampled"])
+    first = sj.generate(target, tokens, jax.random.key(2), lengths=lengths, max_new_tokens=4)
+  with sh.use_mesh(mesh, replicated_rows):
+    second = sj.generate(target, tokens, jax.random.key(2), lengths=lengths, max_new_tokens=4)
+  assert first.tokens.sharding.spec[0] == "data"
+  assert second.tokens.sharding.spec[0] is None  # the new rules were used, not a cached program
+  np.testing.assert_array_equal(first.tokens, second.tokens)
 
 
 def test_decode_under_a_vocab_split_mesh_verifies_shard_by_shard(models, prompts, monkeypatch):
@@ -268,8 +348,9 @@ def test_decode_under_a_vocab_split_mesh_verifies_shard_by_shard(models, prompts
   target, draft = models
   tokens, lengths = prompts
   calls = []
-  original = sh.sharded_verify
-  monkeypatch.setattr(sh, "sharded_verify", lambda *a, **k: calls.append(1) or original(*a, **k))
+  original = parallel_verify.sharded_verify
+  monkeypatch.setattr(parallel_verify, "sharded_verify",
+                      lambda *a, **k: calls.append(1) or original(*a, **k))
   common = dict(lengths=lengths, max_new_tokens=NEW_TOKENS, num_draft=2, sampling=SAMPLED)
   expected = decode(target, draft, tokens, jax.random.key(4), **common).tokens
   assert not calls  # no mesh: the plain reference
@@ -307,7 +388,7 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
   draft = None if point_mass else draft
   expected = jax.jit(lambda t, d: verify_reference(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions))(target, draft)
-  got = jax.jit(lambda t, d: sh.sharded_verify(
+  got = jax.jit(lambda t, d: vocab.sharded_verify(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions,
       mesh=mesh))(target, draft)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -326,7 +407,7 @@ def test_sharded_verify_other_layouts(shape, vocab):
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
   expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                               positions=positions)
-  got = sh.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
+  got = vocab.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                           positions=positions, mesh=mesh)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -341,7 +422,7 @@ def test_sharded_warp_keeps_the_same_tokens(sampling):
   logits = 3.0 * jax.random.normal(jax.random.key(4), (256, 128))
   logits = logits.at[0].set(jnp.round(logits[0]))  # many exact ties
   expected = warp_logits(logits, sampling)
-  got = sh.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
+  got = vocab.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
   assert got.sharding.spec[-1] == "model"
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
   np.testing.assert_allclose(np.where(np.isfinite(got), got, 0),
@@ -354,7 +435,7 @@ def test_sharded_verify_never_gathers_the_vocabulary():
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(0)
   shard = NamedSharding(mesh, P("data", None, "model"))
   target, draft = jax.device_put(target, shard), jax.device_put(draft, shard)
-  text = jax.jit(lambda t, d: sh.sharded_verify(
+  text = jax.jit(lambda t, d: vocab.sharded_verify(
       t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seeds=seed_words, positions=positions,
       mesh=mesh)).lower(target, draft).compile().as_text()
   assert "f32[4,5,32]" in text  # the local slice: 8/2 rows, k+1, 128/4 vocab

@@ -188,7 +188,7 @@ def resolve_sharding(sharding, abstract_params: dict) -> dict:
 def _mesh_shardings(mesh, abstract_params: dict) -> dict:
   """Shardings from the logical-axis rules of `specjax.sharding` for a `Mesh`."""
   try:
-    from specjax import sharding as sharding_lib
+    from specjax import parallel as sharding_lib
   except ImportError:
     raise ValueError("loading onto a Mesh needs specjax.sharding; pass a Sharding or a pytree "
                      "of shardings instead") from None

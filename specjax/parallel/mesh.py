@@ -32,7 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -117,8 +117,8 @@ def shard(model, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None):
 
 def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh,
                     rules: ShardingRules | None = None) -> KVCache:
-  """`NamedSharding`s for a `KVCache` (arrays or `ShapeDtypeStruct`s): k/v `[L, B, S, KVH, D]`
-  as `(layers, batch, length, kv_heads, -)`, lengths `[B]` as `(batch,)`."""
+  """`NamedSharding`s for a `KVCache` (arrays or `ShapeDtypeStruct`s): k/v `[L, B, KVH, S, D]`
+  as `(layers, batch, kv_heads, length, -)`, lengths `[B]` as `(batch,)`."""
   rules = rules or DEFAULT_RULES
   mesh_shape = dict(mesh.shape)
   kv = NamedSharding(mesh, rules.spec(CACHE_AXES, cache.k.shape, mesh_shape))
@@ -254,42 +254,61 @@ def check_meshes(trees, ambient: jax.sharding.Mesh | None = None) -> jax.shardin
   return meshes.pop() if meshes else None
 
 
-def _retype(tree, mesh: jax.sharding.Mesh):
-  """Arrays of `tree` on a non-`Auto` view of `mesh` re-typed onto `mesh` (no data movement)."""
+def _retype(tree, mesh: jax.sharding.Mesh, views: jax.sharding.Mesh | None = None):
+  """Arrays of `tree` on another view of `mesh` (same devices and shape, other axis types)
+  re-typed onto `mesh`, without data movement. With `views`, only arrays on that view move."""
   def leaf(x):
     sharding = getattr(x, "sharding", None)
     if not isinstance(sharding, NamedSharding) or sharding.mesh == mesh:
+      return x
+    if as_auto(sharding.mesh) != as_auto(mesh) or (views is not None and sharding.mesh != views):
       return x
     return jax.device_put(x, NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind))
   return jax.tree.map(leaf, tree)
 
 
+class CallContext(NamedTuple):
+  """What `call_context` yields."""
+
+  rules: ShardingRules | None  # the rules in force (None = the defaults): a static jit argument
+  inputs: Any  # the inputs, every array on the `Auto` view of the mesh
+  mesh: jax.sharding.Mesh | None  # the mesh as the caller made it (None without one)
+
+  def output(self, tree):
+    """`tree`'s arrays re-typed back onto the caller's mesh (its own axis types), no copy."""
+    return tree if self.mesh is None else _retype(tree, self.mesh, views=as_auto(self.mesh))
+
+
 @contextlib.contextmanager
-def call_context(trees):
+def call_context(inputs):
   """The mesh handling shared by `decode`, `generate` and `decode_stream`.
 
-  Validates that `trees` (the models, the drafter) and the active mesh agree on one mesh, views
-  that mesh with `Auto` axes (Explicit and mixed meshes included), re-types the arrays onto it,
-  activates it when a mesh was active, and reads the sharding rules for the jitted function's
-  static `rules=` argument.
+  Validates that the arrays of `inputs` (models, drafter, prompts, keys) and the active mesh agree
+  on one mesh, views that mesh with `Auto` axes (Explicit and mixed meshes included), re-types the
+  arrays onto it, activates it when a mesh was active, and reads the sharding rules for the jitted
+  function's static `rules=` argument. Results go back to the caller's mesh with
+  `CallContext.output`, so they compose with the caller's own Explicit-mesh code.
 
   Yields:
-    `(rules, trees)`: the rules in force (`use_mesh(mesh, rules)` / `use_rules`; None = the
-    defaults) and `trees` with every array on the `Auto` view of the mesh.
+    A `CallContext`.
+
+  Raises:
+    ValueError: inputs on different meshes, or called inside `shard_map` (see `check_meshes`).
   """
   ambient = _ambient_mesh()
-  mesh = check_meshes(trees, ambient)
+  mesh = check_meshes(inputs, ambient)
   rules = active_rules()
   rules = None if rules == DEFAULT_RULES else rules
   if mesh is None:
-    yield rules, trees
+    yield CallContext(rules, inputs, None)
     return
-  trees = _retype(trees, mesh)
+  original = ambient if ambient is not None else next(iter(_leaf_meshes(inputs)))
+  context = CallContext(rules, _retype(inputs, mesh), original)
   if ambient is None:
-    yield rules, trees
+    yield context
     return
   with jax.set_mesh(mesh):
-    yield rules, trees
+    yield context
 
 
 def place_like(tree, mesh: jax.sharding.Mesh | None):

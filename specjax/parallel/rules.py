@@ -13,7 +13,7 @@ attention heads, MLP hidden units and the vocabulary:
     wk, wv [L, E, KVH*D]    (layers, embed, kv_heads)
     w_gate, w_up [L, E, F]  (layers, embed, mlp)    w_down [L, F, E]     (layers, mlp, embed)
     norms                   replicated
-    KV cache [L, B, S, KVH, D]   (layers, batch, length, kv_heads, -)
+    KV cache [L, B, KVH, S, D]   (layers, batch, kv_heads, length, -)
 
 `embed` maps to `fsdp`, which a plain `(data, model)` mesh does not have, so by default it is not
 sharded; a `(data, fsdp, model)` mesh adds ZeRO-3 style sharding of the embedding dimension.
@@ -54,7 +54,7 @@ QUERY_AXES: LogicalAxes = ("batch", None, "heads", None)  # [B, T, H, D]
 KEY_VALUE_AXES: LogicalAxes = ("batch", None, "kv_heads", None)  # [B, T, KVH, D]
 MLP_AXES: LogicalAxes = ("batch", None, "mlp")  # [B, T, F]
 LOGITS_AXES: LogicalAxes = ("batch", None, "vocab")  # [B, T, V]
-CACHE_AXES: LogicalAxes = ("layers", "batch", "length", "kv_heads", None)  # [L, B, S, KVH, D]
+CACHE_AXES: LogicalAxes = ("layers", "batch", "kv_heads", "length", None)  # [L, B, KVH, S, D]
 
 
 @dataclasses.dataclass(frozen=True)

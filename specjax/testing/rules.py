@@ -1,0 +1,46 @@
+"""Deliberately broken verify rules, for proving that an exactness check can fail.
+
+Each wraps the real rule (`specjax.rule.verify_reference`) so that only the named step is wrong.
+They have the signature of `verify_impl=` callables, so `specjax.decode(..., verify_impl=rule)`
+and `specjax.audit(..., verify_impl=rule)` run them; an exactness test that accepts the real rule
+must reject them (its power check).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from specjax.rule import verify_reference
+from specjax.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
+
+__all__ = ["BROKEN_RULES", "rule_warping_only_p", "rule_without_residual"]
+
+
+def rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
+                          positions):
+  """On rejection, samples the correction from p instead of normalize(max(p - q, 0))."""
+  result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
+                            seeds=seeds, positions=positions)
+  if sampling.greedy:  # greedy has no residual to skip
+    return result
+  n = result.num_accepted
+  p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+  from_p = sample_race(warp_logits(p_at_n, sampling), seeds, positions + n, PURPOSE_RESIDUAL)
+  final = jnp.where(n < draft_tokens.shape[1], from_p,
+                    jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])
+  return VerifyResult(n, result.tokens.at[jnp.arange(len(n)), n].set(final))
+
+
+def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
+                        positions):
+  """The ratio test and residual use the draft's distribution without the temperature."""
+  if draft_logits is not None and not sampling.greedy:
+    draft_logits = draft_logits * sampling.temperature
+  return verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
+                          seeds=seeds, positions=positions)
+
+
+BROKEN_RULES = {
+    "broken-no-residual": rule_without_residual,
+    "broken-unwarped-q": rule_warping_only_p,
+}
