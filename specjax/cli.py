@@ -50,13 +50,25 @@ def _run_train(args):
 
 def _add_convert(subparsers):
   parser = subparsers.add_parser(
-      "convert", help="convert a Hugging Face checkpoint directory to a specjax (Orbax) checkpoint")
-  parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+      "convert", help="convert a Hugging Face directory or a GGUF file to a specjax (Orbax) "
+      "checkpoint")
+  parser.add_argument("hf_dir", metavar="SOURCE",
+                      help="a directory with config.json and *.safetensors, or a .gguf file")
   parser.add_argument("out_dir", help="the specjax checkpoint directory to create")
   parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                      help="cast the weights (default: keep the checkpoint's dtype)")
+                      help="cast the weights (default: keep the checkpoint's dtype; float32 for "
+                      "a GGUF, whose quantized tensors are dequantized)")
   parser.add_argument("--overwrite", action="store_true", help="replace an existing out_dir")
   parser.set_defaults(func=_run_convert)
+
+
+def _is_gguf(path: str) -> bool:
+  import pathlib
+  file = pathlib.Path(path)
+  if not file.is_file():
+    return False
+  with open(file, "rb") as stream:
+    return stream.read(4) == b"GGUF"
 
 
 def _run_convert(args):
@@ -65,7 +77,7 @@ def _run_convert(args):
   from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
                              TimeElapsedColumn)
 
-  from specjax.io import hf, orbax
+  from specjax.io import gguf, hf, orbax
 
   if pathlib.Path(args.out_dir).exists() and not args.overwrite:
     raise CliError(f"{args.out_dir} already exists (pass --overwrite to replace it)")
@@ -77,11 +89,20 @@ def _run_convert(args):
     def progress(done, total, name):
       bar.update(reading, completed=done, total=total, tensor=name)
 
-    model = hf.from_hf(args.hf_dir, dtype=args.dtype, progress=progress)
+    source_is_gguf = _is_gguf(args.hf_dir)
+    if source_is_gguf:
+      model = gguf.from_gguf(args.hf_dir, dtype=args.dtype or "float32", progress=progress)
+    else:
+      model = hf.from_hf(args.hf_dir, dtype=args.dtype, progress=progress)
     bar.update(reading, tensor="")
     writing = bar.add_task("writing Orbax checkpoint", total=1, tensor=str(args.out_dir))
     orbax.save(model, args.out_dir, overwrite=args.overwrite)
-    copied = hf.copy_tokenizer_files(args.hf_dir, args.out_dir)
+    if source_is_gguf:
+      from specjax.io.tokenizer import load_tokenizer
+      load_tokenizer(args.hf_dir).save(args.out_dir)
+      copied = ["tokenizer.json", "tokenizer_config.json", "generation_config.json"]
+    else:
+      copied = hf.copy_tokenizer_files(args.hf_dir, args.out_dir)
     bar.update(writing, completed=1)
   config = model.config
   print(f"wrote {args.out_dir}: {config.family}, {config.num_layers} layers, "
@@ -102,13 +123,18 @@ DEFAULT_AUDIT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class St
 
 def _add_pair_arguments(parser):
   models = parser.add_argument_group(
-      "models", "a specjax (Orbax) or Hugging Face checkpoint directory each; both omitted = the "
-      "shipped default pair")
-  models.add_argument("--target", default=None, metavar="DIR", help="target model directory")
-  models.add_argument("--draft", default=None, metavar="DIR|ngram",
-                      help="draft model directory, or 'ngram' for prompt-lookup drafting")
+      "models", "a specjax (Orbax) or Hugging Face checkpoint directory, or a GGUF file, each; "
+      "no target = the shipped default pair")
+  models.add_argument("--target", "--model", dest="target", default=None, metavar="DIR|FILE",
+                      help="target model: a specjax or Hugging Face directory, or a .gguf file")
+  models.add_argument("--gguf", default=None, metavar="FILE",
+                      help="target model from a GGUF file (its tokenizer and chat template too)")
+  models.add_argument("--draft", default=None, metavar="DIR|FILE|ngram",
+                      help="draft model directory or .gguf file, or 'ngram' for prompt-lookup "
+                      "drafting (the default when a target is given)")
   models.add_argument("--tokenizer", default=None, metavar="PATH",
-                      help="tokenizer.json or its directory (default: the target directory's)")
+                      help="tokenizer.json, its directory, or a .gguf file (default: the "
+                      "target's)")
   models.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                       help="compute dtype of the loaded weights (default float32)")
 
@@ -129,14 +155,16 @@ def _sampling(args):
 
 
 def _load_model(path: str, dtype: str):
-  """A model from a specjax (Orbax) or Hugging Face checkpoint directory."""
+  """A model from a specjax (Orbax) or Hugging Face checkpoint directory, or a GGUF file."""
   import pathlib
 
-  from specjax.io import hf, orbax
+  from specjax.io import gguf, hf, orbax
 
   directory = pathlib.Path(path)
+  if _is_gguf(path):
+    return gguf.from_gguf(path, dtype=dtype)
   if not directory.is_dir():
-    raise CliError(f"no checkpoint directory at {path}")
+    raise CliError(f"no checkpoint directory or GGUF file at {path}")
   if (directory / orbax.CONFIG_FILE).is_file():
     return orbax.load(directory, dtype=dtype)
   if (directory / "config.json").is_file():
@@ -151,6 +179,12 @@ def _load_pair(args):
 
   import specjax as sj
 
+  if getattr(args, "gguf", None) is not None:
+    if args.target is not None:
+      raise CliError("give the target once: --gguf FILE or --model/--target, not both")
+    if not _is_gguf(args.gguf):
+      raise CliError(f"no GGUF file at {args.gguf}")
+    args.target = args.gguf
   if args.target is None:
     if args.draft not in (None, "ngram"):
       raise CliError("--draft DIR needs --target DIR (only the shipped pair needs neither)")
@@ -161,12 +195,12 @@ def _load_pair(args):
     draft = sj.NGramDrafter() if args.draft == "ngram" else pair.draft
     tokenizer = sj.load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
     return pair.target, draft, tokenizer
-  if args.draft is None:
-    raise CliError("--target needs --draft (a draft checkpoint directory, or 'ngram')")
   target = _load_model(args.target, args.dtype)
-  draft = sj.NGramDrafter() if args.draft == "ngram" else _load_model(args.draft, args.dtype)
+  draft = (sj.NGramDrafter() if args.draft in (None, "ngram")
+           else _load_model(args.draft, args.dtype))
   source = args.tokenizer or args.target
-  if not args.tokenizer and not (pathlib.Path(source) / "tokenizer.json").is_file():
+  if (not args.tokenizer and not _is_gguf(source)
+      and not (pathlib.Path(source) / "tokenizer.json").is_file()):
     raise CliError(f"no tokenizer.json in {source}: pass --tokenizer PATH")
   return target, draft, sj.load_tokenizer(source)
 
@@ -196,8 +230,12 @@ def _add_generate(subparsers):
   parser.add_argument("--max-new-tokens", type=int, default=128)
   parser.add_argument("--no-stream", action="store_true",
                       help="print the completion once, after one compiled decode call")
+  parser.add_argument("--chat", default=None, metavar="TEXT",
+                      help="a user message: apply the model's chat template and print the reply")
+  parser.add_argument("--system", default=None, metavar="TEXT",
+                      help="a system prompt for --chat")
   parser.add_argument("--ignore-eos", action="store_true",
-                      help="do not stop at the tokenizer's end-of-sequence token")
+                      help="do not stop at the model's end-of-sequence / end-of-turn tokens")
   _add_pair_arguments(parser)
   _add_sampling_arguments(parser, temperature=0.0)
   parser.set_defaults(func=_run_generate)
@@ -211,15 +249,25 @@ def _run_generate(args):
 
   import specjax as sj
 
-  text = _prompt_text(args)
+  if args.chat is not None and (args.prompt is not None or args.file is not None):
+    raise CliError("give either --chat TEXT or a prompt (text or --file), not both")
+  if args.system is not None and args.chat is None:
+    raise CliError("--system needs --chat")
+  text = args.chat if args.chat is not None else _prompt_text(args)
   sampling = _sampling(args)
   target, draft, tokenizer = _load_pair(args)
-  ids, lengths = tokenizer.encode_batch([text])
-  eos = None if args.ignore_eos else tokenizer.eos_id
+  if args.chat is not None:
+    ids, lengths = _chat_ids(tokenizer, target, args.system, args.chat)
+  else:
+    ids, lengths = tokenizer.encode_batch([text])
+  eos_ids = tuple(tokenizer.eos_ids) or (
+      () if target.config.eos_id is None else (target.config.eos_id,))
+  eos = None if args.ignore_eos or not eos_ids else eos_ids
   rng = jax.random.key(args.seed)
   start = time.perf_counter()
-  sys.stdout.write(text)
-  sys.stdout.flush()
+  if args.chat is None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
   if args.no_stream:
     out = sj.decode(target, draft, ids, rng, lengths=lengths, max_new_tokens=args.max_new_tokens,
                     num_draft=args.num_draft, sampling=sampling, eos_id=eos)
@@ -247,6 +295,26 @@ def _run_generate(args):
         f"{summary['acceptance_rate']:.1%}, {summary['tokens_per_round']:.2f} tokens per target "
         f"pass, {time.perf_counter() - start:.1f}s incl. compile]", file=sys.stderr)
   return 0
+
+
+def _chat_ids(tokenizer, target, system, message):
+  """`(ids [1, T], lengths [1])` of a one-turn chat under the model's template (a built-in one,
+  announced on stderr, when the model files carry none)."""
+  import numpy as np
+
+  from specjax.io import chat
+
+  template = tokenizer.chat_template
+  if not template:
+    family = getattr(getattr(target, "config", None), "family", "")
+    template = chat.default_template_for(family)
+    name = "gemma" if family.startswith("gemma") else "chatml"
+    print(f"[no chat template in the model files: using the built-in {name} template]",
+          file=sys.stderr)
+  messages = ([{"role": "system", "content": system}] if system else []) + [
+      {"role": "user", "content": message}]
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, chat_template=template)
+  return np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
 
 
 def _add_audit(subparsers):

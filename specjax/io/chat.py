@@ -24,7 +24,7 @@ class ChatTemplateError(ValueError):
 @functools.lru_cache(maxsize=16)
 def _compile(source: str):
   import jinja2
-  from jinja2 import sandbox
+  from jinja2 import ext, sandbox
 
   def raise_exception(message):
     raise ChatTemplateError(f"chat template: {message}")
@@ -37,7 +37,7 @@ def _compile(source: str):
     return datetime.datetime.now().strftime(fmt)
 
   env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                              extensions=[jinja2.ext.loopcontrols])
+                                              extensions=[ext.loopcontrols])
   env.filters["tojson"] = tojson
   env.globals["raise_exception"] = raise_exception
   env.globals["strftime_now"] = strftime_now
