@@ -1,7 +1,9 @@
-"""Which verify implementation runs: the one switch `verify_dispatch(..., impl=...)`.
+"""Which verify implementation runs on one device's rows: `local_verify(..., impl=...)`.
+
+(`specjax.dispatch.verify_tokens` is the front door: it wraps this in `shard_map` under a mesh.)
 
 `impl`:
-  "reference"  `specjax.sampling.verify_reference`, pure jnp, on any platform.
+  "reference"  `specjax.rule.verify_reference`, pure jnp, on any platform.
   "kernel"     the fused Pallas kernel compiled for the platform the computation is lowered for:
                Mosaic (`fused_verify`) on TPU, Triton (`fused_verify_gpu`) on CUDA and ROCm.
                There is no compiled CPU kernel: lowering "kernel" for CPU raises (jax: no branch
@@ -28,14 +30,16 @@ import functools
 
 import jax
 
-from specjax.sampling import Sampling, VerifyResult, verify_reference
 from specjax.kernels.fused_verify import BlockSizes, fused_verify
 from specjax.kernels.fused_verify_gpu import fused_verify_gpu
+from specjax.kernels.vocab_reduce import PallasVocab
+from specjax.rule import LocalVocab, verify_reference
+from specjax.sampling import Sampling, VerifyResult
 
 VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
 
 
-def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
+def local_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                     draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
                     positions: jax.Array, impl: str = "auto",
                     block_sizes: BlockSizes | None = None) -> VerifyResult:
@@ -75,3 +79,54 @@ def verify_dispatch(target_logits: jax.Array, draft_logits: jax.Array | None,
   if impl == "auto":
     branches["cpu"] = reference  # "kernel" has no CPU branch: lowering it for CPU is an error
   return jax.lax.platform_dependent(target_logits, draft_logits, draft_tokens, **branches)
+
+
+def local_vocab_ops(impl: str):
+  """The local reductions of the vocabulary-sharded rule for `impl` (see `ShardedVocab`):
+  Pallas kernels on TPU ("auto", "kernel") or interpreted ("interpret"), jnp elsewhere."""
+  if impl == "interpret":
+    return PallasVocab(interpret=True)
+  if impl == "reference":
+    return LocalVocab()
+  return _PlatformVocab(PallasVocab(interpret=False), LocalVocab(), impl == "auto")
+
+
+class _PlatformVocab:
+  """Pallas reductions when lowered for TPU, jnp for other platforms (`lax.platform_dependent`);
+  "kernel" has no CPU branch, as `local_verify`."""
+
+  vocab = None
+
+  def __init__(self, tpu, other, with_cpu: bool):
+    self.tpu, self.other, self.with_cpu = tpu, other, with_cpu
+
+  def ids(self, x):
+    return self.other.ids(x)
+
+  def gather_at(self, x, ids):
+    return self.other.gather_at(x, ids)
+
+  def _pick(self, name, *args):
+    branches = dict(tpu=getattr(self.tpu, name), cuda=getattr(self.other, name),
+                    rocm=getattr(self.other, name))
+    if self.with_cpu:
+      branches["cpu"] = getattr(self.other, name)
+    return jax.lax.platform_dependent(*args, **branches)
+
+  def max(self, x):
+    return self._pick("max", x)
+
+  def sum(self, x):
+    return self._pick("sum", x)
+
+  def max_and_argmax(self, x):
+    return self._pick("max_and_argmax", x)
+
+  def argmax(self, x):
+    return self._pick("argmax", x)
+
+  def sum_at_least(self, x, weights, thresholds):
+    return self._pick("sum_at_least", x, weights, thresholds)
+
+
+verify_dispatch = local_verify  # the earlier name

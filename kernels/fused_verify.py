@@ -12,22 +12,25 @@ a partial last block computes garbage in its missing rows, which are never writt
 and tile axes run in order. The pass schedule is static:
 
   pass 0              STATS   online max / log-sum-exp (greedy: running argmax), logit at each draft
-  1 ..                TOP_K   `BISECT_STEPS` counting passes, each halves an int32 key interval
-  ..                  TOP_P   `BISECT_STEPS` mass passes on the top-k survivors
+  1 ..                TOP_K   `RADIX_ROUNDS` = 8 counting passes, each tests RADIX - 1 = 15
+                              candidate thresholds (one per lane) and narrows an int32 key interval
+  ..                  TOP_P   `RADIX_ROUNDS` mass passes on the top-k survivors, searched between
+                              the top-k threshold and the max
   ..                  SUM     the normaliser over the final kept set (only after a threshold)
   last                RACE    ratio test at tile 0 -> n accepted; residual and fallback races
 
-so greedy is 1 pass, plain temperature 2, temperature with top-k and/or top-p 3 + 32 per threshold.
+so greedy is 1 pass, plain temperature 2, temperature with top-k and/or top-p 3 + 8 per threshold.
 When the whole vocabulary fits one tile (`num_vocab_tiles == 1`) the block index never changes and
 Pallas fetches the logits from HBM once; later passes re-read VMEM. With several tiles each pass
 streams the logits again, so `BlockSizes.get_default` first makes the tile hold the whole
-vocabulary, and only then batches rows (up to 8) while that still fits the VMEM budget. In interpret
+vocabulary, and only then batches rows (up to 8) while that still fits the VMEM budget, sized per
+TPU generation (`TPU_VMEM_BYTES`: a v5e / v6e keeps a 128k float32 vocabulary resident). In interpret
 mode, which has no VMEM and pays per grid step, the default blocks are far larger (up to 1024 rows):
 a 20,000-row verify at V = 8 takes about 1 s interpreted instead of about 50 s with 8-row blocks.
 
-The math is `specjax.sampling`'s: `verify_reference` (aliased here as `fused_verify_reference`) is
-the oracle, and the kernel calls the same elementwise helpers (`gumbel`, `float_to_key`,
-`bisect_midpoint`, `bisect_update`) on tiles. Decisions agree token for token with the reference;
+The math is `specjax.rule`'s: `verify_reference` (aliased here as `fused_verify_reference`) is
+the oracle, and the kernel calls the same elementwise helpers (`gumbel`, `radix_start`,
+`radix_candidates`, `radix_update`) on tiles. Decisions agree token for token with the reference;
 the only difference is the order of float32 additions inside sums over the vocabulary, which can
 move a decision only when a comparison is within rounding of its boundary.
 """
@@ -44,13 +47,24 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from specjax import sampling as sampling_lib
+from specjax.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms, check_verify_args,
+                                    schedule_for, select_row, tile_argmax)
+from specjax.rule import verify_reference
 from specjax.sampling import Sampling, VerifyResult
 
 LANES = 128  # TPU vector lanes; the (8, 128) tiling rule's minor dimension
 SUBLANES = 8
 NUM_ACCEPTED_LANE = LANES - 1  # lane of the output row that carries num_accepted
-MAX_NUM_DRAFT = NUM_ACCEPTED_LANE - 1  # tokens take lanes 0..k, so k + 1 < 127
-DEFAULT_VMEM_BUDGET = 8 * 2**20  # double-buffered logits blocks; under every TPU's scoped VMEM
+# VMEM per TensorCore by TPU generation (as jax's `pltpu` chip table lists it). The logits blocks
+# (double-buffered) get `VMEM_BLOCK_FRACTION` of it and the kernel's `vmem_limit_bytes` is raised
+# to `VMEM_LIMIT_FRACTION` of it, so that a row's whole vocabulary stays resident where it fits
+# (read from HBM once per round). The generation is the device kind of the TPU the computation is
+# compiled on; lowering for TPU from another host (`jax.export`) takes the smallest, v4.
+TPU_VMEM_BYTES = {"v4": 16 * 2**20, "v5e": 128 * 2**20, "v5p": 64 * 2**20, "v6e": 128 * 2**20,
+                  "v7": 64 * 2**20}
+VMEM_BLOCK_FRACTION = 0.5
+VMEM_LIMIT_FRACTION = 0.75
+DEFAULT_VMEM_BUDGET = int(TPU_VMEM_BYTES["v4"] * VMEM_BLOCK_FRACTION)  # 8 MiB: fits every TPU
 DEFAULT_MAX_BLOCK_B = 8
 # Interpret mode has no VMEM and pays per grid step, so its default blocks are far larger.
 INTERPRET_VMEM_BUDGET = 64 * 2**20
@@ -58,7 +72,7 @@ INTERPRET_MAX_BLOCK_B = 1024
 _INT32_MAX = np.iinfo(np.int32).max
 _NEG_INF = float("-inf")
 
-fused_verify_reference = sampling_lib.verify_reference
+fused_verify_reference = verify_reference
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,8 +114,9 @@ class BlockSizes:
 
   @classmethod
   def get_default(cls, vocab: int, num_draft: int, dtype=jnp.float32, *, batch: int | None = None,
-                  has_draft_logits=True, vmem_budget: int = DEFAULT_VMEM_BUDGET,
-                  max_block_b: int = DEFAULT_MAX_BLOCK_B) -> BlockSizes:
+                  has_draft_logits=True, vmem_budget: int | None = None,
+                  max_block_b: int = DEFAULT_MAX_BLOCK_B,
+                  device_kind: str | None = None) -> BlockSizes:
     """Tiles whose double-buffered target and draft blocks fit `vmem_budget` bytes.
 
     Reading the logits once matters more than batching grid steps (each extra vocabulary tile
@@ -109,7 +124,10 @@ class BlockSizes:
     (a power of two, at most `max_block_b` and the batch) whose blocks still hold the whole
     vocabulary; when not even one row does, `block_b = 1` and the largest tile that fits. Rows are
     counted padded to the dtype's sublane tile (8 for 32-bit, 16 for 16-bit), as VMEM stores them.
+    `vmem_budget` defaults to the share of `device_kind`'s VMEM (`vmem_budget_for`).
     """
+    if vmem_budget is None:
+      vmem_budget = vmem_budget_for(device_kind)
     itemsize = jnp.dtype(dtype).itemsize
     row_tile = SUBLANES * max(1, 4 // itemsize)
     rows = _round_up(num_draft + 1, row_tile) + (_round_up(num_draft, row_tile)
@@ -128,15 +146,49 @@ def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
+def tpu_generation(device_kind: str | None) -> str:
+  """`"v4"`, `"v5e"`, `"v5p"`, `"v6e"` or `"v7"` for a TPU device kind (`"TPU v5 lite"`...);
+  unknown kinds and None give the smallest VMEM, `"v4"`."""
+  kind = (device_kind or "").lower().replace("tpu", "").strip()
+  for generation, names in (("v6e", ("v6 lite", "v6e", "v6")), ("v5e", ("v5 lite", "v5e")),
+                            ("v5p", ("v5p", "v5")), ("v7", ("v7", "7x")), ("v4", ("v4",))):
+    if any(kind.startswith(name) for name in names):
+      return generation
+  return "v4"
+
+
+def vmem_budget_for(device_kind: str | None) -> int:
+  """Bytes of VMEM the double-buffered logits blocks may take on `device_kind`."""
+  return int(TPU_VMEM_BYTES[tpu_generation(device_kind)] * VMEM_BLOCK_FRACTION)
+
+
+def vmem_limit_for(device_kind: str | None) -> int | None:
+  """The kernel's `vmem_limit_bytes` on `device_kind` (None: the compiler's default)."""
+  if device_kind is None:
+    return None
+  return int(TPU_VMEM_BYTES[tpu_generation(device_kind)] * VMEM_LIMIT_FRACTION)
+
+
+def compile_device_kind() -> str | None:
+  """The kind of the TPU this process compiles for, or None when the default backend is not TPU
+  (e.g. `jax.export(..., platforms=["tpu"])` from a CPU host)."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:
+    return None
+  return device.device_kind if device.platform == "tpu" else None
+
+
 # --------------------------------------------------------------------------------------------
 # Public wrapper.
 # --------------------------------------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnames=("sampling", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("sampling", "block_sizes", "interpret",
+                                             "device_kind"))
 def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                  draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
                  positions: jax.Array, block_sizes: BlockSizes | None = None,
-                 interpret=False) -> VerifyResult:
+                 interpret=False, device_kind: str | None = None) -> VerifyResult:
   """The speculative accept/reject rule, fused over vocabulary tiles.
 
   Same contract and same tokens as `specjax.sampling.verify_reference`.
@@ -152,101 +204,39 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
       budget when `interpret` is set).
     interpret: False (compiled: Mosaic on TPU), True (Pallas interpreter) or
       `pltpu.InterpretParams()` (TPU interpreter with TPU memory semantics).
+    device_kind: the TPU kind whose VMEM sizes the blocks (default: the local TPU, if any;
+      otherwise the smallest, v4).
 
   Returns:
     `VerifyResult(num_accepted [B] int32, tokens [B, k+1] int32)`.
   """
   batch, num_draft = check_verify_args(target_logits, draft_logits, draft_tokens)
   vocab = target_logits.shape[-1]
+  if device_kind is None and not interpret:
+    device_kind = compile_device_kind()
   if block_sizes is None:
     budget = (dict(vmem_budget=INTERPRET_VMEM_BUDGET, max_block_b=INTERPRET_MAX_BLOCK_B)
-              if interpret else {})
+              if interpret else dict(device_kind=device_kind))
     block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype, batch=batch,
                                          has_draft_logits=draft_logits is not None, **budget)
   out = _fused_verify_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
                            jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                            sampling=sampling, block_v=block_sizes.tile(vocab),
-                           block_b=block_sizes.rows(batch), interpret=interpret)
+                           block_b=block_sizes.rows(batch), interpret=interpret,
+                           vmem_limit=None if interpret else vmem_limit_for(device_kind))
   return VerifyResult(num_accepted=out[:, 0, NUM_ACCEPTED_LANE],
                       tokens=out[:, 0, :num_draft + 1])
-
-
-def check_verify_args(target_logits, draft_logits, draft_tokens) -> tuple[int, int]:
-  """Validates the shapes and dtypes shared by every verify kernel; returns `(B, k)`."""
-  batch, num_draft = draft_tokens.shape
-  vocab = target_logits.shape[-1]
-  if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, num_draft + 1):
-    raise ValueError(f"target_logits must be [B, k+1, V] = [{batch}, {num_draft + 1}, V], "
-                     f"got {target_logits.shape}")
-  if draft_logits is not None and draft_logits.shape != (batch, num_draft, vocab):
-    raise ValueError(f"draft_logits must be [B, k, V] = {(batch, num_draft, vocab)}, "
-                     f"got {draft_logits.shape}")
-  if not 1 <= num_draft <= MAX_NUM_DRAFT:
-    raise ValueError(f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {num_draft}")
-  for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
-    if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
-      raise ValueError(f"{name} must be floating point, got {x.dtype}")
-  return batch, num_draft
-
-
-def accept_uniforms(seeds, positions, num_draft: int, sampling: Sampling) -> jax.Array:
-  """`[B, k]` float32 uniforms of the ratio test: tiny, and bit-identical to the reference's."""
-  if sampling.greedy:
-    return jnp.zeros((seeds.shape[0], num_draft), jnp.float32)
-  token_positions = positions[:, None] + jnp.arange(num_draft, dtype=jnp.int32)
-  return sampling_lib.uniform(seeds[:, None], token_positions, 0, sampling_lib.PURPOSE_ACCEPT)
 
 
 # --------------------------------------------------------------------------------------------
 # Grid, BlockSpecs, pass schedule.
 # --------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-  """Static pass layout: `[STATS] [TOP_K x n] [TOP_P x n] [SUM] [RACE]`; greedy is `[STATS]`."""
-
-  greedy: bool
-  top_k: int | None  # active top-k (None when off or >= V)
-  top_p: float | None  # active top-p (None when off or 1)
-
-  @property
-  def first_top_k(self) -> int:
-    return 1
-
-  @property
-  def first_top_p(self) -> int:
-    return self.first_top_k + (sampling_lib.BISECT_STEPS if self.top_k else 0)
-
-  @property
-  def sum_pass(self) -> int:
-    return self.first_top_p + (sampling_lib.BISECT_STEPS if self.top_p else 0)
-
-  @property
-  def has_threshold(self) -> bool:
-    return bool(self.top_k or self.top_p)
-
-  @property
-  def race_pass(self) -> int:
-    return self.sum_pass + (1 if self.has_threshold else 0)
-
-  @property
-  def num_passes(self) -> int:
-    return 1 if self.greedy else self.race_pass + 1
-
-
-def schedule_for(sampling: Sampling, vocab: int) -> Schedule:
-  """The static pass schedule of `sampling` over a vocabulary of `vocab` (shared with GPU)."""
-  if sampling.greedy:
-    return Schedule(True, None, None)
-  top_k = sampling.top_k if sampling.top_k is not None and sampling.top_k < vocab else None
-  top_p = sampling.top_p if sampling.top_p is not None and sampling.top_p < 1.0 else None
-  return Schedule(False, top_k, top_p)
-
-
 # Per-row statistics in VMEM scratch, one set for the target rows and one for the draft rows.
 # Each is [block_b, rows, 128] with the value replicated across lanes (lane-dense for Mosaic).
-_ROW_STATS = ("max", "sum", "draft_logit", "argmax", "lo", "hi", "top_k_key", "count", "mass")
-_ROW_STATS_DTYPE = dict(argmax=jnp.int32, lo=jnp.int32, hi=jnp.int32, top_k_key=jnp.int32,
+# "count" / "mass" hold one threshold-search candidate per lane (lanes 1 .. RADIX-1).
+_ROW_STATS = ("max", "sum", "draft_logit", "argmax", "base", "width", "top_k_key", "count", "mass")
+_ROW_STATS_DTYPE = dict(argmax=jnp.int32, base=jnp.int32, width=jnp.int32, top_k_key=jnp.int32,
                         count=jnp.int32)
 # Race state, [block_b, 1, 128] each.
 _RACE_STATE = ("num_accepted", "residual_best", "residual_token", "fallback_best",
@@ -256,7 +246,8 @@ _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallb
 
 
 def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positions, *,
-                       sampling: Sampling, block_v: int, block_b: int, interpret):
+                       sampling: Sampling, block_v: int, block_b: int, interpret,
+                       vmem_limit: int | None = None):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
   schedule = schedule_for(sampling, vocab)
@@ -306,7 +297,8 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positio
       grid_spec=grid_spec,
       out_shape=jax.ShapeDtypeStruct((batch, 1, LANES), jnp.int32),
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+          dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+          vmem_limit_bytes=vmem_limit),
       cost_estimate=pl.CostEstimate(
           flops=8 * schedule.num_passes * batch * (2 * num_draft + 1) * vocab,
           transcendentals=(2 * num_draft + 4) * batch * vocab,
@@ -328,21 +320,6 @@ def _column(ref):
 
 def _set_column(ref, value):
   ref[...] = jnp.broadcast_to(value, ref.shape).astype(ref.dtype)
-
-
-def _tile_argmax(scores, vocab_ids):
-  """Per row: (max [..., 1], first vocab id attaining it [..., 1]) of a tile."""
-  best = jnp.max(scores, axis=-1, keepdims=True)
-  token = jnp.min(jnp.where(scores == best, vocab_ids, _INT32_MAX), axis=-1, keepdims=True)
-  return best, token
-
-
-def _select_row(values, n):
-  """values[:, n] of [bb, R, C] at per-batch-row n [bb, 1, 1] -> [bb, 1, C] (masked reduction
-  instead of a dynamic sublane slice); rows n >= R select -inf (int32: int32 min)."""
-  row_ids = jax.lax.broadcasted_iota(jnp.int32, (1, values.shape[1], 1), 1)
-  empty = np.iinfo(np.int32).min if values.dtype == jnp.int32 else _NEG_INF
-  return jnp.max(jnp.where(row_ids == n, values, empty), axis=1, keepdims=True)
 
 
 def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, *refs,
@@ -391,7 +368,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
 
       x = load(ref)
       old_max = _column(stats["max"])
-      tile_max, tile_token = _tile_argmax(x, vocab_ids)
+      tile_max, tile_token = tile_argmax(x, vocab_ids)
       new_max = jnp.maximum(old_max, tile_max)
       if schedule.greedy:
         _set_column(stats["argmax"], jnp.where(tile_max > old_max,
@@ -414,7 +391,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
       matches = (target_argmax == draft_column).astype(jnp.int32)
       num_accepted = _leading_ones(matches, k)  # [bb, 1, 1]
       _write_tokens(out_ref, draft_column, k, num_accepted,
-                    _select_row(target_argmax, num_accepted))
+                    select_row(target_argmax, num_accepted))
     return
 
   def top_k_floor(stats):  # [bb, rows, 1] float32 top-k threshold (-inf without top-k)
@@ -424,71 +401,87 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
 
   def threshold(stats):  # [bb, rows, 1] float32 of the final kept set
     if schedule.top_p:
-      return sampling_lib.key_to_float(_column(stats["lo"]))
+      return sampling_lib.key_to_float(_column(stats["base"]))
     return top_k_floor(stats)
 
-  # ---- top-k: count(x >= mid) >= top_k, one bisection step per pass.
+  lane = jax.lax.broadcasted_iota(jnp.int32, (1, 1, LANES), 2)
+  candidate_lane = (lane >= 1) & (lane < sampling_lib.RADIX)
+
+  def search_pass(stats, first_pass, low, accumulate, holds):
+    """One radix round per pass: per-candidate sums over the tiles, then narrow (base, width)."""
+    @pl.when((pass_id == first_pass) & first_tile)
+    def _init_bounds():
+      base, width = sampling_lib.radix_start(low(), _column(stats["max"]))
+      _set_column(stats["base"], base)
+      _set_column(stats["width"], width)
+
+    base, width = _column(stats["base"]), _column(stats["width"])
+    thresholds, open_ = sampling_lib.radix_candidates(base, width, lane)  # [bb, rows, 128]
+    open_ = open_ & candidate_lane
+    accumulate(thresholds)
+
+    @pl.when(last_tile)
+    def _narrow():
+      good = open_ & holds()
+      count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
+      new_base, new_width = sampling_lib.radix_update(base, width, count(good), count(open_))
+      _set_column(stats["base"], new_base)
+      _set_column(stats["width"], new_width)
+
+  def lane_sums(ref, thresholds, values):  # [bb, rows, 128]: lane j sums values where x >= t_j
+    x = load(ref)
+    total = jnp.zeros(thresholds.shape, values(x).dtype)
+    for j in range(1, sampling_lib.RADIX):
+      part = jnp.sum(jnp.where(x >= thresholds[:, :, j:j + 1], values(x), 0), axis=-1,
+                     keepdims=True)
+      total = total + jnp.where(lane == j, part, 0).astype(total.dtype)
+    return total
+
+  # ---- top-k: count(x >= t) >= top_k for RADIX - 1 candidates t per pass.
   if schedule.top_k:
     @pl.when((pass_id >= schedule.first_top_k) & (pass_id < schedule.first_top_p))
     def _top_k_pass():
       for ref, stats in row_sets:
-        @pl.when((pass_id == schedule.first_top_k) & first_tile)
-        def _init_bounds():
-          _set_column(stats["lo"], sampling_lib.float_to_key(jnp.float32(_NEG_INF)))
-          _set_column(stats["hi"], sampling_lib.float_to_key(_column(stats["max"])))
-
         @pl.when(first_tile)
         def _reset():
-          _set_column(stats["count"], 0)
+          stats["count"][...] = jnp.zeros(stats["count"].shape, jnp.int32)
 
-        lo, hi = _column(stats["lo"]), _column(stats["hi"])
-        mid = sampling_lib.bisect_midpoint(lo, hi)
-        x = load(ref)
-        count = jnp.sum((x >= sampling_lib.key_to_float(mid)).astype(jnp.int32), axis=-1,
-                        keepdims=True)
-        _set_column(stats["count"], _column(stats["count"]) + count)
+        def accumulate(thresholds, ref=ref, stats=stats):
+          ones = lambda x: jnp.ones(x.shape, jnp.int32)
+          stats["count"][...] += lane_sums(ref, thresholds, ones)
+
+        search_pass(stats, schedule.first_top_k,
+                    lambda stats=stats: jnp.full(stats["max"].shape[:2] + (1,), _NEG_INF),
+                    accumulate, lambda stats=stats: stats["count"][...] >= schedule.top_k)
 
         @pl.when(last_tile)
-        def _step():
-          new_lo, new_hi = sampling_lib.bisect_update(
-              lo, hi, mid, _column(stats["count"]) >= schedule.top_k)
-          _set_column(stats["lo"], new_lo)
-          _set_column(stats["hi"], new_hi)
-          _set_column(stats["top_k_key"], new_lo)
+        def _keep():
+          _set_column(stats["top_k_key"], _column(stats["base"]))
 
   def kept_weights(x, stats, floor):  # exp(x - max) on tokens >= floor, else 0
     return jnp.where(x >= floor, jnp.exp(x - _column(stats["max"])), 0.0)
 
-  # ---- top-p: mass(x >= mid) >= top_p * mass(all kept), one bisection step per pass.
+  # ---- top-p: mass(x >= t) >= top_p * mass(top-k survivors), searched above the top-k floor.
   if schedule.top_p:
     @pl.when((pass_id >= schedule.first_top_p) & (pass_id < schedule.sum_pass))
     def _top_p_pass():
       for ref, stats in row_sets:
-        @pl.when((pass_id == schedule.first_top_p) & first_tile)
-        def _init_bounds():
-          _set_column(stats["lo"], sampling_lib.float_to_key(jnp.float32(_NEG_INF)))
-          _set_column(stats["hi"], sampling_lib.float_to_key(_column(stats["max"])))
-
         @pl.when(first_tile)
         def _reset():
-          _set_column(stats["mass"], 0.0)
+          stats["mass"][...] = jnp.zeros(stats["mass"].shape, jnp.float32)
           _set_column(stats["sum"], 0.0)
 
-        lo, hi = _column(stats["lo"]), _column(stats["hi"])
-        mid = sampling_lib.bisect_midpoint(lo, hi)
-        x = load(ref)
-        weights = kept_weights(x, stats, top_k_floor(stats))
-        _set_column(stats["sum"], _column(stats["sum"]) + jnp.sum(weights, -1, keepdims=True))
-        above = jnp.where(x >= sampling_lib.key_to_float(mid), weights, 0.0)
-        _set_column(stats["mass"], _column(stats["mass"]) + jnp.sum(above, -1, keepdims=True))
+        def accumulate(thresholds, ref=ref, stats=stats):
+          weights = lambda x: kept_weights(x, stats, top_k_floor(stats))
+          _set_column(stats["sum"], _column(stats["sum"])
+                      + jnp.sum(weights(load(ref)), -1, keepdims=True))
+          stats["mass"][...] += lane_sums(ref, thresholds, weights)
 
-        @pl.when(last_tile)
-        def _step():
-          needed = jnp.float32(schedule.top_p) * _column(stats["sum"])
-          new_lo, new_hi = sampling_lib.bisect_update(lo, hi, mid,
-                                                      _column(stats["mass"]) >= needed)
-          _set_column(stats["lo"], new_lo)
-          _set_column(stats["hi"], new_hi)
+        def holds(stats=stats):
+          return stats["mass"][...] >= jnp.float32(schedule.top_p) * _column(stats["sum"])
+
+        search_pass(stats, schedule.first_top_p, lambda stats=stats: top_k_floor(stats),
+                    accumulate, holds)
 
   # ---- normaliser over the final kept set, with the final max (no rescaling).
   if schedule.has_threshold:
@@ -511,7 +504,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
 
     def stats_at(stats, n=None):  # (max, sum, threshold) of every row, or of row n
       values = (_column(stats["max"]), _column(stats["sum"]), threshold(stats))
-      return values if n is None else tuple(_select_row(v, n) for v in values)
+      return values if n is None else tuple(select_row(v, n) for v in values)
 
     @pl.when(first_tile)
     def _ratio_test():
@@ -530,12 +523,12 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
       _set_column(race["has_mass"], 0)
 
     n = _column(race["num_accepted"])  # [bb, 1, 1]
-    p = probability(_select_row(load(target_ref), n), *stats_at(target_stats, n))  # [bb, 1, bv]
+    p = probability(select_row(load(target_ref), n), *stats_at(target_stats, n))  # [bb, 1, bv]
     if has_draft_logits:
-      q = probability(_select_row(load(draft_ref), n), *stats_at(draft_stats, n))
+      q = probability(select_row(load(draft_ref), n), *stats_at(draft_stats, n))
       q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0 (and NaN statistics)
     else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
-      q = (vocab_ids == _select_row(draft_column, n)).astype(jnp.float32)
+      q = (vocab_ids == select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
     row_columns = row_columns_ref[...]  # [bb, 1, 2]
     noise = sampling_lib.gumbel(row_columns[:, :, 0:1], row_columns[:, :, 1:2] + n, vocab_ids,
@@ -543,7 +536,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
     for weights, best_key, token_key in ((residual, "residual_best", "residual_token"),
                                          (p, "fallback_best", "fallback_token")):
       scores = jnp.where(weights > 0, jnp.log(weights), _NEG_INF) + noise
-      tile_best, tile_token = _tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
+      tile_best, tile_token = tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
       old_best = _column(race[best_key])
       _set_column(race[token_key], jnp.where(tile_best > old_best, tile_token,
                                              _column(race[token_key])))

@@ -6,8 +6,9 @@ Triton has no sequential grid axes with persistent scratch, so each program owns
 `block_b` batch rows and runs every pass itself, as `lax.fori_loop`s over vocabulary tiles:
 
   STATS   online max / log-sum-exp (greedy: running argmax), logit at each draft token
-  TOP_K   `BISECT_STEPS` bisection steps, each a counting loop over the tiles
-  TOP_P   `BISECT_STEPS` bisection steps, each a mass loop over the top-k survivors
+  TOP_K   `RADIX_ROUNDS` = 8 radix rounds, each a loop over the tiles counting RADIX - 1 = 15
+          candidate thresholds at once (one per lane)
+  TOP_P   `RADIX_ROUNDS` radix rounds of masses on the top-k survivors, above the top-k floor
   SUM     the normaliser over the final kept set (only after a threshold)
   RACE    ratio test -> n accepted; residual and fallback Gumbel races over row n
 
@@ -36,12 +37,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax import sampling as sampling_lib
-from specjax.kernels.fused_verify import (Schedule, accept_uniforms, check_verify_args,
-                                          schedule_for, _select_row, _tile_argmax)
+from specjax.kernels.common import (Schedule, accept_uniforms, check_verify_args, schedule_for,
+                                    select_row, tile_argmax)
 from specjax.sampling import Sampling, VerifyResult
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 GPU_EXPORT_DISABLED_CHECKS = (jax.export.DisabledSafetyCheck.custom_call(TRITON_CUSTOM_CALL),)
+SEARCH_LANES = 16  # RADIX as a power of two: candidate j of a threshold-search round in lane j
 DEFAULT_TILE_ELEMENTS = 8192  # block_b * R * block_v per loaded tile: ~64 float32 per thread
 _NEG_INF = float("-inf")
 # sampling.float_to_key(-inf) as a Python int (Triton cannot lower a bitcast of a constant): the
@@ -194,7 +196,7 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     new_carry = []
     for (ref, valid_rows), (max_, sum_, draft_logit, argmax) in zip(sets, carry):
       x, vocab_ids = load(ref, valid_rows, tile)
-      tile_max, tile_token = _tile_argmax(x, vocab_ids)
+      tile_max, tile_token = tile_argmax(x, vocab_ids)
       new_max = jnp.maximum(max_, tile_max)
       if schedule.greedy:
         argmax = jnp.where(tile_max > max_, tile_token, argmax)
@@ -217,53 +219,71 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     target_argmax = stats[0][3]  # [bb, R, 1]
     num_accepted = _leading_ones((target_argmax == draft_column).astype(jnp.int32), k)
     _store_tokens(out_ref, batch_ids, batch_ok, draft_column, k, out_lanes, num_accepted,
-                  _select_row(target_argmax, num_accepted))
+                  select_row(target_argmax, num_accepted))
     return
 
-  def bisect(holds_per_set):  # per set [bb, R, 1] float32: largest t where the predicate holds
-    def step(_, bounds):
-      mids = [sampling_lib.bisect_midpoint(lo, hi) for lo, hi in bounds]
-      holds = holds_per_set([sampling_lib.key_to_float(mid) for mid in mids])
-      return tuple(sampling_lib.bisect_update(lo, hi, mid, h)
-                   for (lo, hi), mid, h in zip(bounds, mids, holds))
+  lane = lax.broadcasted_iota(jnp.int32, (1, 1, SEARCH_LANES), 2)  # candidate j in lane j
 
-    bounds = tuple((jnp.full(m.shape, _NEG_INF_KEY, jnp.int32), sampling_lib.float_to_key(m))
-                   for m in maxes)
-    bounds = lax.fori_loop(0, sampling_lib.BISECT_STEPS, step, bounds)
-    return [sampling_lib.key_to_float(lo) for lo, _ in bounds]
+  def radix_search(lows, holds_per_set):  # per set [bb, R, 1] float32: largest t that holds
+    def search_round(_, bounds):
+      candidates = [sampling_lib.radix_candidates(base, width, lane) for base, width in bounds]
+      holds = holds_per_set([thresholds for thresholds, _ in candidates])  # [bb, R, L] each
+      new_bounds = []
+      for (base, width), (_, open_), h in zip(bounds, candidates, holds):
+        open_ = open_ & (lane >= 1) & (lane < sampling_lib.RADIX)
+        count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
+        new_bounds.append(sampling_lib.radix_update(base, width, count(open_ & h), count(open_)))
+      return tuple(new_bounds)
 
-  def tile_sums(fn, init_value):  # per set: sum over tiles of fn(set index, x) [bb, R, 1]
+    bounds = []
+    for low, top in zip(lows, maxes):
+      base = (jnp.full(top.shape, _NEG_INF_KEY, jnp.int32) if low is None
+              else sampling_lib.float_to_key(low))
+      bounds.append((base, sampling_lib.float_to_key(top) - base + 1))
+    bounds = lax.fori_loop(0, sampling_lib.RADIX_ROUNDS, search_round, tuple(bounds))
+    return [sampling_lib.key_to_float(base) for base, _ in bounds]
+
+  def lane_sums(x, thresholds, values):  # [bb, R, L]: lane j sums `values` where x >= t_j
+    total = jnp.zeros(thresholds.shape, values.dtype)
+    for j in range(1, sampling_lib.RADIX):
+      t_j = jnp.sum(jnp.where(lane == j, thresholds, 0.0), axis=-1, keepdims=True)
+      part = jnp.sum(jnp.where(x >= t_j, values, 0), axis=-1, keepdims=True)
+      total = total + jnp.where(lane == j, part, 0).astype(values.dtype)
+    return total
+
+  def tile_sums(fn, init_value, lanes=1):  # per set: sum over tiles of fn(i, x) [bb, R, lanes]
     def step(tile, totals):
       return tuple(total + fn(i, load(ref, valid_rows, tile)[0])
                    for i, ((ref, valid_rows), total) in enumerate(zip(sets, totals)))
-    return list(lax.fori_loop(0, num_tiles, step,
-                              tuple(column(init_value) for _ in sets)))
+    init = jnp.full((block_b, num_rows, lanes), init_value,
+                    jnp.int32 if isinstance(init_value, int) else jnp.float32)
+    return list(lax.fori_loop(0, num_tiles, step, tuple(init for _ in sets)))
 
   def kept_weights(i, x, floor):  # exp(x - max) on tokens >= floor, else 0
     return jnp.where(x >= floor, jnp.exp(x - maxes[i]), 0.0)
 
   floors = [column(_NEG_INF) for _ in sets]
-  # ---- TOP_K: count(x >= t) >= top_k.
+  # ---- TOP_K: count(x >= t) >= top_k for RADIX - 1 candidates t per round.
   if schedule.top_k:
     def top_k_holds(thresholds):
-      counts = tile_sums(lambda i, x: jnp.sum((x >= thresholds[i]).astype(jnp.int32), axis=-1,
-                                              keepdims=True), 0)
+      counts = tile_sums(lambda i, x: lane_sums(x, thresholds[i], jnp.ones(x.shape, jnp.int32)),
+                         0, SEARCH_LANES)
       return [count >= schedule.top_k for count in counts]
-    floors = bisect(top_k_holds)
+    floors = radix_search([None for _ in sets], top_k_holds)
 
-  # ---- TOP_P: mass(x >= t) >= top_p * mass(all top-k survivors).
+  # ---- TOP_P: mass(x >= t) >= top_p * mass(top-k survivors), searched above the top-k floor.
   if schedule.top_p:
     top_k_floors = floors
     kept_mass = tile_sums(lambda i, x: jnp.sum(kept_weights(i, x, top_k_floors[i]), axis=-1,
                                                keepdims=True), 0.0)
 
     def top_p_holds(thresholds):
-      masses = tile_sums(lambda i, x: jnp.sum(
-          jnp.where(x >= thresholds[i], kept_weights(i, x, top_k_floors[i]), 0.0), axis=-1,
-          keepdims=True), 0.0)
+      masses = tile_sums(lambda i, x: lane_sums(x, thresholds[i],
+                                                kept_weights(i, x, top_k_floors[i])),
+                         0.0, SEARCH_LANES)
       return [mass >= jnp.float32(schedule.top_p) * total
               for mass, total in zip(masses, kept_mass)]
-    floors = bisect(top_p_holds)
+    floors = radix_search(top_k_floors if schedule.top_k else [None for _ in sets], top_p_holds)
 
   # ---- SUM: normaliser over the final kept set, with the final max.
   if schedule.has_threshold:
@@ -274,7 +294,7 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
   def probability(i, logit, n=None):  # softmax of set i's warped logits at `logit`
     max_, sum_, floor = maxes[i], sums[i], floors[i]
     if n is not None:
-      max_, sum_, floor = (_select_row(v, n) for v in (max_, sum_, floor))
+      max_, sum_, floor = (select_row(v, n) for v in (max_, sum_, floor))
     return jnp.exp(jnp.where(logit >= floor, logit, _NEG_INF) - max_) / sum_
 
   # ---- RACE: ratio test, then the residual race (and the fallback race on p) over row n.
@@ -291,12 +311,12 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
   def race_step(tile, carry):
     residual_best, residual_token, fallback_best, fallback_token, has_mass = carry
     x, vocab_ids = load(target_ref, k + 1, tile)
-    p = probability(0, _select_row(x, n), n)  # [bb, 1, bv]
+    p = probability(0, select_row(x, n), n)  # [bb, 1, bv]
     if has_draft_logits:
-      q = probability(1, _select_row(load(draft_ref, k, tile)[0], n), n)
+      q = probability(1, select_row(load(draft_ref, k, tile)[0], n), n)
       q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0 (and NaN statistics)
     else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
-      q = (vocab_ids == _select_row(draft_column, n)).astype(jnp.float32)
+      q = (vocab_ids == select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
     noise = sampling_lib.gumbel(stream_seeds, positions + n, vocab_ids,
                                 sampling_lib.PURPOSE_RESIDUAL)  # [bb, 1, bv]
@@ -305,7 +325,7 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     for weights, best, token in ((residual, residual_best, residual_token),
                                  (p, fallback_best, fallback_token)):
       scores = jnp.where(weights > 0, jnp.log(weights), _NEG_INF) + noise
-      tile_best, tile_token = _tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
+      tile_best, tile_token = tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
       out += [jnp.maximum(best, tile_best), jnp.where(tile_best > best, tile_token, token)]
     has_mass = jnp.maximum(has_mass, jnp.max((residual > 0).astype(jnp.int32), axis=-1,
                                              keepdims=True))

@@ -1,7 +1,8 @@
-"""Sampling and the exact speculative verify rule, in pure jnp.
+"""Sampling: settings, warping, random streams and the one threshold search, in pure jnp.
 
-Everything that decides which token comes out lives here, so that plain generation, speculative
-decoding, the Pallas kernel's reference and the exactness audit all share one definition:
+Everything that decides which token comes out lives here or in `specjax.rule` (the verify rule
+built on it), so that plain generation, speculative decoding, the Pallas kernels and the
+exactness audit all share one definition:
 
 * `Sampling`: temperature, top-k and top-p. `warp_logits` applies them, in that order, identically
   to the target's and the drafter's logits.
@@ -15,9 +16,9 @@ decoding, the Pallas kernel's reference and the exactness audit all share one de
 * Categorical sampling is a Gumbel-max race over the vocabulary: `argmax(logits + G_v)`. Each
   vocabulary entry has its own noise, so the race can be run tile by tile without a softmax or a
   sort.
-* `verify_reference`: accept draft `x` with probability `min(1, p(x) / q(x))`; at the first
-  rejection sample from `normalize(max(p - q, 0))` (falling back to `p` when the residual has no
-  mass); if every draft is accepted sample a bonus token from `p`. Temperature 0 is greedy.
+* `specjax.rule.verify_reference`: accept draft `x` with probability `min(1, p(x) / q(x))`; at the
+  first rejection sample from `normalize(max(p - q, 0))` (falling back to `p` when the residual
+  has no mass); if every draft is accepted sample a bonus token from `p`. Temperature 0 is greedy.
 
 Why reusing a position's stream after a rejection is still exact. A speculative round at row
 length `L` draws the drafts with the `PURPOSE_DRAFT` noise of positions `L .. L+k-1`, the ratio
@@ -37,10 +38,12 @@ Thresholds (shared with the kernel): top-k and top-p each keep the tokens whose 
 logit is `>=` a threshold, so tied tokens are kept or dropped together. Top-k's threshold is the k-th
 largest logit. Top-p's is the logit of the token at which the descending cumulative mass of the
 top-k survivors first reaches `top_p`, i.e. the largest `t` with `sum_{x_v >= t} exp(x_v - max) >=
-top_p * sum_v exp(x_v - max)`. Neither is found by sorting: `bisect_threshold` bisects over the
-32-bit order-preserving integer image of float32 (`float_to_key`), one counting or summing pass per
-step, `BISECT_STEPS` steps. That lands exactly on a logit value, needs no sort (slow on TPU), and is
-the same computation the tiled kernel does pass by pass over vocabulary tiles.
+top_p * sum_v exp(x_v - max)`; it is searched between the top-k threshold and the max. Neither is
+found by sorting: `radix_threshold` searches the 32-bit order-preserving integer image of float32
+(`float_to_key`) with `RADIX - 1 = 15` candidates per round, one counting or summing reduction per
+round, `RADIX_ROUNDS = 8` rounds. That lands exactly on a logit value, needs no sort (slow on TPU),
+and is the same computation the tiled kernels do pass by pass and the vocabulary-sharded rule does
+with one collective per round.
 """
 
 from __future__ import annotations
@@ -174,9 +177,12 @@ def row_seeds(rng: jax.Array, batch: int) -> jax.Array:
 # Warping.
 # --------------------------------------------------------------------------------------------
 
-BISECT_STEPS = 32  # halvings of an int32 key interval; 32 always reach a single value
+RADIX_BITS = 4
+RADIX = 1 << RADIX_BITS  # candidates per round of a threshold search: RADIX - 1 tested at once
+RADIX_ROUNDS = 8  # each round divides the key interval by RADIX: 16 ** 8 = 2 ** 32 keys
 
 _SIGN_MAGNITUDE = 0x7FFFFFFF
+_SIGN_BIT = -0x80000000
 
 
 def float_to_key(x: jax.Array) -> jax.Array:
@@ -191,59 +197,124 @@ def key_to_float(key: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def bisect_midpoint(lo: jax.Array, hi: jax.Array) -> jax.Array:
-  """`ceil((lo + hi) / 2)` of int32 keys without overflow."""
-  return (lo | hi) - ((lo ^ hi) >> 1)
+# The radix search keeps `(base, width)` per row: `base` is an int32 key where the predicate holds
+# and the answer lies in the keys `base .. base + width - 1`. `width` can exceed 2**31, so it is
+# an unsigned quantity carried in an int32 (wrapping adds, logical shifts, comparisons with the
+# sign bit flipped): the same elementwise int32 ops lower on TPU, on GPU and in jnp.
+
+def _unsigned_less(a: jax.Array, b: jax.Array) -> jax.Array:
+  return (a ^ jnp.int32(_SIGN_BIT)) < (b ^ jnp.int32(_SIGN_BIT))
 
 
-def bisect_update(lo: jax.Array, hi: jax.Array, mid: jax.Array, holds: jax.Array):
-  """One step of "largest key where a decreasing predicate holds": keep `mid` if it holds."""
-  return jnp.where(holds, mid, lo), jnp.where(holds, hi, mid - 1)
+def _radix_step(width: jax.Array) -> jax.Array:
+  return jax.lax.shift_right_logical(width + jnp.int32(RADIX - 1), jnp.int32(RADIX_BITS))
 
 
-def bisect_threshold(x: jax.Array, holds_at) -> jax.Array:
-  """Largest float `t` with `holds_at(t)`, for a predicate that only gets false as `t` grows.
+def radix_start(low: jax.Array, top: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(base, width)` of a search over the float32 interval `[low, top]` (`low` must hold)."""
+  base = float_to_key(low)
+  return base, float_to_key(top) - base + jnp.int32(1)
 
-  The search runs over keys in `[key(-inf), key(max x)]`, so `holds_at(-inf)` must be true.
+
+def radix_candidates(base: jax.Array, width: jax.Array,
+                     j: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(thresholds, open)` of candidate `j` (int32 in `1 .. RADIX-1`, broadcast against `base`):
+  the key `base + j * ceil(width / RADIX)` as a float32, and whether it lies inside the interval."""
+  offsets = _radix_step(width) * j
+  return key_to_float(base + offsets), _unsigned_less(offsets, width)
+
+
+def radix_update(base: jax.Array, width: jax.Array, num_good: jax.Array,
+                 num_open: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Narrows `(base, width)` given how many of the `num_open` open candidates hold (the ones
+  that hold are a prefix: the predicate only gets false as the threshold grows)."""
+  step = _radix_step(width)
+  best = step * num_good
+  first_bad = jnp.where(num_good < num_open, best + step, width)
+  return base + best, first_bad - best
+
+
+def radix_threshold(low: jax.Array, top: jax.Array, holds_at) -> jax.Array:
+  """Largest float32 `t` in `[low, top]` with `holds_at(t)`: the one threshold search.
+
+  The predicate must hold at `low` and only get false as `t` grows. Floats order like their
+  `float_to_key` images, so the search runs over int32 keys: each of `RADIX_ROUNDS` rounds tests
+  `RADIX - 1` evenly spaced candidates at once (one reduction over the vocabulary per round, in
+  the reference, the vocabulary-sharded rule and both kernels) and keeps the sub-interval between
+  the last that holds and the first that fails. The result is always one of the tested values.
 
   Args:
-    x: `[..., V]` float32; only its max is used (the upper end of the search).
-    holds_at: maps a `[..., 1]` float32 threshold to a `[...]` bool.
+    low: `[...]` float32 where the predicate holds (e.g. `-inf`).
+    top: `[...]` float32 upper end (e.g. the max).
+    holds_at: maps `[..., RADIX-1]` float32 thresholds to `[..., RADIX-1]` bool.
 
   Returns:
-    `[..., 1]` float32 threshold, always equal to one of the values tested by `holds_at`.
+    `[...]` float32.
   """
-  hi = float_to_key(jnp.max(x, axis=-1, keepdims=True))
-  lo = jnp.full_like(hi, float_to_key(jnp.float32(-jnp.inf)))
+  base, width = radix_start(low, top)
+  j = jnp.arange(1, RADIX, dtype=jnp.int32)
 
-  def step(_, bounds):
-    lo, hi = bounds
-    mid = bisect_midpoint(lo, hi)
-    return bisect_update(lo, hi, mid, holds_at(key_to_float(mid))[..., None])
+  def search_round(_, bounds):
+    base, width = bounds
+    thresholds, open_ = radix_candidates(base[..., None], width[..., None], j)
+    good = open_ & holds_at(thresholds)
+    count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1)
+    return radix_update(base, width, count(good), count(open_))
 
-  lo, _ = jax.lax.fori_loop(0, BISECT_STEPS, step, (lo, hi))
-  return key_to_float(lo)
-
-
-def top_k_threshold(x: jax.Array, top_k: int) -> jax.Array:
-  """`[..., 1]` the `top_k`-th largest value of `x [..., V]` (by counting, not sorting)."""
-  return bisect_threshold(x, lambda t: jnp.sum((x >= t).astype(jnp.int32), axis=-1) >= top_k)
+  base, _ = jax.lax.fori_loop(0, RADIX_ROUNDS, search_round, (base, width))
+  return key_to_float(base)
 
 
-def top_p_threshold(x: jax.Array, top_p: float) -> jax.Array:
-  """`[..., 1]` the nucleus threshold of `x [..., V]` (`-inf` = dropped): see the module doc."""
-  weights = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))  # [..., V]; 0 where x = -inf
-  needed = jnp.float32(top_p) * jnp.sum(weights, axis=-1)
-  mass_at = lambda t: jnp.sum(jnp.where(x >= t, weights, 0.0), axis=-1)
-  return bisect_threshold(x, lambda t: mass_at(t) >= needed)
+class JnpReductions:
+  """Reductions over the last (vocabulary) axis with jnp: a whole vocabulary on one device."""
+
+  def max(self, x: jax.Array) -> jax.Array:
+    return jnp.max(x, axis=-1)
+
+  def sum(self, x: jax.Array) -> jax.Array:
+    return jnp.sum(x, axis=-1)
+
+  def sum_at_least(self, x: jax.Array, weights: jax.Array | None,
+                   thresholds: jax.Array) -> jax.Array:
+    """`[..., R]`: `sum_v [x_v >= t_j] * w_v` for thresholds `[..., R]` (`weights` None: count)."""
+    above = x[..., None, :] >= thresholds[..., None]  # [..., R, V]
+    if weights is None:
+      return jnp.sum(above.astype(jnp.int32), axis=-1)
+    return jnp.sum(jnp.where(above, weights[..., None, :], 0.0), axis=-1)
 
 
-def warp_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
-  """Temperature, then top-k, then top-p. Dropped tokens get `-inf`.
+_LOCAL = JnpReductions()
+
+
+def top_k_threshold(x: jax.Array, top_k: int, ops=_LOCAL) -> jax.Array:
+  """`[...]` the `top_k`-th largest value of `x [..., V]` (by counting, not sorting)."""
+  top = ops.max(x)
+  return radix_threshold(jnp.full_like(top, -jnp.inf), top,
+                         lambda t: ops.sum_at_least(x, None, t) >= top_k)
+
+
+def top_p_threshold(x: jax.Array, top_p: float, ops=_LOCAL, low=None) -> jax.Array:
+  """`[...]` the nucleus threshold of `x [..., V]` (`-inf` = dropped): see the module doc.
+
+  `low`: a value known to hold (the top-k threshold when top-k ran first: the search then runs
+  over the top-k survivors' range only); default `-inf`.
+  """
+  top = ops.max(x)
+  weights = jnp.exp(x - top[..., None])  # [..., V]; 0 where x = -inf
+  needed = jnp.float32(top_p) * ops.sum(weights)
+  low = jnp.full_like(top, -jnp.inf) if low is None else low
+  return radix_threshold(low, top,
+                         lambda t: ops.sum_at_least(x, weights, t) >= needed[..., None])
+
+
+def warp_logits(logits: jax.Array, sampling: Sampling, ops=_LOCAL) -> jax.Array:
+  """Temperature, then top-k, then top-p (over the top-k survivors). Dropped tokens get `-inf`.
 
   Args:
-    logits: `[..., V]` raw logits.
+    logits: `[..., V]` raw logits (or a vocabulary slice of them, with `ops` reducing across
+      the slices).
     sampling: the sampling settings; must not be greedy.
+    ops: reductions over the vocabulary axis (`max`, `sum`); default jnp over the whole axis.
 
   Returns:
     `[..., V]` float32 warped logits; `softmax` of them is the sampling distribution.
@@ -251,11 +322,13 @@ def warp_logits(logits: jax.Array, sampling: Sampling) -> jax.Array:
   if sampling.greedy:
     raise ValueError("warp_logits is for temperature > 0; greedy decoding uses argmax")
   x = logits.astype(jnp.float32) / jnp.float32(sampling.temperature)
-  vocab = x.shape[-1]
+  vocab = getattr(ops, "vocab", None) or x.shape[-1]
+  floor = None
   if sampling.top_k is not None and sampling.top_k < vocab:
-    x = jnp.where(x >= top_k_threshold(x, sampling.top_k), x, -jnp.inf)
+    floor = top_k_threshold(x, sampling.top_k, ops)
+    x = jnp.where(x >= floor[..., None], x, -jnp.inf)
   if sampling.top_p is not None and sampling.top_p < 1.0:
-    x = jnp.where(x >= top_p_threshold(x, sampling.top_p), x, -jnp.inf)
+    x = jnp.where(x >= top_p_threshold(x, sampling.top_p, ops, floor)[..., None], x, -jnp.inf)
   return x
 
 
@@ -306,70 +379,15 @@ def sample_token(logits: jax.Array, sampling: Sampling, seeds: jax.Array, positi
 # --------------------------------------------------------------------------------------------
 
 class VerifyResult(NamedTuple):
+  """What a verify rule returns (`specjax.rule.verify_rule` and the kernels)."""
+
   num_accepted: jax.Array  # [B] int32 in [0, k]
   tokens: jax.Array  # [B, k + 1] int32: accepted drafts, then the correction or bonus, then 0
 
 
-def verify_reference(target_logits: jax.Array, draft_logits: jax.Array | None,
-                     draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                     positions: jax.Array) -> VerifyResult:
-  """The exact speculative accept/reject rule.
-
-  Args:
-    target_logits: `[B, k + 1, V]` target logits at the k draft positions and one past them.
-    draft_logits: `[B, k, V]` the drafter's raw logits for its proposals, or None when the drafter
-      proposes deterministically (a point mass: n-gram lookup, argmax drafts).
-    draft_tokens: `[B, k]` int32 proposals.
-    sampling: applied identically to both models' logits.
-    seeds: `[B]` uint32 per-row stream seeds (`row_seeds`).
-    positions: `[B]` int32 absolute sequence position of each row's first draft token.
-
-  Returns:
-    `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
-    `tokens[b, n]` the correction (or the bonus when `n == k`), zeros after.
-  """
-  b, k = draft_tokens.shape
-  vocab = target_logits.shape[-1]
-  seeds = jnp.asarray(seeds, jnp.uint32)
-  draft_tokens = draft_tokens.astype(jnp.int32)
-  index = jnp.arange(k + 1, dtype=jnp.int32)
-  token_positions = positions.astype(jnp.int32)[:, None] + index  # [B, k+1]
-
-  if sampling.greedy:
-    target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, k+1]
-    accepted = draft_tokens == target_argmax[:, :k]
-    num_accepted = _leading_true(accepted)
-    final = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]
-  else:
-    warped_p = warp_logits(target_logits, sampling)  # [B, k+1, V]
-    p = jax.nn.softmax(warped_p, axis=-1)
-    p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, k]
-    if draft_logits is None:
-      q_draft = jnp.ones_like(p_draft)
-      q = jax.nn.one_hot(draft_tokens, vocab, dtype=jnp.float32)
-    else:
-      q = jax.nn.softmax(warp_logits(draft_logits, sampling), axis=-1)  # [B, k, V]
-      q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-    u = uniform(seeds[:, None], token_positions[:, :k], 0, PURPOSE_ACCEPT)  # [B, k]
-    accepted = u * q_draft < p_draft  # u < p/q without dividing; q = 0 < p always accepts
-    num_accepted = _leading_true(accepted)
-    # Correction at the first rejection, or bonus from p after k acceptances.
-    p_n = jnp.take_along_axis(p, num_accepted[:, None, None], axis=1)[:, 0]  # [B, V]
-    q_padded = jnp.concatenate([q, jnp.zeros_like(q[:, :1])], axis=1)  # q = 0 at the bonus slot
-    q_n = jnp.take_along_axis(q_padded, num_accepted[:, None, None], axis=1)[:, 0]
-    residual = jnp.maximum(p_n - q_n, 0.0)
-    has_mass = jnp.sum(residual, axis=-1, keepdims=True) > 0
-    weights = jnp.where(has_mass, residual, p_n)
-    scores = jnp.where(weights > 0, jnp.log(weights), -jnp.inf)
-    final_positions = positions.astype(jnp.int32) + num_accepted
-    final = sample_race(scores, seeds, final_positions, PURPOSE_RESIDUAL)
-
-  tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens, 0)
-  tokens = jnp.concatenate([tokens, jnp.zeros((b, 1), jnp.int32)], axis=1)
-  tokens = jnp.where(index[None] == num_accepted[:, None], final[:, None], tokens)
-  return VerifyResult(num_accepted, tokens)
-
-
-def _leading_true(mask: jax.Array) -> jax.Array:
+def leading_true(mask: jax.Array) -> jax.Array:
   """Number of leading True entries along the last axis, int32."""
   return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
+
+
+_leading_true = leading_true  # the name other modules import

@@ -1,0 +1,103 @@
+"""Pieces shared by the TPU (`fused_verify`) and GPU (`fused_verify_gpu`) verify kernels.
+
+Argument checks, the ratio test's uniforms (computed outside the kernels, bit-identical to the
+reference's), the static pass schedule, and two tile helpers that lower on Mosaic and Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.sampling import Sampling
+
+MAX_NUM_DRAFT = 126  # the TPU kernel's output row: tokens in lanes 0..k, num_accepted in lane 127
+_INT32_MAX = np.iinfo(np.int32).max
+_NEG_INF = float("-inf")
+
+
+def check_verify_args(target_logits, draft_logits, draft_tokens) -> tuple[int, int]:
+  """Validates the shapes and dtypes shared by every verify kernel; returns `(B, k)`."""
+  batch, num_draft = draft_tokens.shape
+  vocab = target_logits.shape[-1]
+  if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, num_draft + 1):
+    raise ValueError(f"target_logits must be [B, k+1, V] = [{batch}, {num_draft + 1}, V], "
+                     f"got {target_logits.shape}")
+  if draft_logits is not None and draft_logits.shape != (batch, num_draft, vocab):
+    raise ValueError(f"draft_logits must be [B, k, V] = {(batch, num_draft, vocab)}, "
+                     f"got {draft_logits.shape}")
+  if not 1 <= num_draft <= MAX_NUM_DRAFT:
+    raise ValueError(f"num_draft must be in [1, {MAX_NUM_DRAFT}], got {num_draft}")
+  for name, x in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+    if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
+      raise ValueError(f"{name} must be floating point, got {x.dtype}")
+  return batch, num_draft
+
+
+def accept_uniforms(seeds, positions, num_draft: int, sampling: Sampling) -> jax.Array:
+  """`[B, k]` float32 uniforms of the ratio test: tiny, and bit-identical to the reference's."""
+  if sampling.greedy:
+    return jnp.zeros((seeds.shape[0], num_draft), jnp.float32)
+  token_positions = positions[:, None] + jnp.arange(num_draft, dtype=jnp.int32)
+  return sampling_lib.uniform(seeds[:, None], token_positions, 0, sampling_lib.PURPOSE_ACCEPT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """Static pass layout: `[STATS] [TOP_K x n] [TOP_P x n] [SUM] [RACE]`; greedy is `[STATS]`."""
+
+  greedy: bool
+  top_k: int | None  # active top-k (None when off or >= V)
+  top_p: float | None  # active top-p (None when off or 1)
+
+  @property
+  def first_top_k(self) -> int:
+    return 1
+
+  @property
+  def first_top_p(self) -> int:
+    return self.first_top_k + (sampling_lib.RADIX_ROUNDS if self.top_k else 0)
+
+  @property
+  def sum_pass(self) -> int:
+    return self.first_top_p + (sampling_lib.RADIX_ROUNDS if self.top_p else 0)
+
+  @property
+  def has_threshold(self) -> bool:
+    return bool(self.top_k or self.top_p)
+
+  @property
+  def race_pass(self) -> int:
+    return self.sum_pass + (1 if self.has_threshold else 0)
+
+  @property
+  def num_passes(self) -> int:
+    return 1 if self.greedy else self.race_pass + 1
+
+
+def schedule_for(sampling: Sampling, vocab: int) -> Schedule:
+  """The static pass schedule of `sampling` over a vocabulary of `vocab` ."""
+  if sampling.greedy:
+    return Schedule(True, None, None)
+  top_k = sampling.top_k if sampling.top_k is not None and sampling.top_k < vocab else None
+  top_p = sampling.top_p if sampling.top_p is not None and sampling.top_p < 1.0 else None
+  return Schedule(False, top_k, top_p)
+
+
+def tile_argmax(scores, vocab_ids):
+  """Per row: (max [..., 1], first vocab id attaining it [..., 1]) of a tile."""
+  best = jnp.max(scores, axis=-1, keepdims=True)
+  token = jnp.min(jnp.where(scores == best, vocab_ids, _INT32_MAX), axis=-1, keepdims=True)
+  return best, token
+
+
+def select_row(values, n):
+  """values[:, n] of [bb, R, C] at per-batch-row n [bb, 1, 1] -> [bb, 1, C] (masked reduction
+  instead of a dynamic sublane slice); rows n >= R select -inf (int32: int32 min)."""
+  row_ids = jax.lax.broadcasted_iota(jnp.int32, (1, values.shape[1], 1), 1)
+  empty = np.iinfo(np.int32).min if values.dtype == jnp.int32 else _NEG_INF
+  return jnp.max(jnp.where(row_ids == n, values, empty), axis=1, keepdims=True)

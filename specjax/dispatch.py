@@ -1,0 +1,80 @@
+"""`verify_tokens`: the one front door of the exact accept/reject rule, mesh-aware.
+
+`impl` picks the implementation: "reference" (`specjax.rule.verify_reference`, jnp), "kernel" (the
+fused Pallas kernel compiled for the platform the computation is lowered for), "interpret" (the
+kernel in Pallas interpret mode, for CPU tests), "auto" (the kernel where lowered for TPU or GPU,
+the reference on CPU; it follows the lowering platform, so exporting for TPU from a CPU machine
+picks the kernel), or a callable with `verify_reference`'s signature, used as the rule itself.
+
+Under a mesh (passed, or the one active at trace time) the rule runs inside `jax.shard_map`:
+rows over the batch axes (each device runs the fused kernel on its rows: Mosaic kernels cannot be
+partitioned automatically), and where the vocabulary is split, `verify_rule` over `ShardedVocab`
+with Pallas local reductions on TPU, combined with collectives. Seeds travel with their rows, so
+every implementation under every mesh returns the single-device tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from specjax import kernels
+from specjax.parallel import verify as parallel_verify
+from specjax.parallel.rules import ShardingRules, active_rules
+from specjax.rule import verify_reference
+from specjax.sampling import Sampling, VerifyResult
+
+VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
+
+
+def check_verify_impl(impl):
+  """`impl` if it names an implementation or is callable; else a ValueError."""
+  if not (callable(impl) or impl in VERIFY_IMPLS):
+    raise ValueError(f"verify_impl must be one of {VERIFY_IMPLS} or a callable, got {impl!r}")
+  return impl
+
+
+def _active_mesh():
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or all(size == 1 for size in mesh.axis_sizes):
+    return None
+  return mesh
+
+
+def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
+                  draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                  positions: jax.Array, impl="auto", mesh=None,
+                  rules: ShardingRules | None = None) -> VerifyResult:
+  """Runs the accept/reject rule with the chosen implementation, on one device or a mesh.
+
+  Args:
+    target_logits: `[B, k + 1, V]` raw target logits.
+    draft_logits: `[B, k, V]` raw draft logits, or None for a point-mass drafter.
+    draft_tokens: `[B, k]` int32 proposals.
+    sampling: static sampling settings, applied to both models' logits.
+    seeds: `[B]` uint32 per-row stream seeds (`specjax.sampling.row_seeds`).
+    positions: `[B]` int32 absolute position of each row's first draft token.
+    impl: "auto" | "reference" | "kernel" | "interpret" | a rule callable (see module doc).
+    mesh: the mesh the rows (and vocabulary) are split over; None = the mesh active at trace
+      time (`jax.sharding.get_abstract_mesh()`), if any.
+    rules: logical-to-mesh rules (which mesh axes hold the batch and the vocabulary); None = the
+      active rules.
+
+  Returns:
+    `VerifyResult(num_accepted [B], tokens [B, k + 1])`, the same tokens whichever `impl` runs.
+  """
+  check_verify_impl(impl)
+  kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
+  if callable(impl):
+    return impl(target_logits, draft_logits, draft_tokens, **kwargs)
+  mesh = _active_mesh() if mesh is None else mesh
+  if impl == "reference":
+    local = verify_reference
+  else:
+    def local(target_logits, draft_logits, draft_tokens, **kwargs):
+      return kernels.local_verify(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
+  if mesh is None:
+    return local(target_logits, draft_logits, draft_tokens, **kwargs)
+  return parallel_verify.sharded_verify(
+      target_logits, draft_logits, draft_tokens, mesh=mesh,
+      rules=active_rules() if rules is None else rules, local_rule=local,
+      vocab_ops=kernels.local_vocab_ops(impl), **kwargs)
