@@ -112,8 +112,10 @@ class EagleDrafter:
     # Pair t = (feature_t, token_{t+1}); the pad after the last pair only feeds unused slots.
     shifted = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     cache = self.head.init_cache(batch, buffer_len)
-    logits, hidden, cache = self._run(shifted, self.features(prefill),
-                                      jnp.zeros((batch,), jnp.int32), cache)
+    # Zero starts that XLA cannot see are zero: with literal zeros, the attention over the empty
+    # cache is a constant that XLA folds, for minutes at large batch.
+    starts = jnp.minimum(lengths, 0).astype(jnp.int32)
+    logits, hidden, cache = self._run(shifted, self.features(prefill), starts, cache)
     last = lengths - 2  # the last prompt pair; a 1-token prompt has none (any q stays exact)
     return EagleState(cache.with_lengths(jnp.maximum(lengths - 1, 0)), _take_rows(hidden, last),
                       _take_rows(logits, last))
