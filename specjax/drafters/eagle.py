@@ -150,7 +150,7 @@ class EagleHead:
     return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
 
   def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
-    """An empty one-layer cache `[1, batch, max_len, KVH, D]`."""
+    """An empty one-layer cache (`specjax.KVCache`, one layer, the target cache's layout)."""
     c = self.config
     return KVCache.create(1, batch, max_len or c.max_len, c.num_kv_heads, c.head_dim,
                           dtype or self.params["fc"].dtype)
@@ -214,13 +214,13 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
       "wk": dense((2 * e, c.num_kv_heads * d), 2 * e),
       "wv": dense((2 * e, c.num_kv_heads * d), 2 * e),
       "wo": dense((c.num_heads * d, e), c.num_heads * d, 0.1),
-      "mlp_norm": ones,
+      "mlp_norm": jnp.ones_like(ones),
       "w_gate": dense((e, f), e),
       "w_up": dense((e, f), e),
       "w_down": dense((f, e), f, 0.1),
   }
   lm_head = jnp.asarray(target_output_head(target), jnp.float32)[:, ids]
-  params = {"fc": fc, "input_norm": ones, "hidden_norm": ones, "layer": layer,
+  params = {"fc": fc, "input_norm": ones, "hidden_norm": jnp.ones_like(ones), "layer": layer,
             "final_norm": jnp.asarray(target.params["final_norm"], jnp.float32), "lm_head": lm_head,
             "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
   return EagleHead(params, config)
@@ -318,11 +318,11 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
   starts = jnp.asarray(starts, jnp.int32)
   q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
   q, k, v = head_qkv(head, embed, tokens, features, q_pos)
-  segments = [(k, v, q_pos, None)]  # the block itself, causally
+  segments = [(k.swapaxes(1, 2), v.swapaxes(1, 2), q_pos, None)]  # the block itself, causally
   if cache is not None:
     slot_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
-    segments.insert(0, (cache.k[0], cache.v[0], slot_pos, slot_valid))
+    segments.insert(0, (cache.k[0], cache.v[0], slot_pos, slot_valid))  # [B, KVH, S, D]
   attn = attention(q, segments, q_pos, jnp.int32(0), c.layer_config)
   logits, hidden_out = head_finish(head, features, attn)
   if cache is not None:

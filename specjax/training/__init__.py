@@ -1,0 +1,1 @@
+"""Training with optax: target LMs, distilled drafts, and draft heads on the target's features."""
