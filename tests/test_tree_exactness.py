@@ -222,3 +222,38 @@ def test_acceptance_threshold_below_one_is_detected(monkeypatch):
   pvalue = chi_square_pvalue(tokens, exact_joint(sampling))
   print(f"threshold 0.8: p = {pvalue:.3g}")
   assert pvalue < POWER_ALPHA
+
+
+# End to end: `decode_tree` with real (tiny) transformer models, the tree forward, compaction and
+# the per-row streams across rounds, against the target's exact joint (same N, same alpha).
+
+@pytest.mark.slow
+@pytest.mark.parametrize("builder", ["sampled_wor", "dynamic"])
+def test_decode_tree_matches_target_distribution(builder):
+  import specjax as sj
+  from specjax.models import tiny_config
+  from specjax.models.transformer import forward
+  from specjax.tree_decode import decode_tree
+
+  target = sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(10))
+  draft = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(11))
+  spec = {"sampled_wor": TreeSpec("sampled", branching=(2, 2), replacement=False),
+          "dynamic": TreeSpec("dynamic", depth=2, width=2, num_nodes=4)}[builder]
+  sampling = SETTINGS["t1"]
+  prompt = [1, 2, 3, 1, 2, 3, 1]
+  tokens = jnp.tile(jnp.asarray(prompt, jnp.int32), (N, 1))
+  out = decode_tree(target, draft, tokens, jax.random.key(0), max_new_tokens=NEW, tree=spec,
+                    sampling=sampling)
+  assert np.all(np.asarray(out.num_tokens) == NEW)
+  assert out.stats.summary()["accepted"] > 0
+  grid = np.stack(np.meshgrid(*[np.arange(VOCAB)] * NEW, indexing="ij"), -1).reshape(-1, NEW)
+  seqs = np.concatenate([np.tile(prompt, (len(grid), 1)), grid], axis=1)
+  logits = np.asarray(forward(target, jnp.asarray(seqs, jnp.int32),
+                              jnp.zeros(len(seqs), jnp.int32)).logits)
+  joint = np.ones(len(grid))
+  for i in range(NEW):
+    joint *= numpy_distribution(logits[:, len(prompt) - 1 + i], sampling)[np.arange(len(grid)),
+                                                                             grid[:, i]]
+  pvalue = chi_square_pvalue(np.asarray(out.tokens), joint)
+  print(f"decode_tree {builder}: p = {pvalue:.3g}")
+  assert pvalue > ALPHA
