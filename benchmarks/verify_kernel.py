@@ -14,13 +14,21 @@ only `--interpret` runs: a correctness pass of the kernel in Pallas interpret mo
 reference, at reduced batch, written to `verify_kernel_interpret.json`; its wall times are the
 interpreter's and mean nothing about speed.
 
+`--passes` needs no device: it counts, from the kernels' static schedules and default blocks,
+the passes over the vocabulary and the HBM bytes each batch row streams per round at V = 128256
+(float32 logits, k = 4, a draft with logits) for greedy, top-k, top-p and top-k + top-p, for the
+checkout it runs in and, with `--base DIR`, for another checkout (run in a subprocess), and writes
+`verify_kernel_passes.json`.
+
   python benchmarks/verify_kernel.py                 # on a TPU or a GPU
   python benchmarks/verify_kernel.py --interpret     # on CPU: correctness only
+  python benchmarks/verify_kernel.py --passes --base /work/base   # counts, any host
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import functools
 import json
 import pathlib
@@ -160,6 +168,66 @@ def run_interpret(args):
   return all_match
 
 
+PASS_SETTINGS = {"greedy": dict(temperature=0.0), "top_k": dict(temperature=0.8, top_k=50),
+                 "top_p": dict(temperature=0.8, top_p=0.9),
+                 "top_k_top_p": dict(temperature=0.8, top_k=50, top_p=0.9)}
+PASS_KINDS = (None, "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite")
+
+
+def count_passes(vocab=128256, num_draft=4, itemsize=4) -> dict:
+  """Passes over the vocabulary and HBM bytes per batch row per round, for the importable
+  `specjax` (TPU kernel: per device kind's default blocks; GPU kernel: every pass streams)."""
+  tpu = importlib.import_module("specjax.kernels.fused_verify")  # the checkout being counted
+  logits_bytes = (2 * num_draft + 1) * vocab * itemsize  # target k+1 rows and draft k rows
+  table = {}
+  for name, setting in PASS_SETTINGS.items():
+    sampling = S.Sampling(**setting)
+    schedule = tpu.schedule_for(sampling, vocab)
+    passes = schedule.num_passes
+    steps = getattr(S, "RADIX_ROUNDS", None) or getattr(S, "BISECT_STEPS")
+    gpu_passes = 1 if sampling.greedy else (
+        1 + steps * bool(schedule.top_k) + (1 + steps) * bool(schedule.top_p)
+        + bool(schedule.has_threshold) + 1)
+    row = dict(tpu_passes=passes, gpu_passes=gpu_passes,
+               gpu_mb_per_row=round(gpu_passes * logits_bytes / 1e6, 2))
+    for kind in PASS_KINDS:
+      try:
+        blocks = tpu.BlockSizes.get_default(vocab, num_draft, jnp.float32, batch=8,
+                                            device_kind=kind)
+      except TypeError:  # a checkout without a per-generation budget
+        blocks = tpu.BlockSizes.get_default(vocab, num_draft, jnp.float32, batch=8)
+      tiles = -(-vocab // blocks.tile(vocab))
+      streamed = logits_bytes * (1 if tiles == 1 else passes)
+      row[f"tpu[{kind or 'export/default'}]"] = dict(
+          block_v=blocks.tile(vocab), block_b=blocks.rows(8), tiles=tiles,
+          mb_per_row=round(streamed / 1e6, 2))
+    table[name] = row
+  return dict(vocab=vocab, num_draft=num_draft, dtype="float32", logits_mb_per_row=round(
+      logits_bytes / 1e6, 2), settings=table)
+
+
+def run_passes(args):
+  import subprocess  # noqa: PLC0415
+  result = {"after": count_passes()}
+  if args.base:
+    # The other checkout's `specjax` and `kernels` directories as bare packages (no __init__
+    # runs, so nothing of this checkout's editable install is mixed in).
+    code = ("import json, sys, types\n"
+            "for name, path in (('specjax', %r), ('specjax.kernels', %r)):\n"
+            "  module = types.ModuleType(name); module.__path__ = [path]; sys.modules[name] = module\n"
+            "sys.path.insert(0, %r)\n"
+            "import verify_kernel\n"
+            "print(json.dumps(verify_kernel.count_passes()))\n"
+            % (f"{args.base}/specjax", f"{args.base}/kernels",
+               str(pathlib.Path(__file__).resolve().parent)))
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                         text=True, env={"JAX_PLATFORMS": "cpu"})
+    result["before"] = json.loads(out.stdout.strip().splitlines()[-1])
+  RESULTS.mkdir(exist_ok=True)
+  (RESULTS / "verify_kernel_passes.json").write_text(json.dumps(result, indent=1))
+  print(json.dumps(result, indent=1))
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--interpret", action="store_true",
@@ -170,7 +238,13 @@ def main(argv=None):
   parser.add_argument("--sampling", default="temperature", choices=list(SAMPLINGS))
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   parser.add_argument("--repeats", type=int, default=20)
+  parser.add_argument("--passes", action="store_true",
+                      help="count passes and HBM bytes per row (no device needed)")
+  parser.add_argument("--base", default=None, help="with --passes: a checkout to compare with")
   args = parser.parse_args(argv)
+  if args.passes:
+    run_passes(args)
+    return 0
   if args.interpret:
     return 0 if run_interpret(args) else 1
   if jax.devices()[0].platform == "cpu":
