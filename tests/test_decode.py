@@ -229,7 +229,7 @@ REPRO_SAMPLINGS = [sj.Sampling(temperature=1.0), sj.Sampling(temperature=0.7, to
 
 def _slot_five_batch(prompt, key, rng_seed=100):
   """A batch of 8 with `prompt` and `key` in slot 5 and different prompts and keys elsewhere."""
-  others = np.asarray(jax.random.randint(jax.random.key(rng_seed), (8, 6), 1, VOCAB), np.int32)
+  others = np.array(jax.random.randint(jax.random.key(rng_seed), (8, 6), 1, VOCAB), np.int32)
   lengths = np.array([6, 3, 5, 2, 6, 0, 4, 1], np.int32)
   others[5] = 0
   others[5, :len(prompt)] = prompt

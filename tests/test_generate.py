@@ -135,7 +135,7 @@ def test_sampled_tokens_depend_on_the_rows_own_key_not_its_slot(model, sampling)
   prompt, key = [5, 9, 2, 7], jax.random.key(42)
   alone = sj.generate(model, np.array([prompt], np.int32), key[None],
                       lengths=np.array([4], np.int32), max_new_tokens=20, sampling=sampling)
-  tokens = np.asarray(jax.random.randint(jax.random.key(100), (8, 6), 1, vocab), np.int32)
+  tokens = np.array(jax.random.randint(jax.random.key(100), (8, 6), 1, vocab), np.int32)
   lengths = np.array([6, 3, 5, 2, 6, 4, 4, 1], np.int32)
   tokens[5] = 0
   tokens[5, :4] = prompt
