@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 
-from specjax.io.ggml import dequantize
+from specjax.io.ggml import SUPPORTED_TYPES, dequantize
 from specjax.io.gguf_file import GGUFFile
 from specjax.io.orbax import check_param_shapes, expected_shapes, put, resolve_sharding, save
 from specjax.models.config import ModelConfig, RopeScaling
@@ -234,7 +234,16 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
   meta = _Metadata(file.metadata, file.path)
   if meta.arch is None:
     raise ValueError(f"{path}: GGUF metadata lacks general.architecture")
+  if meta.arch not in SUPPORTED_ARCHITECTURES:
+    raise ValueError(f"{path}: GGUF architecture {meta.arch!r} is not supported (supported: "
+                     f"{', '.join(SUPPORTED_ARCHITECTURES)})")
   tensors = file.tensors
+  unsupported = sorted({f"{t.name} has type {t.type_name}" for t in tensors.values()
+                        if t.type_name not in SUPPORTED_TYPES})
+  if unsupported:
+    shown = unsupported[:4] + (["..."] if len(unsupported) > 4 else [])
+    raise ValueError(f"{path}: {'; '.join(shown)}, which specjax cannot dequantize (supported: "
+                     f"{', '.join(SUPPORTED_TYPES)})")
   dtype = np.dtype(jnp.dtype(dtype))
 
   def read(name: str) -> np.ndarray:

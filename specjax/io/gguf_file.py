@@ -129,7 +129,10 @@ class GGUFFile:
       return [self._value(item) for _ in range(count)]
     if kind not in _SCALARS:
       raise ValueError(f"{self.path}: unknown GGUF metadata value type {kind}")
-    return self._unpack(_SCALARS[kind])
+    value = self._unpack(_SCALARS[kind])
+    if kind == 6:  # float32: the shortest decimal that round-trips (1e-05, not 9.99999974e-06)
+      value = float(str(np.float32(value)))
+    return value
 
   def get(self, key: str, default=None):
     return self.metadata.get(key, default)
