@@ -1,9 +1,9 @@
-"""CPU speed of `sj.decode` and `sj.generate` on the toy pair in `checkpoints/` (before/after).
+"""CPU speed of `sj.decode` and `sj.generate` on the toy pair in `checkpoints/toy/` (before/after).
 
     python benchmarks/core_speed.py --label after [--out benchmarks/results] [--repeats 5]
     PYTHONPATH=<older checkout> python benchmarks/core_speed.py --label before ...
 
-Loads `checkpoints/target`, `checkpoints/draft` and `checkpoints/tokenizer.json` (the 7.2M/0.66M
+Loads `checkpoints/toy/target`, `checkpoints/toy/draft` and `checkpoints/toy/tokenizer.json` (the 7.2M/0.66M
 stdlib pair) in float32, encodes four Python prompts, and times (median of `--repeats`, after one
 compiling call) greedy and sampled (T=0.8) `decode` at k=4 and greedy `generate`, batch 4, 64 new
 tokens. Only names present before and after the core rebuild are used (`sj.load`,
@@ -42,9 +42,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--new-tokens", type=int, default=64)
   args = parser.parse_args(argv)
 
-  target = sj.load(ROOT / "checkpoints" / "target", dtype="float32")
-  draft = sj.load(ROOT / "checkpoints" / "draft", dtype="float32")
-  tokenizer = sj.load_tokenizer(ROOT / "checkpoints" / "tokenizer.json")
+  target = sj.load(ROOT / "checkpoints" / "toy" / "target", dtype="float32")
+  draft = sj.load(ROOT / "checkpoints" / "toy" / "draft", dtype="float32")
+  tokenizer = sj.load_tokenizer(ROOT / "checkpoints" / "toy" / "tokenizer.json")
   rows = [tokenizer.encode(p) for p in PROMPTS]
   lengths = np.array([len(r) for r in rows], np.int32)
   tokens = np.zeros((len(rows), lengths.max()), np.int32)

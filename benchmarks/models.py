@@ -59,20 +59,20 @@ def load_pair(kind: str, *, seed: int = 0):
   tokenizer defaults to the shipped one).
   """
   if kind == "default":
-    import specjax as sj
-    pair = sj.load_default()
-    return pair.target, pair.draft, pair.tokenizer, "shipped pair (specjax.load_default())"
+    from specjax.default import load_toy
+    pair = load_toy()
+    return pair.target, pair.draft, pair.tokenizer, "toy pair (specjax.default.load_toy())"
   if kind.startswith(("ckpt:", "runs:")):
     from specjax.io.orbax import load
     from specjax.io.tokenizer import load_tokenizer
     paths = kind[5:].split(",")
     if len(paths) == 2 and kind.startswith("runs:"):
-      from specjax.default import TOKENIZER_FILE, default_dir
+      from specjax.default import TOKENIZER_FILE, TOY_DIR, default_dir
       try:
-        paths.append(str(default_dir() / TOKENIZER_FILE))
+        paths.append(str(default_dir() / TOY_DIR / TOKENIZER_FILE))
       except FileNotFoundError:
         paths.append(str(pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
-                         / TOKENIZER_FILE))
+                         / TOY_DIR / TOKENIZER_FILE))
     if len(paths) != 3:
       raise ValueError(f"--model {kind}: expected {kind[:5]}TARGET,DRAFT,TOKENIZER")
     if kind.startswith("runs:"):

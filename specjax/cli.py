@@ -15,11 +15,13 @@ class CliError(Exception):
 
 
 def _add_demo(subparsers):
+  from specjax.demo import DEFAULT_QUESTION
   parser = subparsers.add_parser(
-      "demo", help="complete a prompt with the shipped target/draft pair and show the speedup")
-  parser.add_argument("--prompt", default="def fibonacci(n):\n", help="text to complete")
-  parser.add_argument("--max-new-tokens", type=int, default=64)
+      "demo", help="chat with SmolLM2-135M-Instruct and its EAGLE-3 head; show the speedup")
+  parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
+  parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (k)")
+  parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
   parser.set_defaults(func=_run_demo)
 
 
@@ -37,15 +39,28 @@ def _run_demo(args):
 
 def _add_train(subparsers):
   parser = subparsers.add_parser(
-      "train", help="train the tokenizer, a target LM, or a draft distilled from a target")
+      "train", help="train the tokenizer, a target LM, a distilled draft, or a draft head")
+  tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
   from specjax import train
-  train.add_arguments(parser)
-  parser.set_defaults(func=_run_train)
+  for task, text in train.TASKS.items():
+    sub = tasks.add_parser(task, help=text)
+    train.add_arguments(sub)
+    sub.set_defaults(func=_run_train)
+  from specjax.training import head_cli
+  for task, text in head_cli.TASKS.items():
+    sub = tasks.add_parser(task, help=text)
+    head_cli.add_arguments(sub)
+    sub.set_defaults(func=_run_head)
 
 
 def _run_train(args):
   from specjax import train
   return train.run_cli(args)
+
+
+def _run_head(args):
+  from specjax.training import head_cli
+  return head_cli.run(args)
 
 
 def _add_convert(subparsers):

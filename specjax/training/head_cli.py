@@ -53,6 +53,13 @@ def chat_encoder(spec: str):
   return encode
 
 
+TASKS = {
+    "head-data": "self-distillation data: the target answers generated chat prompts; its "
+                 "features and top-k logits are recorded",
+    "head": "train an EAGLE-3, MTP or Medusa head on that data (resumable)",
+}
+
+
 def _span(text: str) -> list[int]:
   """"0:40" -> [0, ..., 39]; "3,5,7" -> [3, 5, 7]."""
   if ":" in text:
@@ -89,6 +96,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--eval-batches", type=int, default=4)
   parser.add_argument("--train-on-prompts", action="store_true",
                       help="head: also train on prompt positions")
+  parser.add_argument("--context", type=int,
+                      help="head: windows start this many tokens before the answer")
   parser.add_argument("--no-progress", action="store_true")
 
 
@@ -118,7 +127,7 @@ def run(args) -> int:
                       rows_per_chunk=args.gen_batch, eval_every=args.eval_every,
                       eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
                       max_steps=args.stop_at, progress=not args.no_progress,
-                      train_on_prompts=args.train_on_prompts,
+                      train_on_prompts=args.train_on_prompts, context=args.context,
                       log=lambda line: print(line, flush=True))
   print(f"head saved under {pathlib.Path(args.run_dir) / head_run.HEAD_DIR}")
   return 0
@@ -126,7 +135,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(prog="specjax train head")
-  parser.add_argument("task", choices=("head-data", "head"))
+  parser.add_argument("task", choices=tuple(TASKS))
   add_arguments(parser)
   return run(parser.parse_args(argv))
 

@@ -83,7 +83,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
                eval_chunks: Sequence[int] = (), vocab_chunks: Sequence[int] | None = None,
                rows_per_chunk: int = 64, log_every: int = 10, eval_every: int = 200,
                eval_batches: int = 4, checkpoint_every: int = 100, max_steps: int | None = None,
-               progress: bool = True, train_on_prompts: bool = False,
+               progress: bool = True, train_on_prompts: bool = False, context: int | None = None,
                log: Callable[[str], None] = print):
   """Trains (or resumes) a head on self-distillation chunks; returns the trained network.
 
@@ -103,6 +103,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
       still spans `config.steps`.
     progress: show a rich progress bar.
     train_on_prompts: also train on prompt positions (evaluation stays on answers).
+    context: windows start this many tokens before the answer (None: at the conversation start).
     log: sink for one-line JSON records (also appended to `log.jsonl`).
 
   Returns:
@@ -116,6 +117,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
   record = {"config": dataclasses.asdict(config), "chunks": chunks,
             "eval_chunks": [int(i) for i in eval_chunks], "vocab_chunks": vocab_chunks,
             "rows_per_chunk": rows_per_chunk, "train_on_prompts": bool(train_on_prompts),
+            "context": context,
             "data_dir": str(pathlib.Path(data_dir).resolve())}
   run_file = run_dir / "run.json"
   if run_file.exists():
@@ -144,10 +146,12 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
   pad = target.config.pad_id
   data = selfdistill.HeadData(data_dir, chunks, batch_size=config.batch_size,
                               seq_len=config.seq_len, rows_per_chunk=rows_per_chunk,
-                              seed=config.seed, pad_id=pad, answers_only=not train_on_prompts)
+                              seed=config.seed, pad_id=pad, answers_only=not train_on_prompts,
+                              context=context)
   eval_data = (selfdistill.HeadData(data_dir, list(eval_chunks), batch_size=config.batch_size,
                                     seq_len=config.seq_len, rows_per_chunk=rows_per_chunk,
-                                    seed=config.seed + 1, pad_id=pad) if eval_chunks else None)
+                                    seed=config.seed + 1, pad_id=pad, context=context)
+               if eval_chunks else None)
   stop = min(config.steps, max_steps) if max_steps is not None else config.steps
   log_file = (run_dir / "log.jsonl").open("a")
 

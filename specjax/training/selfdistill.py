@@ -229,17 +229,20 @@ class HeadData:
     seed: shuffling seed.
     group: first-epoch shuffling happens inside groups of this many chunks.
     answers_only: train only where the next token is an answer token.
+    context: if set, a window starts this many tokens before the answer (the head sees that much
+      of the prompt), so long prompts do not crowd the answer out of `seq_len`.
   """
 
   def __init__(self, directory, chunks: Sequence[int], *, batch_size: int, seq_len: int,
-               rows_per_chunk: int, seed: int = 0, group: int = 4, pad_id: int = 0,
-               answers_only: bool = True):
+               rows_per_chunk: int, seed: int = 0, group: int = 1, pad_id: int = 0,
+               answers_only: bool = True, context: int | None = None):
     self.directory = pathlib.Path(directory)
     self.chunks = list(chunks)
     self.batch_size, self.seq_len, self.seed, self.group = batch_size, seq_len, seed, group
     self.rows_per_chunk = rows_per_chunk
     self.pad_id = pad_id
     self.answers_only = answers_only
+    self.context = context
     self.num_rows = len(self.chunks) * rows_per_chunk
     self._cache: dict[int, tuple] = {}
 
@@ -285,11 +288,13 @@ class HeadData:
       chunk = self._chunk(slot)
       if row >= chunk["tokens"].shape[0]:
         continue
-      length = min(int(chunk["lengths"][row]), t_)
+      prompt_length = int(chunk["prompt_lengths"][row])
+      offset = 0 if self.context is None else max(prompt_length - self.context, 0)
+      length = min(int(chunk["lengths"][row]) - offset, t_)
       for name in ("tokens", "taps", "hidden", "top_logits", "top_ids"):
-        out[name][b, :length] = chunk[name][row, :length]
+        out[name][b, :length] = chunk[name][row, offset:offset + length]
       # position p predicts token p + 1: train where token p + 1 is kept (an answer token).
-      start = max(int(chunk["prompt_lengths"][row]) - 1, 0) if self.answers_only else 0
+      start = max(prompt_length - offset - 1, 0) if self.answers_only else 0
       out["mask"][b, start:length - 1] = True
     out["taps"] = np.moveaxis(out["taps"], 2, 0)
     return out
