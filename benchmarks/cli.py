@@ -99,6 +99,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     help="comma-separated categories (default: all of the prompt file)")
   real.add_argument("--drafters", type=_strings, default=None,
                     help="comma-separated drafter names (default: every drafter the library has)")
+  real.add_argument("--head", dest="heads", action="append", default=None, metavar="DIR",
+                    help="a trained head checkpoint (EAGLE-3/MTP or Medusa) to add (repeatable)")
   real.add_argument("--no-peer", dest="peer", action="store_false", default=None,
                     help="skip the transformers runs")
   parser.add_argument("--out", default=str(DEFAULT_OUT), help="results directory")

@@ -80,7 +80,25 @@ def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_catego
   return {c: known[c][:per_category] for c in chosen}
 
 
-def library_drafters(target, *, num_draft: int, names=()) -> list[DrafterEntry]:
+def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
+  """A trained head checkpoint (`save_head` or `save_medusa`) as a drafter for `target`."""
+  from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+  from specjax.drafters.medusa import MEDUSA_KIND, load_medusa
+  from specjax.drafters.eagle import load_head
+  from specjax.io.orbax import read_tree_metadata
+
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise ValueError(f"no head checkpoint directory at {path}")
+  if read_tree_metadata(path).get("kind") == MEDUSA_KIND:
+    drafter = MedusaDrafter(load_medusa(path))
+    num_draft = min(num_draft, drafter.max_draft)
+  else:
+    drafter = EagleDrafter(load_head(path), target.params["embed"])
+  return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
+
+
+def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter needs no weights. A trained head joins the list when the
@@ -93,6 +111,7 @@ def library_drafters(target, *, num_draft: int, names=()) -> list[DrafterEntry]:
                           "prompt lookup (n-gram 3..1, no weights)")]
   if not names or set(names) - {"ngram"}:
     entries += _shipped_heads(target, num_draft)
+  entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = {e.name for e in entries}
   missing = [n for n in names if n not in known]
   if missing:
@@ -399,7 +418,8 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                        if list(case.ids) != chat_ids(peer_tokenizer, messages)]
   if template_mismatch:
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
-  drafters = library_drafters(target, num_draft=settings.num_drafts[0], names=settings.drafters)
+  drafters = library_drafters(target, num_draft=settings.num_drafts[0], names=settings.drafters,
+                              heads=settings.heads)
   measured = measure_suite(target, cases, drafters, samplings=_samplings(settings.temperatures),
                            max_new_tokens=settings.max_new_tokens, eos=eos,
                            repeats=settings.repeats, seed=settings.seed,

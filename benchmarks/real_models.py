@@ -92,6 +92,8 @@ def load_specjax(path: pathlib.Path, peer_model=None):
 
 def load_tokenizer(path: pathlib.Path):
   """The specjax tokenizer (chat template, end-of-turn ids) from the GGUF file."""
+  import jinja2.ext  # noqa: F401  (specjax.io.chat uses jinja2.ext without importing it)
+
   import specjax as sj
   return sj.load_tokenizer(path)
 

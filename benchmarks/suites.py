@@ -43,6 +43,7 @@ class Settings:
   categories: tuple[str, ...] = ()  # () = every category of the prompt file
   drafters: tuple[str, ...] = ()  # () = every drafter the library has
   peer: bool = True  # also time `transformers` on the same weights
+  heads: tuple[str, ...] = ()  # trained head checkpoints to add to the drafters
 
 
 def _buffer_len(tokens, settings: Settings, num_draft: int) -> int:

@@ -211,3 +211,32 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
 def test_real_model_names_are_checked():
   with pytest.raises(ValueError, match="unknown real model"):
     real_models.gguf_path("llama-70b")
+
+
+@pytest.mark.slow  # compiles decode for two heads (~1-2 min on a shared 2-core CPU)
+def test_real_suite_takes_trained_head_checkpoints(tmp_path):
+  """Head checkpoints join the drafter list by kind, are timed like any drafter, and (greedy)
+  give `generate`'s tokens; untrained heads, so nothing is asserted about acceptance."""
+  from specjax.drafters import eagle, medusa
+  config = tiny_config(vocab_size=96, num_layers=4, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  draft_ids = np.arange(0, 96, 2)
+  head = eagle.init_head(eagle.head_config_for(config, draft_vocab_size=48), target,
+                         jax.random.key(1), draft_ids)
+  eagle.save_head(head, tmp_path / "eagle")
+  heads = medusa.init_medusa(medusa.MedusaConfig(embed_dim=config.embed_dim, num_heads=2,
+                                                 draft_vocab_size=48, vocab_size=96),
+                             target, draft_ids)
+  medusa.save_medusa(heads, tmp_path / "medusa")
+  drafters = real.library_drafters(target, num_draft=3,
+                                   heads=(tmp_path / "eagle", tmp_path / "medusa"))
+  assert [(d.name, d.num_draft) for d in drafters] == [("ngram", 3), ("eagle3", 3), ("medusa", 2)]
+  with pytest.raises(ValueError, match="no head checkpoint"):
+    real.load_head_drafter(target, tmp_path / "missing", num_draft=3)
+  cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6))]
+  measured = real.measure_suite(target, cases, drafters, samplings={"greedy": sj.Sampling()},
+                                max_new_tokens=6, eos=(2,), log=lambda line: None)
+  assert all(measured["costs"]["draft_round_s"][d.name] > 0 for d in drafters)
+  for r in measured["summary"]:
+    assert r["greedy_identical"], r["drafter"]
+    assert r["draft_ratio"] > 0 and np.isfinite(r["bound"])
