@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.testing.rules import rule_without_residual as _rule_without_residual
+from specjax.testing.rules import rule_warping_only_p, rule_without_residual
 from specjax.models import tiny_config
 from specjax.models.transformer import forward
-from specjax.sampling import verify_reference
 
 from scipy import stats as scipy_stats  # noqa: E402
 
@@ -100,15 +99,12 @@ def run_decode(target, drafter, sampling, num_draft=2, seed=0, verify_impl="auto
   return np.asarray(out.tokens), out.stats
 
 
-# Deliberately broken rules. They wrap the real one so that only the named step is wrong. The
-# audit keeps the "no residual" rule behind its private flag; the test uses that same function.
-rule_without_residual = _rule_without_residual
-
-
-def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seeds, positions):
-  """The ratio test and residual use the draft's distribution without the temperature."""
-  return verify_reference(target_logits, draft_logits * sampling.temperature, draft_tokens,
-                          sampling=sampling, seeds=seeds, positions=positions)
+# Deliberately broken rules (`specjax.testing.rules`): each wraps the real rule so that only the
+# named step is wrong. Every goodness-of-fit test below has a power check: the broken rule run
+# through the same decode and the same assertion at the same N must give p < 1e-6.
+DRAFT_MODEL_BROKEN = {"t1": rule_without_residual, "t0.7_topk3": rule_warping_only_p,
+                      "t0.9_topp0.8": rule_without_residual}
+NGRAM_BROKEN = rule_without_residual  # a point-mass q: only the residual step can be wrong
 
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
@@ -128,15 +124,20 @@ def test_ngram_decode_matches_target_distribution(target, name):
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) > ALPHA
 
 
-def test_skipping_the_residual_is_detected(target, draft):
-  sampling = SETTINGS["t1"]
-  tokens, _ = run_decode(target, draft, sampling, verify_impl=rule_without_residual)
+@pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow)
+                                      for name in sorted(SETTINGS) if name != "t1"), "t1"])
+def test_draft_model_power(target, draft, name):
+  sampling = SETTINGS[name]
+  tokens, _ = run_decode(target, draft, sampling, verify_impl=DRAFT_MODEL_BROKEN[name])
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) < POWER_ALPHA
 
 
-def test_warping_only_p_is_detected(target, draft):
-  sampling = SETTINGS["t0.7_topk3"]
-  tokens, _ = run_decode(target, draft, sampling, verify_impl=rule_warping_only_p)
+@pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow)
+                                      for name in sorted(SETTINGS) if name != "t1"), "t1"])
+def test_ngram_power(target, name):
+  sampling = SETTINGS[name]
+  tokens, _ = run_decode(target, sj.NGramDrafter(max_ngram=2), sampling, num_draft=3,
+                         verify_impl=NGRAM_BROKEN)
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) < POWER_ALPHA
 
 
