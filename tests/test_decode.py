@@ -265,3 +265,78 @@ def test_rng_must_be_one_key_or_one_per_row(target, draft, batch):
   tokens, lengths = batch
   with pytest.raises(ValueError, match="array of 3 keys"):
     sj.decode(target, draft, tokens, jax.random.split(jax.random.key(0), 2), lengths=lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _TapReader(sj.ModelDrafter):
+  """A ModelDrafter that asks for target taps and the final hidden state and records what the
+  loop hands it: the prefill's features in `init`, the verified block's in `observe`."""
+
+  taps = (0, 2)
+  needs_hidden = True
+
+  def init(self, tokens, lengths, buffer_len, prefill=None):
+    cache = super().init(tokens, lengths, buffer_len, prefill)
+    return cache, prefill.taps[:, :, -1], prefill.hidden[:, -1], jnp.zeros_like(lengths)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    cache, taps, hidden, seen = state
+    cache, proposal = super().propose(cache, sequence, lengths, num_draft=num_draft,
+                                      sampling=sampling, seeds=seeds)
+    return (cache, taps, hidden, seen), proposal
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    cache, _, _, seen = state
+    k = block.shape[1] - 1
+    assert scored.taps.shape[2] == k + 1 and scored.hidden.shape[1] == k + 1 == emitted.shape[1]
+    return cache, scored.taps[:, :, 0], scored.hidden[:, 0], seen + count
+
+
+def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batch):
+  tokens, lengths = batch
+  drafter = _TapReader(draft)
+  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  state = sj.init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
+                        num_draft=3, capacity=NEW_TOKEN_BUCKET)
+  _, taps, hidden, _ = state.draft_state
+  embed = target.config.embed_dim
+  prefill = target(tokens, jnp.zeros((3,), jnp.int32), taps=(0, 2), return_hidden=True)
+  np.testing.assert_allclose(taps, prefill.taps[:, :, -1], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(hidden, prefill.hidden[:, -1], rtol=1e-6, atol=1e-6)
+  before = state.lengths
+  state = sj.round_step(target, drafter, state, num_draft=3, sampling=sj.Sampling())
+  _, taps, hidden, seen = state.draft_state
+  # The target's features at the block's first slot (the row's last token before the round).
+  last = jnp.take_along_axis(state.tokens, (before - 1)[:, None], axis=1)
+  full = target(state.tokens[:, :int(before.max())], jnp.zeros((3,), jnp.int32), taps=(0, 2),
+                return_hidden=True)
+  expected = jnp.take_along_axis(full.hidden, (before - 1)[:, None, None], axis=1)[:, 0]
+  np.testing.assert_allclose(hidden, expected, rtol=1e-4, atol=1e-4)
+  del last, embed
+  np.testing.assert_array_equal(seen, state.lengths - before)  # observe saw each row's count
+  # The loop's tokens are unchanged by what the drafter reads.
+  out = sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths,
+                  max_new_tokens=12, num_draft=3)
+  np.testing.assert_array_equal(out.tokens, _greedy(target, batch, max_new=12).tokens)
+  np.testing.assert_array_equal(out.stats.draft_calls, out.stats.rounds * 3)
+
+
+def test_stream_equals_decode_and_donates_the_state(target, draft, batch):
+  from specjax.stream import decode_stream
+  tokens, lengths = batch
+  sampling = sj.Sampling(temperature=0.8, top_k=10)
+  out = sj.decode(target, draft, tokens, jax.random.key(7), lengths=lengths, max_new_tokens=16,
+                  num_draft=3, sampling=sampling)
+  stream = decode_stream(target, draft, tokens, jax.random.key(7), lengths=lengths,
+                         max_new_tokens=16, num_draft=3, sampling=sampling)
+  rows = [[] for _ in range(3)]
+  previous = None
+  for new, state in stream:
+    if previous is not None:
+      assert previous.target_cache.k.is_deleted()  # the last round's state was donated
+    previous = state
+    for b in range(3):
+      rows[b] += new[b].tolist()
+  for b in range(3):
+    assert rows[b] == np.asarray(out.tokens[b, :out.num_tokens[b]]).tolist()

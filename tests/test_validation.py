@@ -33,6 +33,8 @@ GOOD = jnp.ones((2, 4), jnp.int32)
     (dict(max_new_tokens=2.5), "max_new_tokens must be an int"),
     (dict(rng=0), "PRNG key"),
     (dict(rng=jnp.zeros(3, jnp.uint32)), "PRNG key"),
+    (dict(rng=jax.random.split(jax.random.key(0), 3)), "array of 2 keys"),  # batch is 2
+    (dict(rng=jnp.zeros((3, 2), jnp.uint32)), "array of 2 keys"),
     (dict(eos_id=99), "eos_id"),
     (dict(sampling="greedy"), "specjax.Sampling"),
 ])
