@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import tree_rule, trees, validation
+from specjax import tree_builders, tree_rule, trees, validation
 from specjax.cache import KVCache, compact
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, Sampling, row_seeds
@@ -164,8 +164,8 @@ def draft_tree(draft, state: TreeDecodeState, *, spec: TreeSpec, sampling: Sampl
   lengths = state.lengths
   root = _gather(state.tokens, lengths - 1, 1)[:, 0]
   if draft is None:
-    tree = trees.build_tree(spec, expand=None, root=root, sequence=state.tokens, lengths=lengths,
-                            sampling=sampling, seeds=state.seeds)
+    tree = tree_builders.build_tree(spec, expand=None, root=root, sequence=state.tokens,
+                                    lengths=lengths, sampling=sampling, seeds=state.seeds)
     return state.draft_cache, tree, 0
   # Catch up on the tokens committed since the draft cache was last extended (<= D + 1 of them).
   cache = state.draft_cache
@@ -190,9 +190,42 @@ def draft_tree(draft, state: TreeDecodeState, *, spec: TreeSpec, sampling: Sampl
       token = top[:, 0]
     return jnp.stack(ranked, axis=1)  # [B, D, K]
 
-  tree = trees.build_tree(spec, expand=expand, root=root, sequence=state.tokens, lengths=lengths,
-                          sampling=sampling, seeds=state.seeds, chain_candidates=chain_candidates)
+  tree = tree_builders.build_tree(spec, expand=expand, root=root, sequence=state.tokens,
+                                  lengths=lengths, sampling=sampling, seeds=state.seeds,
+                                  chain_candidates=chain_candidates)
   return cache, tree, 1 + spec.depth
+
+
+def score_tree(target, tree, root, starts, cache, done, spec: TreeSpec):
+  """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`:
+  `(logits [B, N + 1, V], cache)`.
+
+  With `spec.widths`, valid nodes are moved to the front and the forward runs on the smallest
+  compiled width that holds every live row's valid nodes (`lax.switch`, one program); logits past
+  that width are zeros, at nodes that are invalid and never reached.
+  """
+  n = tree.num_nodes
+  if spec.widths is None:
+    out = target(tree.ext_tokens(root), starts, cache, positions=starts[:, None] +
+                 tree.ext_depths(), block_mask=tree.ancestor_mask())
+    return out.logits, out.cache
+  ext_tokens = tree.ext_tokens(root)
+  positions = starts[:, None] + tree.ext_depths()
+  mask = tree.ancestor_mask()
+
+  def branch(width):
+    def run(cache):
+      out = target(ext_tokens[:, :width + 1], starts, cache, positions=positions[:, :width + 1],
+                   block_mask=mask[:, :width + 1, :width + 1])
+      logits = jnp.pad(out.logits, ((0, 0), (0, n - width), (0, 0)))
+      return logits, out.cache
+    return run
+
+  needed = jnp.max(jnp.where(done, 0, jnp.sum(tree.valid, axis=1)))
+  widths = jnp.asarray(spec.widths, jnp.int32)
+  choice = jnp.argmax(widths >= needed)  # the smallest width that holds every row
+  logits, new_cache = jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
+  return logits, new_cache
 
 
 def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
@@ -200,11 +233,12 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
   """One draft / score / verify / compact round for every row (done rows are left unchanged)."""
   lengths = state.lengths
   draft_cache, tree, draft_calls = draft_tree(draft, state, spec=spec, sampling=sampling)
+  if spec.widths is not None:
+    tree = trees.valid_first(tree)
   root = _gather(state.tokens, lengths - 1, 1)[:, 0]
-  starts = lengths - 1
-  scored = target(tree.ext_tokens(root), starts, state.target_cache,
-                  positions=starts[:, None] + tree.ext_depths(), block_mask=tree.ancestor_mask())
-  result = tree_rule.verify_tree(scored.logits, tree, rule=spec.rule, sampling=sampling,
+  logits, scored_cache = score_tree(target, tree, root, lengths - 1, state.target_cache,
+                                    state.done, spec)
+  result = tree_rule.verify_tree(logits, tree, rule=spec.rule, sampling=sampling,
                                  seeds=state.seeds, positions=lengths, max_depth=spec.depth,
                                  max_children=spec.max_children)
   accepted = result.num_accepted
@@ -221,7 +255,7 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
   sequence = jnp.where(live[:, None], sequence, state.tokens)
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
-  cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
+  cache = compact(scored_cache, lengths[:, None] + result.path, lengths, moved)
   cache = cache.with_lengths(jnp.where(live, new_lengths - 1, lengths - 1))
   done = state.done | (new_lengths >= state.limits) | (live & (first_eos <= accepted))
   stats = state.stats

@@ -21,7 +21,8 @@ import pytest
 
 from specjax import tree_rule, trees
 from specjax.sampling import Sampling, row_seeds
-from specjax.trees import TreeSpec, build_tree
+from specjax.tree_builders import build_tree
+from specjax.trees import TreeSpec
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import trees
+from specjax import tree_builders, trees
 from specjax.cache import KVCache, compact
 from specjax.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
@@ -79,7 +79,8 @@ def test_ngram_tree_merges_matches_into_a_trie():
   # Suffix [1, 2] occurred at 0 (-> 3, 4), at 4 (-> 3, 5) and at 8 (-> 9, ...).
   row = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 9, 7, 1, 2]
   sequence = jnp.asarray([row + [0, 0]], jnp.int32)
-  tree = trees.ngram_tree(sequence, jnp.array([len(row)]), num_matches=3, depth=2, max_ngram=2)
+  tree = tree_builders.ngram_tree(sequence, jnp.array([len(row)]), num_matches=3, depth=2,
+                                  max_ngram=2)
   check_structure(tree, deterministic=True)
   valid = np.asarray(tree.valid[0])
   nodes = {(int(d), int(t)) for d, t, v in zip(tree.depths[0], tree.tokens[0], valid) if v}
@@ -94,7 +95,7 @@ def test_ngram_tree_merges_matches_into_a_trie():
 ], ids=["dynamic", "sampled_wor", "sampled_iid"])
 def test_model_builders_give_well_formed_trees(draft, batch, spec):
   tokens, lengths = batch
-  tree = trees.build_tree(spec, expand=model_expand(draft, tokens, lengths),
+  tree = tree_builders.build_tree(spec, expand=model_expand(draft, tokens, lengths),
                           root=tokens[jnp.arange(3), lengths - 1], sequence=tokens,
                           lengths=lengths, sampling=sj.Sampling(temperature=1.0),
                           seeds=jnp.arange(3, dtype=jnp.uint32))
@@ -107,7 +108,7 @@ def test_dynamic_tree_keeps_the_best_paths(draft, batch):
   tokens, lengths = batch
   expand = model_expand(draft, tokens, lengths)
   root = tokens[jnp.arange(3), lengths - 1]
-  tree = trees.dynamic_tree(expand, root, depth=2, width=2, num_nodes=3)
+  tree = tree_builders.dynamic_tree(expand, root, depth=2, width=2, num_nodes=3)
   ext = tree.ext_tokens(root)
   logp = jax.nn.log_softmax(expand(ext, tree.ext_parents(), tree.ext_depths()), axis=-1)
   score = np.zeros((3, 4))
@@ -138,7 +139,7 @@ def test_tree_forward_equals_causal_forward_on_every_path(target, draft, batch):
   tokens, lengths = batch
   spec = TreeSpec("sampled", branching=(3, 2, 2), replacement=False)
   root = tokens[jnp.arange(3), lengths - 1]
-  tree = trees.build_tree(spec, expand=model_expand(draft, tokens, lengths), root=root,
+  tree = tree_builders.build_tree(spec, expand=model_expand(draft, tokens, lengths), root=root,
                           sequence=tokens, lengths=lengths, sampling=sj.Sampling(temperature=1.0),
                           seeds=jnp.arange(3, dtype=jnp.uint32))
   scored_logits = model_expand(target, tokens, lengths)(
@@ -161,7 +162,7 @@ def test_compaction_equals_plain_decode_of_emitted_tokens(target, batch):
   tokens, lengths = batch
   spec = TreeSpec("static", depth=3, width=2)
   cand = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, (3, 3, 2)), jnp.int32)
-  tree = trees.static_tree(cand, spec.resolved_choices)  # nodes: 0,1 | 2,3 | 4,5 (spine 0-2-4)
+  tree = tree_builders.static_tree(cand, spec.resolved_choices)  # 0,1 | 2,3 | 4,5; spine 0-2-4
   root = tokens[jnp.arange(3), lengths - 1]
   batch_size, width = tokens.shape
   cache = target(tokens, jnp.zeros((3,), jnp.int32), target.init_cache(3, width + 40)).cache
@@ -269,3 +270,30 @@ def test_bad_input_raises_before_tracing(target, draft, batch):
     decode_tree(target, draft, tokens, jax.random.key(0), tree="dynamic")
   with pytest.raises(ValueError, match="draft model"):
     decode_tree(target, None, tokens, jax.random.key(0), tree=SPECS["dynamic"])
+
+
+def test_valid_first_keeps_a_well_formed_tree():
+  sequence = jnp.asarray([[1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 9, 7, 1, 2, 0, 0]], jnp.int32)
+  tree = tree_builders.ngram_tree(sequence, jnp.array([14]), num_matches=3, depth=3, max_ngram=2)
+  moved = trees.valid_first(tree)
+  check_structure(moved, deterministic=True)
+  count = int(tree.valid.sum())
+  assert bool(moved.valid[0, :count].all()) and not bool(moved.valid[0, count:].any())
+  paths = lambda t: sorted(tuple(int(t.tokens[0, i]) for i in p) for p in all_paths(t, 0)
+                           if all(bool(t.valid[0, i]) for i in p))
+  assert paths(moved) == paths(tree)
+
+
+@pytest.mark.parametrize("spec", [
+    TreeSpec("ngram", depth=3, width=3, widths=(0, 3, 6)),
+    TreeSpec("dynamic", depth=4, width=3, num_nodes=10, min_prob=0.05, widths=(2, 5)),
+], ids=["ngram", "dynamic_min_prob"])
+def test_adaptive_widths_keep_greedy_identity(target, draft, batch, spec):
+  """Verify widths chosen on device by lax.switch (and a per-row confidence stop) change no
+  token."""
+  tokens, lengths = batch
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
+  out = decode_tree(target, draft, tokens, jax.random.key(0), lengths=lengths,
+                    max_new_tokens=20, tree=spec)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
