@@ -42,6 +42,7 @@ SPECS = {
     "static": TreeSpec("static", depth=3, width=2),
     "dynamic": TreeSpec("dynamic", depth=3, width=2, num_nodes=6),
     "ngram": TreeSpec("ngram", depth=3, width=3, max_ngram=2),
+    "ngram_valid_first": TreeSpec("ngram", depth=3, width=3, max_ngram=2, widths=(3, 6)),
     "iid": TreeSpec("sampled", branching=(2, 2, 1), replacement=True),
     "without_replacement": TreeSpec("sampled", branching=(3, 2, 1), replacement=False),
 }
@@ -98,6 +99,8 @@ def one_round(spec, sampling, rule, sequence, lengths, seeds):
                     sequence=sequence, lengths=lengths, sampling=sampling, seeds=seeds,
                     chain_candidates=lambda: chain_candidates(DRAFT_TABLE, previous, root,
                                                               spec.depth, spec.width))
+  if spec.widths is not None:  # as decode_tree does before choosing a verify width
+    tree = trees.valid_first(tree)
   logits = table_expand(TARGET_TABLE, previous)(tree.ext_tokens(root), tree.ext_parents(),
                                                 tree.ext_depths())
   result = tree_rule.verify_tree(logits, tree, rule=rule, sampling=sampling, seeds=seeds,
