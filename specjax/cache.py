@@ -136,4 +136,11 @@ def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.A
     block = jnp.take_along_axis(stacked, src[None, :, None, :, None], axis=3)  # [L, B, KVH, W, D]
     return write_stacked_block(stacked, block.swapaxes(2, 3), starts)
 
+  def move_layer(buffer):  # [B, KVH, S, D]
+    block = jnp.take_along_axis(buffer, src[:, None, :, None], axis=2)  # [B, KVH, W, D]
+    return write_block(buffer, block.swapaxes(1, 2), starts)
+
+  if isinstance(cache.k, (tuple, list)):  # per-layer buffers
+    return KVCache(tuple(map(move_layer, cache.k)), tuple(map(move_layer, cache.v)),
+                   cache.lengths)
   return KVCache(move(cache.k), move(cache.v), cache.lengths)
