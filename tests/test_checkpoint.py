@@ -246,3 +246,28 @@ def test_restore_onto_a_mesh_by_logical_axis_rules(tmp_path):
   expected = checkpoint.flatten(sharding_lib.param_shardings(model, mesh))
   for name, leaf in checkpoint.flatten(restored.params).items():
     assert leaf.sharding == expected[name], name
+
+
+def test_save_tree_round_trip(tmp_path):
+  """Any pytree (a train state: params, optimizer moments, step) with its metadata."""
+  from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
+  model = sj.init_params(tiny_config(vocab_size=32), jax.random.key(0))
+  state = {"params": model.params, "mu": jax.tree.map(jnp.zeros_like, model.params),
+           "step": jnp.asarray(7, jnp.int32), "rng": jax.random.key_data(jax.random.key(3))}
+  meta = {"model_config": checkpoint.config_to_dict(model.config), "lr": 1e-3}
+  save_tree(tmp_path / "state", state, meta)
+  restored, got_meta = restore_tree(tmp_path / "state", jax.eval_shape(lambda: state))
+  assert got_meta == meta and read_tree_metadata(tmp_path / "state") == meta
+  for name, leaf in checkpoint.flatten(restored).items():
+    np.testing.assert_array_equal(leaf, checkpoint.flatten(state)[name], err_msg=name)
+  with pytest.raises(ValueError, match="already exists"):
+    save_tree(tmp_path / "state", state)
+  with pytest.raises(ValueError, match="JSON-serialisable"):
+    save_tree(tmp_path / "other", state, {"bad": object()})
+  with pytest.raises(ValueError, match="cannot restore"):
+    restore_tree(tmp_path / "state", {"step": jax.ShapeDtypeStruct((3,), jnp.float32)})
+  (tmp_path / "state" / "specjax_tree.json").unlink()
+  with pytest.raises(ValueError, match="interrupted save"):
+    restore_tree(tmp_path / "state", jax.eval_shape(lambda: state))
+  with pytest.raises(FileNotFoundError):
+    restore_tree(tmp_path / "missing", state)
