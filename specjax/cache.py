@@ -23,26 +23,46 @@ import jax.numpy as jnp
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-  """Keys and values of every layer plus the valid length of each row."""
+  """Keys and values of every layer plus the valid length of each row.
 
-  k: jax.Array  # [L, B, KVH, S, D]
-  v: jax.Array  # [L, B, KVH, S, D]
+  `k` and `v` are either stacked over layers (one `[L, B, KVH, S, D]` array each, what a stacked
+  model's `lax.scan` reads) or tuples of `L` per-layer `[B, KVH, S, D]` buffers (what an unstacked
+  model's unrolled loop reads and updates in place: no slicing out of, or copying of, a stacked
+  buffer). `Model.init_cache` picks the layout that matches the model's.
+  """
+
+  k: jax.Array | tuple[jax.Array, ...]  # [L, B, KVH, S, D] or L x [B, KVH, S, D]
+  v: jax.Array | tuple[jax.Array, ...]  # same layout as k
   lengths: jax.Array  # [B] int32, valid slots per row
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> "KVCache":
+             dtype=jnp.float32, per_layer: bool = False) -> "KVCache":
+    lengths = jnp.zeros((batch,), jnp.int32)
+    if per_layer:
+      shape = (batch, num_kv_heads, max_len, head_dim)
+      zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+      return cls(k=zeros(), v=zeros(), lengths=lengths)
     shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               lengths=jnp.zeros((batch,), jnp.int32))
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
+
+  @property
+  def per_layer(self) -> bool:
+    """Whether `k`/`v` are tuples of per-layer buffers (else stacked arrays)."""
+    return isinstance(self.k, (tuple, list))
+
+  @property
+  def layer_shape(self) -> tuple[int, ...]:
+    """`(B, KVH, S, D)`: the shape of one layer's keys."""
+    return tuple(self.k[0].shape) if self.per_layer else tuple(self.k.shape[1:])
 
   @property
   def batch(self) -> int:
-    return self.k.shape[1]
+    return self.layer_shape[0]
 
   @property
   def max_len(self) -> int:
-    return self.k.shape[3]
+    return self.layer_shape[2]
 
   def room(self) -> jax.Array:
     """Free slots left in each row, `[B]` int32."""
@@ -51,6 +71,18 @@ class KVCache:
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     """The same buffers with new valid lengths: this is how rejected drafts are rolled back."""
     return dataclasses.replace(self, lengths=jnp.asarray(lengths, jnp.int32))
+
+  def stacked(self) -> "KVCache":
+    """The same cache with `k`/`v` stacked over layers (a copy if they were per-layer)."""
+    if not self.per_layer:
+      return self
+    return KVCache(jnp.stack(self.k), jnp.stack(self.v), self.lengths)
+
+  def unstacked(self) -> "KVCache":
+    """The same cache with `k`/`v` as tuples of per-layer buffers (a copy if they were stacked)."""
+    if self.per_layer:
+      return self
+    return KVCache(tuple(self.k), tuple(self.v), self.lengths)
 
 
 def _slots(starts: jax.Array, width: int) -> jax.Array:

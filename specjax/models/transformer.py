@@ -1,7 +1,7 @@
 """The built-in decoder: Llama, Mistral, Qwen2/3 and Gemma 2/3 from one config.
 
 Models are plain registered dataclasses rather than Flax modules. A `Model` is a pytree whose leaves
-are the weights (a nested dict, layers stacked on a leading axis and run with `lax.scan`) and whose
+are the weights (a nested dict; see the two layer layouts below) and whose
 static part is the hashable `ModelConfig`. That keeps three things simple that speculative decoding
 leans on: a model crosses `jax.jit` as an ordinary argument (weights are never baked into the HLO),
 sharding is a tree map over parameter names, and the forward pass is a pure function that takes the
@@ -10,6 +10,13 @@ cache in and gives it back. Flax NNX and Linen models plug in through `specjax.m
 The forward pass handles a block of `T` tokens per row starting at per-row offsets. Queries attend
 causally within the block and to every cache slot before their own position; slots at or past a
 row's position are masked, so stale entries left behind by a rollback are never read.
+
+Two layouts of the same weights, same math: *stacked* (`params["layers"]` a dict of `[L, ...]`
+arrays, one `lax.scan`, a `[L, B, KVH, S, D]` cache): one compiled layer body and a `layers` axis
+to shard, right for TPU/GPU; and *unstacked* (`model.unstacked()`: a tuple of per-layer dicts, an
+unrolled loop, a tuple of per-layer `[B, KVH, S, D]` cache buffers updated in place): on XLA:CPU
+the scan copies every layer's weights out of the stacked arrays on every step, the loop does not.
+`model.for_platform()` picks one once, at load.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, write_stacked_block
-from specjax.sharding import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES, QUERY_AXES,
-                              RESIDUAL_AXES, constrain)
+from specjax.cache import KVCache, write_block, write_stacked_block
+from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
+                                    QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig, RopeScaling
 
 
@@ -50,7 +57,9 @@ class Model:
   """A decoder-only language model: weights (pytree leaves) plus architecture (static).
 
   Attributes:
-    params: nested dict of weights; per-layer weights are stacked on a leading `num_layers` axis.
+    params: nested dict of weights; per-layer weights `params["layers"]` are either stacked on a
+      leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
+      dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
   """
 
@@ -72,12 +81,43 @@ class Model:
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     cfg = self.config
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                          dtype or self.dtype)
+                          dtype or self.dtype, per_layer=not self.is_stacked)
 
   def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False,
                positions=None, block_mask=None) -> ForwardOutput:
     return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden,
                    positions=positions, block_mask=block_mask)
+
+  @property
+  def is_stacked(self) -> bool:
+    """Whether per-layer weights are stacked on a leading axis (run by `lax.scan`)."""
+    return not isinstance(self.params["layers"], (tuple, list))
+
+  def unstacked(self) -> "Model":
+    """The same model with `params["layers"]` a tuple of per-layer weight dicts, run by an
+    unrolled Python loop: each layer's weights are their own buffers, so no step slices them out
+    of a stacked array (on XLA:CPU the scan copies every layer's weights every step). Same math."""
+    if not self.is_stacked:
+      return self
+    layers = self.params["layers"]
+    per_layer = tuple({name: w[i] for name, w in layers.items()}
+                      for i in range(self.config.num_layers))
+    return Model(dict(self.params, layers=per_layer), self.config)
+
+  def stacked(self) -> "Model":
+    """The same model with per-layer weights stacked on a leading `num_layers` axis (one
+    `lax.scan` over layers: one compiled layer body, and a `layers` axis to shard)."""
+    if self.is_stacked:
+      return self
+    layers = self.params["layers"]
+    stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
+    return Model(dict(self.params, layers=stacked), self.config)
+
+  def for_platform(self, platform: str | None = None) -> "Model":
+    """The layout that runs fastest on `platform` (default: JAX's default backend): unstacked
+    layers on CPU, stacked (`lax.scan`) elsewhere (TPU/GPU compile time, sharding)."""
+    platform = platform or jax.default_backend()
+    return self.unstacked() if platform == "cpu" else self.stacked()
 
   def astype(self, dtype) -> "Model":
     """The same model with floating-point weights cast to `dtype`."""
@@ -203,9 +243,11 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
   for _, values, k_pos, _ in segments:
     size = k_pos.shape[1]
     part = probs[..., offset:offset + size].astype(values.dtype)
-    out = out + jnp.einsum("bkgts,bksd->btkgd", part, values, preferred_element_type=jnp.float32)
+    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
+    # a transposed value slab per layer; the small result is transposed instead.
+    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, values, preferred_element_type=jnp.float32)
     offset += size
-  return out.reshape(b, t, h * d).astype(q.dtype)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
 
 
 def _mlp_activation(x, kind):
@@ -266,10 +308,18 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   local_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, local_theta,
                                                  None if c.rope_local_theta else c.rope_scaling))
 
+  unstacked = not model.is_stacked
   if cache is None:
-    stacked_k = stacked_v = slot_pos = slot_valid = None
+    cache_k = cache_v = slot_pos = slot_valid = None
   else:
-    stacked_k, stacked_v = constrain(cache.k, CACHE_AXES), constrain(cache.v, CACHE_AXES)
+    # Work in the model's cache layout (per-layer buffers for an unrolled model, stacked for the
+    # scan); a cache in the other layout is converted here and back at the end (a copy).
+    work = cache.unstacked() if unstacked else cache.stacked()
+    if unstacked:
+      cache_k = tuple(constrain(k, CACHE_AXES[1:]) for k in work.k)
+      cache_v = tuple(constrain(v, CACHE_AXES[1:]) for v in work.v)
+    else:
+      cache_k, cache_v = constrain(work.k, CACHE_AXES), constrain(work.v, CACHE_AXES)
     slot_pos = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), (b, cache.max_len))
     # Cache slots before a row's start hold earlier tokens; the rest is stale or empty.
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
@@ -305,24 +355,33 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
-    return constrain(x + m, RESIDUAL_AXES), k, v
+    return constrain(x + m, RESIDUAL_AXES), k, v, attn
 
-  # The cache is only read inside the layer loop; each layer's new keys/values come out as a small
-  # [L, B, T, KVH, D] block that is written once, after the loop, in place.
   layers = p["layers"]
   inner = sorted({i for i in taps if i < c.num_layers})  # taps taken inside the loop
   tapped = {}
-  if isinstance(layers, (tuple, list)):  # unstacked: one weight dict per layer, a Python loop
-    block_k, block_v = [], []
+  new_cache = None
+  if unstacked:  # one weight dict and one cache buffer per layer, an unrolled Python loop
+    # Each layer reads its own cache buffer and writes its block into it after attending (the
+    # block itself is attended as its own segment), so every buffer is updated in place.
+    new_k, new_v = [], []
     for i, (lp, window) in enumerate(zip(layers, c.layer_windows())):
       if i in inner:
         tapped[i] = x
-      layer_kv = (None, None) if cache is None else (stacked_k[i], stacked_v[i])
-      x, k, v = block(x, lp, jnp.int32(window), *layer_kv)
-      block_k.append(k)
-      block_v.append(v)
-    block_k, block_v = jnp.stack(block_k), jnp.stack(block_v)
+      layer_kv = (None, None) if cache is None else (cache_k[i], cache_v[i])
+      x, k, v, attn = block(x, lp, jnp.int32(window), *layer_kv)
+      if cache is not None:
+        # XLA:CPU runs independent ops concurrently, so an in-place write into a buffer that an
+        # unordered op still reads costs two copies of the buffer. Making the written block depend
+        # on the layer's attention output (+0.0: same values) orders the write after the read.
+        after = 0.0 * attn[:1, :1, :1, None].astype(k.dtype)
+        new_k.append(constrain(write_block(cache_k[i], k + after, starts), CACHE_AXES[1:]))
+        new_v.append(constrain(write_block(cache_v[i], v + after, starts), CACHE_AXES[1:]))
+    if cache is not None:
+      new_cache = KVCache(tuple(new_k), tuple(new_v), starts + t)
   else:  # stacked: one lax.scan over the leading layer axis
+    # The cache is only read inside the scan; each layer's new keys/values come out as a small
+    # [L, B, T, KVH, D] block that is written once, after the scan, in place.
     # Requested taps go into a small [n, B, T, E] carry: slot n (out of range) drops the write.
     slots = jnp.asarray([inner.index(i) if i in inner else len(inner)
                          for i in range(c.num_layers)], jnp.int32)
@@ -331,23 +390,26 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       lp, window, slot, layer_k, layer_v = xs
       if inner:
         buffer = buffer.at[slot].set(x, mode="drop")
-      x, k, v = block(x, lp, window, layer_k, layer_v)
+      x, k, v, _ = block(x, lp, window, layer_k, layer_v)
       return (x, buffer), (k, v)
     buffer = jnp.zeros((len(inner),) + x.shape, x.dtype)
     windows = jnp.asarray(c.layer_windows(), jnp.int32)
     (x, buffer), (block_k, block_v) = jax.lax.scan(
-        scan_body, (x, buffer), (layers, windows, slots, stacked_k, stacked_v))
+        scan_body, (x, buffer), (layers, windows, slots, cache_k, cache_v))
     tapped = {i: buffer[n] for n, i in enumerate(inner)}
+    if cache is not None:
+      new_k = constrain(write_stacked_block(cache_k, block_k, starts), CACHE_AXES)
+      new_v = constrain(write_stacked_block(cache_v, block_v, starts), CACHE_AXES)
+      new_cache = KVCache(new_k, new_v, starts + t)
+  if cache is not None and new_cache.per_layer != cache.per_layer:
+    new_cache = new_cache.unstacked() if cache.per_layer else new_cache.stacked()
   tapped[c.num_layers] = x
   tap_out = jnp.stack([tapped[i] for i in taps]) if taps else None
 
-  new_cache = None
-  if cache is not None:
-    new_k = constrain(write_stacked_block(stacked_k, block_k, starts), CACHE_AXES)
-    new_v = constrain(write_stacked_block(stacked_v, block_v, starts), CACHE_AXES)
-    new_cache = KVCache(new_k, new_v, starts + t)
   x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
-  head = p["embed"].T if c.tie_embeddings else p["lm_head"]
-  logits = jnp.einsum("bte,ev->btv", x, head, preferred_element_type=jnp.float32)
+  if c.tie_embeddings:  # contract the embedding as it lies: `embed.T` costs a [E, V] copy per call
+    logits = jnp.einsum("bte,ve->btv", x, p["embed"], preferred_element_type=jnp.float32)
+  else:
+    logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
   return ForwardOutput(logits, x if return_hidden else None, tap_out, new_cache)
