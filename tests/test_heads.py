@@ -170,6 +170,17 @@ def test_head_cache_holds_the_targets_features(target, batch, kind):
   assert features_mismatch(target, make_drafter(target, kind), tokens, lengths) < 1e-4
 
 
+def test_medusa_reads_the_targets_hidden_state_at_the_last_scored_position(target, batch):
+  tokens, lengths = batch
+  drafter = make_drafter(target, "medusa")
+  state = final_state(target, drafter, tokens, lengths, num_draft=NUM_DRAFT)
+  final_lengths = np.asarray(state.lengths)
+  out = forward(target, state.tokens[:, :int(final_lengths.max())],
+                jnp.zeros(len(final_lengths), jnp.int32), return_hidden=True)
+  want = np.asarray(out.hidden)[np.arange(len(final_lengths)), final_lengths - 2]
+  np.testing.assert_allclose(np.asarray(state.draft_state.hidden), want, atol=1e-4)
+
+
 def test_stale_features_are_detected(target, batch):
   tokens, lengths = batch
   drafter = make_drafter(target, "eagle3", StaleFeaturesEagle)
