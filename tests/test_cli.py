@@ -43,7 +43,58 @@ def pair_dirs(tmp_path_factory):
   sj.save(target, root / "target")
   sj.save(draft, root / "draft")
   tokenizer.save(str(root / "target" / "tokenizer.json"))
+  _write_tiny_gguf(root / "tiny.gguf", target, tokenizer)
   return root
+
+
+CHATML = ("{% for m in messages %}{{ '<bos>' + m['role'] + '\n' + m['content'] + '<eos>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<bos>assistant\n' }}{% endif %}")
+
+
+def _write_tiny_gguf(path, model, tokenizer):
+  """The tiny target as a llama-architecture GGUF with its byte-level BPE vocabulary and a chat
+  template in the metadata (Q/K rows permuted as llama.cpp's converter does)."""
+  gguf = pytest.importorskip("gguf")
+  c = model.config
+  writer = gguf.GGUFWriter(str(path), "llama")
+  for key, value in (("block_count", c.num_layers), ("embedding_length", c.embed_dim),
+                     ("feed_forward_length", c.mlp_dim), ("attention.head_count", c.num_heads),
+                     ("attention.head_count_kv", c.num_kv_heads), ("context_length", c.max_len)):
+    writer.add_uint32(f"llama.{key}", value)
+  writer.add_float32("llama.rope.freq_base", c.rope_theta)
+  writer.add_float32("llama.attention.layer_norm_rms_epsilon", c.norm_eps)
+  vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+  merges = json.loads(tokenizer.to_str())["model"]["merges"]
+  writer.add_string("tokenizer.ggml.model", "gpt2")
+  writer.add_string("tokenizer.ggml.pre", "gpt2")
+  writer.add_array("tokenizer.ggml.tokens", [token for token, _ in vocab])
+  writer.add_array("tokenizer.ggml.token_type", [3 if i < 3 else 1 for _, i in vocab])
+  writer.add_array("tokenizer.ggml.merges", [" ".join(m) if isinstance(m, list) else m
+                                             for m in merges])
+  writer.add_uint32("tokenizer.ggml.bos_token_id", 1)
+  writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+  writer.add_uint32("tokenizer.ggml.padding_token_id", 0)
+  writer.add_bool("tokenizer.ggml.add_bos_token", True)
+  writer.add_string("tokenizer.chat_template", CHATML)
+  p = jax.tree.map(np.asarray, model.params)
+  writer.add_tensor("token_embd.weight", p["embed"])
+  writer.add_tensor("output_norm.weight", p["final_norm"])
+  writer.add_tensor("output.weight", np.ascontiguousarray(p["lm_head"].T))
+  names = dict(attn_norm="attn_norm", wq="attn_q", wk="attn_k", wv="attn_v", wo="attn_output",
+               w_gate="ffn_gate", w_up="ffn_up", w_down="ffn_down", mlp_norm="ffn_norm")
+  for i in range(c.num_layers):
+    for key, name in names.items():
+      w = p["layers"][key][i]
+      if w.ndim == 2:
+        w = w.T
+        heads = {"wq": c.num_heads, "wk": c.num_kv_heads}.get(key)
+        if heads:
+          w = w.reshape(heads, 2, w.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(w.shape)
+      writer.add_tensor(f"blk.{i}.{name}.weight", np.ascontiguousarray(w))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
 
 
 def pair_args(root, draft=None):
@@ -129,11 +180,54 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert "acceptance rate" in capsys.readouterr().out
 
 
+def test_generate_chat_from_gguf_and_its_conversion(pair_dirs, tmp_path, capsys):
+  """--chat renders the GGUF's template, prints only the reply, and stops at EOS; `convert` of the
+  GGUF gives a checkpoint that generates the same reply through --model."""
+  args = ["--chat", "def add(a, b):", "--max-new-tokens", "12", "--no-stream"]
+  assert cli.main(["generate", "--gguf", str(pair_dirs / "tiny.gguf"), *args]) == 0
+  reply = capsys.readouterr().out
+  target = sj.from_gguf(pair_dirs / "tiny.gguf")
+  tokenizer = sj.load_tokenizer(pair_dirs / "tiny.gguf")
+  ids = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
+  assert tokenizer.decode(ids, skip_special_tokens=False).startswith("<bos>user\ndef add")
+  out = sj.generate(target, np.asarray([ids], np.int32), jax.random.key(0), max_new_tokens=12,
+                    eos_id=tuple(tokenizer.eos_ids))
+  expected = tokenizer.decode(np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
+  assert reply == expected + "\n"
+  out_dir = tmp_path / "converted"
+  assert cli.main(["convert", str(pair_dirs / "tiny.gguf"), str(out_dir)]) == 0
+  assert "llama, 2 layers" in capsys.readouterr().out
+  assert cli.main(["generate", "--model", str(out_dir), *args]) == 0
+  assert capsys.readouterr().out == reply
+  assert sj.load_tokenizer(out_dir).chat_template == CHATML
+
+
+def test_generate_chat_stops_at_the_models_end_of_turn(capsys):
+  """The real SmolLM2 GGUF: a short factual answer, ended by <|im_end|> before the limit."""
+  from specjax.io.gguf import find_packaged_gguf
+  try:
+    path = find_packaged_gguf("smollm2")
+  except FileNotFoundError as error:
+    pytest.skip(str(error))
+  code = cli.main(["generate", "--gguf", str(path), "--chat", "What is the capital of France?",
+                   "--max-new-tokens", "24", "--no-stream"])
+  captured = capsys.readouterr()
+  assert code == 0 and "Paris" in captured.out
+  assert "<|im_end|>" not in captured.out
+  tokens = int(captured.err.split("[")[-1].split()[0])
+  assert tokens < 24  # stopped at the end-of-turn id, not at the limit
+
+
 @pytest.mark.parametrize("argv, message", [
     (["generate"], "no prompt"),
     (["generate", "x", "--file", "y"], "not both"),
     (["generate", "--file", "/nonexistent/prompt"], "no prompt file"),
-    (["generate", "x", "--target", "/nonexistent"], "--draft"),
+    (["generate", "x", "--target", "/nonexistent"], "no checkpoint directory or GGUF file"),
+    (["generate", "x", "--chat", "hi", "--draft", "ngram"], "not both"),
+    (["generate", "--system", "be brief", "--draft", "ngram"], "--system needs --chat"),
+    (["generate", "--chat", "hi", "--gguf", "/nonexistent.gguf"], "no GGUF file"),
+    (["generate", "--chat", "hi", "--gguf", "{gguf}", "--model", "{target}"], "not both"),
+    (["convert", "/nonexistent.gguf", "/tmp/specjax-never-written"], "no checkpoint"),
     (["generate", "x", "--target", "/nonexistent", "--draft", "ngram"], "no checkpoint"),
     (["generate", "x", "--top-p", "1.5", "--draft", "ngram"], "top_p"),
     (["generate", "x", "--temperature", "-1", "--draft", "ngram"], "temperature"),
@@ -142,7 +236,8 @@ def test_demo_runs_with_the_shipped_pair(capsys):
      "num_draft"),
 ])
 def test_bad_arguments_give_one_clear_line(pair_dirs, capsys, argv, message):
-  argv = [a.replace("{target}", str(pair_dirs / "target")) for a in argv]
+  argv = [a.replace("{target}", str(pair_dirs / "target")).replace("{gguf}", str(
+      pair_dirs / "tiny.gguf")) for a in argv]
   line = one_error_line(capsys, cli.main(argv))
   assert line.startswith(f"specjax {argv[0]}: error:") and message in line, line
 
