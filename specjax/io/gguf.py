@@ -18,6 +18,11 @@ returns a `specjax.Model`:
 
 `find_packaged_gguf(name)` locates the GGUF files that PyPI packages ship (SmolLM2-135M-Instruct
 and Gemma 3 270M) without importing them.
+
+Comparing with transformers: it loads these files directly
+(`AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)`, which
+needs the `gguf` and `accelerate` packages) and dequantizes with the same arithmetic, so a peer
+benchmark or a parity test should use that loaded model itself rather than a re-saved copy.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import hashlib
 import importlib.util
 import os
 import pathlib
-import shutil
 from typing import Callable
 
 import numpy as np
