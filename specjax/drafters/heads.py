@@ -52,10 +52,21 @@ def _take_rows(values: jax.Array, index: jax.Array) -> jax.Array:
   return jax.vmap(lambda row, i: row[i])(values, index)
 
 
-def draft_from(logits: jax.Array, sampling: Sampling, seeds: jax.Array,
-               positions: jax.Array) -> jax.Array:
-  """One draft per row from full-vocabulary logits `[B, V]` (argmax when greedy)."""
-  return sample_token(logits, sampling, seeds, positions, PURPOSE_DRAFT)
+def draft_tokens(logits: jax.Array, draft_ids: jax.Array, full_logits, sampling: Sampling,
+                 seeds: jax.Array, positions: jax.Array):
+  """Drafts from draft-vocabulary logits `[..., N]`.
+
+  Greedy: the argmax mapped to its target id (`draft_ids [N]`), no full-vocabulary logits built.
+  Otherwise a `PURPOSE_DRAFT` sample from the warped full-vocabulary logits `full_logits(logits)`
+  (`-inf` outside the draft vocabulary), which are returned as the q the draft was drawn from.
+
+  Returns:
+    `(tokens [...] int32, full-vocabulary logits [..., V] or None when greedy)`.
+  """
+  if sampling.greedy:
+    return jnp.take(draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32), None
+  full = full_logits(logits)
+  return sample_token(full, sampling, seeds, positions, PURPOSE_DRAFT), full
 
 
 @jax.tree_util.register_dataclass
@@ -126,24 +137,25 @@ class EagleDrafter:
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
     del sequence
-    first_logits = self.full_logits(state.logits)  # [B, V]
-    first = draft_from(first_logits, sampling, seeds, lengths)
+    draft = lambda logits, positions: draft_tokens(logits, self.head.draft_ids, self.full_logits,
+                                                   sampling, seeds, positions)
+    first, first_logits = draft(state.logits, lengths)  # [B], [B, V] or None
 
     def step(carry, i):
       cache, hidden, token = carry
       # Pair (guessed feature_{L-2+i}, d_i) at slot L - 2 + i predicts token_{L+i}.
       logits, out, cache = self._run(token[:, None], hidden[:, None], lengths - 2 + i, cache)
-      logits = self.full_logits(logits[:, 0])
-      next_token = draft_from(logits, sampling, seeds, lengths + i)
-      return (cache, out[:, 0], next_token), (next_token, logits)
+      next_token, next_logits = draft(logits[:, 0], lengths + i)
+      return (cache, out[:, 0], next_token), (next_token, next_logits)
 
     (cache, _, _), (tokens, all_logits) = jax.lax.scan(
         step, (state.cache, state.hidden, first), jnp.arange(1, num_draft, dtype=jnp.int32))
     tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)  # [B, k]
-    all_logits = jnp.concatenate([first_logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
+    if first_logits is not None:  # [B, k, V]
+      all_logits = jnp.concatenate([first_logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
     # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
     state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
-    return state, Proposal(tokens, None if sampling.greedy else all_logits)
+    return state, Proposal(tokens, all_logits)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block
@@ -209,11 +221,12 @@ class MedusaDrafter:
     if num_draft > self.num_heads:
       raise ValueError(f"num_draft ({num_draft}) exceeds the number of Medusa heads "
                        f"({self.num_heads})")
-    logits = medusa.medusa_forward(self.heads, state.hidden[:, None])[:, 0, :num_draft]
-    logits = self.full_logits(logits)  # [B, k, V]
+    hidden = state.hidden[:, None]  # [B, 1, E]
+    logits = medusa.medusa_forward(self.heads, hidden)[:, 0, :num_draft]  # [B, k, N]
     positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
-    tokens = sample_token(logits, sampling, seeds[:, None], positions, PURPOSE_DRAFT)
-    return state, Proposal(tokens, None if sampling.greedy else logits)
+    tokens, full = draft_tokens(logits, self.heads.draft_ids, self.full_logits, sampling,
+                                seeds[:, None], positions)
+    return state, Proposal(tokens, full)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block, emitted, lengths
