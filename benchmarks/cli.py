@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import pathlib
-import sys
 
 from benchmarks.models import default_pair_available
 from benchmarks.real_models import REAL_MODELS

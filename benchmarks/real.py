@@ -25,13 +25,13 @@ import dataclasses
 import json
 import pathlib
 import time
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bound import analytic_bound, per_token_acceptance
+from benchmarks.drafters import DrafterEntry, library_drafters
 from benchmarks.models import environment
 from benchmarks.timing import first_divergence, measure_costs, time_alternately
 
@@ -47,26 +47,6 @@ class PromptCase:
   ids: tuple[int, ...]
 
 
-@dataclasses.dataclass(frozen=True)
-class DrafterEntry:
-  """One drafter of the suite.
-
-  Attributes:
-    name: its label in the results.
-    drafter: what `specjax.decode` takes as `draft`.
-    num_draft: `k`.
-    draft_ratio: the cost of one draft step over one target step (`c` of the bound); None =
-      measured (`benchmarks.drafter_cost`: the round's propose + observe over `k` target steps).
-    description: one line for the table.
-  """
-
-  name: str
-  drafter: Any
-  num_draft: int
-  draft_ratio: float | None = None
-  description: str = ""
-
-
 def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_category: int = 6):
   """`{category: [messages, ...]}` from the prompt file, the first `per_category` of each."""
   data = json.loads(pathlib.Path(path).read_text())
@@ -78,70 +58,6 @@ def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_catego
     raise ValueError(f"prompts per category must be >= 1, got {per_category}")
   chosen = categories or tuple(known)
   return {c: known[c][:per_category] for c in chosen}
-
-
-def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
-  """A trained head checkpoint (`save_head` or `save_medusa`) as a drafter for `target`."""
-  from specjax.drafters.heads import EagleDrafter, MedusaDrafter
-  from specjax.drafters.medusa import MEDUSA_KIND, load_medusa
-  from specjax.drafters.eagle import load_head
-  from specjax.io.orbax import read_tree_metadata
-
-  path = pathlib.Path(path)
-  if not path.is_dir():
-    raise ValueError(f"no head checkpoint directory at {path}")
-  if read_tree_metadata(path).get("kind") == MEDUSA_KIND:
-    drafter = MedusaDrafter(load_medusa(path))
-    num_draft = min(num_draft, drafter.max_draft)
-  else:
-    drafter = EagleDrafter(load_head(path), target.params["embed"])
-  return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
-
-
-def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
-  """Every drafter the library has for `target` (or the `names` asked for).
-
-  The n-gram (prompt lookup) drafter needs no weights. A trained head joins the list when the
-  library ships one for this target (`specjax.load_default()` whose target has `target`'s
-  config); it is named by its kind (`eagle3`, `mtp`, `medusa`).
-  """
-  import specjax as sj
-
-  entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
-                          "prompt lookup (n-gram 3..1, no weights)")]
-  if not names or set(names) - {"ngram"}:
-    entries += _shipped_heads(target, num_draft)
-  entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
-  known = {e.name for e in entries}
-  missing = [n for n in names if n not in known]
-  if missing:
-    raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
-  return [e for e in entries if not names or e.name in names]
-
-
-def _head_name(drafter) -> str:
-  kind = type(drafter).__name__
-  if kind == "EagleDrafter":
-    return "eagle3" if tuple(drafter.taps) else "mtp"
-  if kind == "MedusaDrafter":
-    return "medusa"
-  return kind.lower()
-
-
-def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
-  """The shipped default pair's head, if it was trained for this very target."""
-  import specjax as sj
-
-  try:
-    pair = sj.load_default()
-  except (FileNotFoundError, ValueError, ImportError):
-    return []
-  draft = pair.draft
-  if not hasattr(draft, "observe") or pair.target.config != target.config:
-    return []  # the shipped draft is a model of its own, or a head for another target
-  max_draft = getattr(draft, "max_draft", num_draft)
-  return [DrafterEntry(_head_name(draft), draft, min(num_draft, max_draft), None,
-                       f"the shipped {type(draft).__name__} (specjax.load_default())")]
 
 
 def _bucket(length: int) -> int:
@@ -323,6 +239,12 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         row["prefill_share_of_generate"] = (sum(r["prefill_s"] for r in group) / sum(
             r["calls"]["generate"]["seconds"] for r in group))
         row["efficiency"] = row["speedup_excl_prefill"] / bound
+        # Robust to a shared machine's drift: the median of the per-prompt ratios of calls that
+        # ran back to back.
+        row["speedup_median_prompt"] = float(np.median([
+            (r["calls"][entry.name]["new_tokens"] / r["calls"][entry.name]["seconds"])
+            / (r["calls"]["generate"]["new_tokens"] / r["calls"]["generate"]["seconds"])
+            for r in group]))
         if sampling == "greedy":
           row["greedy_identical"] = all(c.get("first_divergence_from_generate") is None
                                         for c in calls)
@@ -391,8 +313,8 @@ def _samplings(temperatures) -> dict:
 
 def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
   """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
-  from benchmarks.real_models import (REAL_MODELS, chat_ids, gguf_path, load_peer,
-                                      load_specjax, load_tokenizer)
+  from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
+                                      load_peer, load_specjax, load_tokenizer)
   from benchmarks.suites import json_default
 
   start, cpu_start = time.perf_counter(), time.process_time()
@@ -411,11 +333,12 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
       f"EOS ids {eos}")
   prompts = load_prompts(categories=settings.categories,
                          per_category=settings.prompts_per_category)
-  cases = [PromptCase(category, p["id"], tuple(chat_ids(tokenizer, p["messages"])))
+  template, template_source = chat_template(tokenizer, target.config.family)
+  cases = [PromptCase(category, p["id"], tuple(chat_ids(tokenizer, p["messages"], template)))
            for category, items in prompts.items() for p in items]
   conversations = [p["messages"] for items in prompts.values() for p in items]
   template_mismatch = [case.id for case, messages in zip(cases, conversations)
-                       if list(case.ids) != chat_ids(peer_tokenizer, messages)]
+                       if list(case.ids) != chat_ids(peer_tokenizer, messages, template)]
   if template_mismatch:
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
   drafters = library_drafters(target, num_draft=settings.num_drafts[0], names=settings.drafters,
@@ -428,7 +351,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   result = {
       "suite": "real", "model": model_name, "model_description": REAL_MODELS[model_name].description,
       "gguf_file": path.name, "loaded_with": how, "dtype": "float32", "eos_ids": list(eos),
-      "chat_ids_differ_from_transformers": template_mismatch,
+      "chat_template": template_source, "chat_ids_differ_from_transformers": template_mismatch,
       "settings": {"max_new_tokens": settings.max_new_tokens, "batch": 1,
                    "prompts_per_category": settings.prompts_per_category,
                    "categories": list(prompts), "prompts": len(cases),

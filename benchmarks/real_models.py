@@ -98,12 +98,27 @@ def load_tokenizer(path: pathlib.Path):
   return sj.load_tokenizer(path)
 
 
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-  """The model's own chat template over `messages`, with the generation prompt, as ids.
+def chat_template(tokenizer, family: str) -> tuple[str | None, str]:
+  """`(template, where from)`: the file's own template, else specjax's built-in for the family
+  (Gemma 3 270M is a base model: its GGUF carries no chat template)."""
+  if getattr(tokenizer, "chat_template", None):
+    return None, "the model file's own"
+  from specjax.io.chat import default_template_for
+  return default_template_for(family), f"specjax's built-in for {family} (none in the file)"
+
+
+def chat_ids(tokenizer, messages: list[dict], template: str | None = None) -> list[int]:
+  """A chat template over `messages`, with the generation prompt, as ids.
 
   Works with a specjax `Tokenizer` and a `transformers` tokenizer alike.
+
+  Args:
+    tokenizer: either tokenizer.
+    messages: the conversation.
+    template: a template in place of the tokenizer's own (None: its own).
   """
-  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+  extra = {} if template is None else {"chat_template": template}
+  ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
   if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
     ids = ids["input_ids"]
   return [int(i) for i in ids]

@@ -13,6 +13,7 @@ import pytest
 
 import specjax as sj
 from benchmarks import bound, cli as bench_cli, plots, real, real_models, report, synthetic, timing
+from benchmarks import drafters as drafters_module
 from benchmarks.models import environment
 from specjax.io.export_hf import export_hf
 from specjax.models.config import tiny_config
@@ -168,10 +169,10 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
       export_hf(target, tmp_path / "hf"), dtype=torch.float32).eval()
   cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6)),
            real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
-  drafters = real.library_drafters(target, num_draft=2)
+  drafters = drafters_module.library_drafters(target, num_draft=2)
   assert [d.name for d in drafters] == ["ngram"]
   with pytest.raises(ValueError, match="not available"):
-    real.library_drafters(target, num_draft=2, names=("eagle-nonexistent",))
+    drafters_module.library_drafters(target, num_draft=2, names=("eagle-nonexistent",))
   measured = real.measure_suite(
       target, cases, drafters, samplings={"greedy": sj.Sampling(), "T=1": sj.Sampling(1.0)},
       max_new_tokens=6, eos=(2,), peer_model=peer, log=lambda line: None)
@@ -228,11 +229,11 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
                                                  draft_vocab_size=48, vocab_size=96),
                              target, draft_ids)
   medusa.save_medusa(heads, tmp_path / "medusa")
-  drafters = real.library_drafters(target, num_draft=3,
+  drafters = drafters_module.library_drafters(target, num_draft=3,
                                    heads=(tmp_path / "eagle", tmp_path / "medusa"))
   assert [(d.name, d.num_draft) for d in drafters] == [("ngram", 3), ("eagle3", 3), ("medusa", 2)]
   with pytest.raises(ValueError, match="no head checkpoint"):
-    real.load_head_drafter(target, tmp_path / "missing", num_draft=3)
+    drafters_module.load_head_drafter(target, tmp_path / "missing", num_draft=3)
   cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6))]
   measured = real.measure_suite(target, cases, drafters, samplings={"greedy": sj.Sampling()},
                                 max_new_tokens=6, eos=(2,), log=lambda line: None)

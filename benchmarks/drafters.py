@@ -1,0 +1,94 @@
+"""The drafters a benchmark runs: one `DrafterEntry` each, from the library and from checkpoints.
+
+A new drafter joins every suite that takes this list by being added in `library_drafters`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterEntry:
+  """One drafter of the suite.
+
+  Attributes:
+    name: its label in the results.
+    drafter: what `specjax.decode` takes as `draft`.
+    num_draft: `k`.
+    draft_ratio: the cost of one draft step over one target step (`c` of the bound); None =
+      measured (`benchmarks.drafter_cost`: the round's propose + observe over `k` target steps).
+    description: one line for the table.
+  """
+
+  name: str
+  drafter: Any
+  num_draft: int
+  draft_ratio: float | None = None
+  description: str = ""
+
+
+def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
+  """A trained head checkpoint (`save_head` or `save_medusa`) as a drafter for `target`."""
+  from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+  from specjax.drafters.medusa import MEDUSA_KIND, load_medusa
+  from specjax.drafters.eagle import load_head
+  from specjax.io.orbax import read_tree_metadata
+
+  path = pathlib.Path(path)
+  if not path.is_dir():
+    raise ValueError(f"no head checkpoint directory at {path}")
+  if read_tree_metadata(path).get("kind") == MEDUSA_KIND:
+    drafter = MedusaDrafter(load_medusa(path))
+    num_draft = min(num_draft, drafter.max_draft)
+  else:
+    drafter = EagleDrafter(load_head(path), target.params["embed"])
+  return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
+
+
+def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
+  """Every drafter the library has for `target` (or the `names` asked for).
+
+  The n-gram (prompt lookup) drafter needs no weights. A trained head joins the list when the
+  library ships one for this target (`specjax.load_default()` whose target has `target`'s
+  config); it is named by its kind (`eagle3`, `mtp`, `medusa`).
+  """
+  import specjax as sj
+
+  entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
+                          "prompt lookup (n-gram 3..1, no weights)")]
+  if not names or set(names) - {"ngram"}:
+    entries += _shipped_heads(target, num_draft)
+  entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
+  known = {e.name for e in entries}
+  missing = [n for n in names if n not in known]
+  if missing:
+    raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
+  return [e for e in entries if not names or e.name in names]
+
+
+def _head_name(drafter) -> str:
+  kind = type(drafter).__name__
+  if kind == "EagleDrafter":
+    return "eagle3" if tuple(drafter.taps) else "mtp"
+  if kind == "MedusaDrafter":
+    return "medusa"
+  return kind.lower()
+
+
+def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
+  """The shipped default pair's head, if it was trained for this very target."""
+  import specjax as sj
+
+  try:
+    pair = sj.load_default()
+  except (FileNotFoundError, ValueError, ImportError):
+    return []
+  draft = pair.draft
+  if not hasattr(draft, "observe") or pair.target.config != target.config:
+    return []  # the shipped draft is a model of its own, or a head for another target
+  max_draft = getattr(draft, "max_draft", num_draft)
+  return [DrafterEntry(_head_name(draft), draft, min(num_draft, max_draft), None,
+                       f"the shipped {type(draft).__name__} (specjax.load_default())")]
