@@ -39,6 +39,26 @@ def pytest_runtest_makereport(item, call):
     report.outcome = "failed"
 
 
+def _has_platform(platform: str) -> bool:
+  try:
+    return bool(jax.devices(platform))
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  """Tests marked `tpu` / `gpu` (compiled kernels) run only where that device exists."""
+  del config
+  for platform in ("tpu", "gpu"):
+    if any(platform in item.keywords for item in items) and not _has_platform(platform):
+      backend = "cuda" if platform == "gpu" else platform
+      skip = pytest.mark.skip(reason=f"needs a {platform.upper()} "
+                                     f"(JAX_PLATFORMS={backend},cpu selects it)")
+      for item in items:
+        if platform in item.keywords:
+          item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops JAX's compiled programs after each test module, so that one long pytest process does

@@ -252,7 +252,7 @@ class TestFusedVerifyGpuInterpret(TestFusedVerify):
       block_sizes = GpuBlockSizes(block_v=block_sizes.block_v,
                                   block_b=_next_power_of_two(block_sizes.block_b))
     return fused_verify_gpu(**case, sampling=sampling, block_sizes=block_sizes,
-                            interpret=True)
+                            interpret=self.INTERPRET)
 
   @pytest.mark.parametrize("sampling", [*SAMPLINGS[:3], SAMPLINGS[4], *[pytest.param(
       setting, marks=pytest.mark.slow) for setting in (SAMPLINGS[3], SAMPLINGS[5])]], ids=str)
@@ -270,6 +270,24 @@ class TestFusedVerifyGpuInterpret(TestFusedVerify):
     super().test_bfloat16_logits(sampling)
 
   test_vocab_sizes_with_thresholds = None
+
+
+# ---- compiled on a device (T6): the same cases, selected where the device exists -----------
+# (tests/conftest.py skips `tpu` / `gpu` items when `jax.devices(platform)` has none; run them
+# with e.g. `JAX_PLATFORMS=tpu,cpu pytest -m "tpu and not slow" tests/test_kernel_verify.py`).
+
+@pytest.mark.tpu
+class TestFusedVerifyCompiled(TestFusedVerify):
+  """The TPU kernel compiled by Mosaic, on every case of the interpret-mode class."""
+
+  INTERPRET = False
+
+
+@pytest.mark.gpu
+class TestFusedVerifyGpuCompiled(TestFusedVerifyGpuInterpret):
+  """The GPU kernel compiled by Triton, on every case of its interpret-mode class."""
+
+  INTERPRET = False
 
 
 def _next_power_of_two(x: int) -> int:
@@ -302,30 +320,68 @@ def test_block_sizes_follow_the_tpu_tiling_rule():
   assert BlockSizes(2048, block_b=8).rows(3) == 3  # clamped to the batch
 
 
-@pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 256000])
-@pytest.mark.parametrize("num_draft", [1, 4, 8])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_default_block_sizes_fit_the_vmem_budget(vocab, num_draft, dtype):
-  blocks = BlockSizes.get_default(vocab, num_draft, dtype, batch=64)
-  tile = blocks.tile(vocab)
-  assert tile == vocab or tile % 128 == 0
-  itemsize = jnp.dtype(dtype).itemsize
-  row_tile = 8 * (4 // itemsize)  # VMEM pads rows to (8, 128) f32 / (16, 128) bf16 tiles
-  padded_rows = (-(-(num_draft + 1) // row_tile) + -(-num_draft // row_tile)) * row_tile
-  per_block = 2 * blocks.block_b * padded_rows * itemsize * blocks.block_v  # two buffers
-  assert per_block <= 8 * 2**20 and 1 <= blocks.block_b <= 8
-  if vocab <= 32000:  # small vocabularies are one tile: the logits are read once
-    assert tile == vocab
-  if blocks.block_b > 1:  # rows are batched only while the whole vocabulary still fits
-    assert tile == vocab
-  assert BlockSizes.get_default(vocab, num_draft, dtype, batch=3).block_b <= 3
+def _pallas_call(fn, *args):
+  """The `pallas_call` equation `fn(*args)` traces to (the kernel as Mosaic would receive it)."""
+  def find(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        return eqn
+      for param in eqn.params.values():
+        inner = getattr(param, "jaxpr", None)
+        inner = getattr(inner, "jaxpr", inner)
+        if inner is not None and hasattr(inner, "eqns") and (found := find(inner)):
+          return found
+    return None
+  return find(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _vmem_bytes(eqn) -> int:
+  """VMEM the lowered kernel needs: every block double-buffered plus the scratch, each padded to
+  the (8 * (4 / itemsize), 128) tiles VMEM stores; read from the kernel's own BlockSpecs."""
+  def padded(shape, dtype):
+    itemsize = np.dtype(dtype).itemsize
+    *lead, rows, lanes = shape
+    rows = -(-rows // (8 * (4 // itemsize))) * (8 * (4 // itemsize))
+    return int(np.prod(lead, dtype=np.int64)) * rows * (-(-lanes // 128) * 128) * itemsize
+  total = 0
+  for mapping in eqn.params["grid_mapping"].block_mappings:
+    shape = tuple(getattr(d, "block_size", d) for d in mapping.block_shape)
+    total += 2 * padded(shape, mapping.array_aval.dtype)
+  scratch = eqn.params["grid_mapping"].num_scratch_operands
+  for var in eqn.params["jaxpr"].invars[len(eqn.params["jaxpr"].invars) - scratch:]:
+    total += padded(var.aval.shape, var.aval.dtype)
+  return total
+
+
+@pytest.mark.parametrize("device_kind", [None, "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite"])
+@pytest.mark.parametrize("vocab", [32000, 128256, 256000])
+@pytest.mark.parametrize("num_draft,dtype", [(1, jnp.float32), (8, jnp.float32),
+                                             (4, jnp.bfloat16)], ids=["k1-f32", "k8-f32", "k4-bf16"])
+def test_lowered_kernel_fits_the_vmem_of_its_generation(device_kind, vocab, num_draft, dtype):
+  # Independent of `BlockSizes.get_default`'s arithmetic: the blocks and scratch are read from
+  # the pallas_call the kernel lowers to, and must fit the VMEM limit it asks Mosaic for (or the
+  # 16 MiB scoped default without one), which must fit the generation's physical VMEM.
+  from specjax.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
+  batch = 8
+  args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
+          jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype),
+          jax.ShapeDtypeStruct((batch, num_draft), jnp.int32))
+  fn = functools.partial(fused_verify, sampling=S.Sampling(0.8, top_k=50, top_p=0.9),
+                         seeds=jnp.zeros(batch, jnp.uint32),
+                         positions=jnp.zeros(batch, jnp.int32), device_kind=device_kind)
+  eqn = _pallas_call(fn, *args)
+  limit = eqn.params["compiler_params"].vmem_limit_bytes or 16 * 2**20
+  assert _vmem_bytes(eqn) <= limit <= TPU_VMEM_BYTES[tpu_generation(device_kind)]
+  logits_block = eqn.params["grid_mapping"].block_mappings[3].block_shape
+  if device_kind in ("TPU v5 lite", "TPU v6 lite") and vocab <= 128256:
+    assert logits_block[-1].block_size == vocab  # a row's whole vocabulary stays resident
 
 
 # --------------------------------------------------------------------------------------------
 # Sort-free thresholds against a float64 sort.
 # --------------------------------------------------------------------------------------------
 
-def test_bisection_thresholds_equal_a_sort():
+def test_radix_thresholds_equal_a_sort():
   rng = np.random.default_rng(5)
   for trial in range(9):  # few shapes (each compiles), many rows
     vocab = (7, 60, 255)[trial % 3]

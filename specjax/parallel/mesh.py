@@ -121,7 +121,10 @@ def cache_shardings(cache: KVCache, mesh: jax.sharding.Mesh,
   as `(layers, batch, kv_heads, length, -)`, lengths `[B]` as `(batch,)`."""
   rules = rules or DEFAULT_RULES
   mesh_shape = dict(mesh.shape)
-  kv = NamedSharding(mesh, rules.spec(CACHE_AXES, cache.k.shape, mesh_shape))
+  layers = len(cache.k) if cache.per_layer else cache.k.shape[0]
+  kv = NamedSharding(mesh, rules.spec(CACHE_AXES, (layers,) + cache.layer_shape, mesh_shape))
+  if cache.per_layer:  # a tuple of per-layer [B, KVH, S, D] buffers (an unstacked model's cache)
+    kv = tuple(NamedSharding(mesh, PartitionSpec(*kv.spec[1:])) for _ in cache.k)
   lengths = NamedSharding(mesh, rules.spec(("batch",), cache.lengths.shape, mesh_shape))
   return KVCache(k=kv, v=kv, lengths=lengths)
 
@@ -210,7 +213,10 @@ def per_device_bytes(tree) -> int:
 
 def _ambient_mesh() -> jax.sharding.Mesh | None:
   """The concrete mesh set by `jax.set_mesh` / `use_mesh`, or None."""
-  mesh = jax.sharding.get_mesh()
+  try:
+    mesh = jax.sharding.get_mesh()
+  except ValueError:  # called inside a trace (under jax.jit / jax.export): only the abstract
+    return None       # mesh is active there, and the verify reads it itself
   if mesh is None or getattr(mesh, "empty", False) or not mesh.axis_names:
     return None
   return mesh
@@ -304,10 +310,7 @@ def call_context(inputs):
     return
   original = ambient if ambient is not None else next(iter(_leaf_meshes(inputs)))
   context = CallContext(rules, _retype(inputs, mesh), original)
-  if ambient is None:
-    yield context
-    return
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh):  # also without an ambient mesh: the verify's shard_map reads it
     yield context
 
 
