@@ -89,6 +89,12 @@ def test_forwards_per_round_and_protocol(target):
   assert eagle3.vocab_size == mtp.vocab_size == heads.vocab_size == VOCAB
 
 
+def test_drafter_rejects_an_embedding_that_does_not_fit(target):
+  head = make_drafter(target, "eagle3").head
+  with pytest.raises(ValueError, match="target_embed"):
+    EagleDrafter(head, target.params["embed"][:, :16])
+
+
 def test_medusa_rejects_more_drafts_than_heads(target, batch):
   tokens, lengths = batch
   with pytest.raises(ValueError, match="Medusa heads"):
@@ -164,7 +170,7 @@ def features_mismatch(target, drafter, tokens, lengths) -> float:
   return worst
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
 def test_head_cache_holds_the_targets_features(target, batch, kind):
   tokens, lengths = batch
   assert features_mismatch(target, make_drafter(target, kind), tokens, lengths) < 1e-4
@@ -324,6 +330,7 @@ def test_eagle3_import_forward_equals_numpy_layout(import_target, tmp_path):
   assert np.all(np.isneginf(full[:, outside]))
 
 
+@pytest.mark.slow
 def test_eagle3_import_decodes_greedy_like_generate(import_target, tmp_path):
   target = import_target
   write_eagle3(tmp_path / "head", target, draft_ids=IMPORT_IDS, embed=True)

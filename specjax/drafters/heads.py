@@ -92,6 +92,14 @@ class EagleDrafter:
   head: Any
   target_embed: jax.Array
 
+  def __post_init__(self):
+    config = getattr(self.head, "config", None)
+    shape = getattr(self.target_embed, "shape", None)  # absent for pytree placeholders
+    if config is not None and shape is not None and tuple(shape) != (config.vocab_size,
+                                                                     config.embed_dim):
+      raise ValueError(f"target_embed has shape {tuple(shape)}, the head expects "
+                       f"[{config.vocab_size}, {config.embed_dim}] (the target's embedding)")
+
   @property
   def taps(self) -> tuple[int, ...]:
     return tuple(self.head.config.taps)
