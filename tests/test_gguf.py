@@ -234,6 +234,17 @@ def test_llama_file_is_unpermuted(tmp_path):
   _assert_same_model(from_gguf(file), model)
 
 
+def test_qwen3_file_is_not_permuted(tmp_path):
+  """Qwen2/3 files are written unpermuted; Qwen3's per-head q/k norms map onto qk_norm."""
+  config = tiny_config(vocab_size=64, bos_id=1, eos_id=2, qk_norm=True, rope_theta=1e6,
+                       family="qwen3")
+  model = sj.init_params(config, jax.random.key(3))
+  model = sj.Model(jax.tree.map(
+      lambda x: x + 0.1 * jax.random.normal(jax.random.key(4), x.shape), model.params), config)
+  file = _write_model(model, tmp_path / "qwen3.gguf", "qwen3", permute=False, norm_shift=0.0)
+  _assert_same_model(from_gguf(file), model)
+
+
 def test_skipping_the_unpermutation_would_be_caught(tmp_path):
   """Power check: the same file read without undoing the permutation gives other logits."""
   config = tiny_config(vocab_size=64, bos_id=1, eos_id=2)
