@@ -4,7 +4,7 @@ For V in {32k, 128k, 256k}, B in {1, 8, 64}, k in {4, 8} it times, on the defaul
 
   kernel     the fused kernel compiled: `fused_verify` (Mosaic) on a TPU, `fused_verify_gpu`
              (Triton) on a GPU
-  reference  `specjax.sampling.verify_reference` under jit (XLA)
+  reference  `specjax.rule.verify_reference` under jit (XLA)
   read       `max` over the same logits under jit: XLA reading them once, the practical floor
   floor      logits bytes / the chip's HBM bandwidth (when the chip is in `HBM_BANDWIDTH`)
 
@@ -55,6 +55,11 @@ SAMPLINGS = {"greedy": S.GREEDY, "temperature": S.Sampling(temperature=1.0),
              "top_k_top_p": S.Sampling(temperature=0.8, top_k=50, top_p=0.9)}
 
 
+def _reference():
+  """`specjax.rule.verify_reference` (imported late: `--passes --base` loads older checkouts)."""
+  return importlib.import_module("specjax.rule").verify_reference
+
+
 def _inputs(batch, num_draft, vocab, dtype, seed=0):
   key_t, key_q, key_d = jax.random.split(jax.random.key(seed), 3)
   draft = jax.random.normal(key_q, (batch, num_draft, vocab), jnp.float32) * 3
@@ -94,7 +99,7 @@ def run_timings(args):
       for num_draft in NUM_DRAFTS:
         inputs = _inputs(batch, num_draft, vocab, dtype)
         logits_bytes = (inputs["target_logits"].nbytes + inputs["draft_logits"].nbytes)
-        reference = jax.jit(functools.partial(S.verify_reference, sampling=sampling))
+        reference = jax.jit(functools.partial(_reference(), sampling=sampling))
         read = jax.jit(lambda target_logits, draft_logits, **_: (jnp.max(target_logits),
                                                                   jnp.max(draft_logits)))
         row = dict(vocab=vocab, batch=batch, num_draft=num_draft, logits_bytes=logits_bytes,
@@ -153,7 +158,7 @@ def run_interpret(args):
         start = time.perf_counter()
         got = fused_verify(**inputs, sampling=sampling, interpret=True)
         elapsed = time.perf_counter() - start
-        want = S.verify_reference(**inputs, sampling=sampling)
+        want = _reference()(**inputs, sampling=sampling)
         match = bool(np.array_equal(got.tokens, want.tokens)
                      and np.array_equal(got.num_accepted, want.num_accepted))
         all_match &= match

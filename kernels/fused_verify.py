@@ -74,7 +74,7 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                  interpret=False, device_kind: str | None = None) -> VerifyResult:
   """The speculative accept/reject rule, fused over vocabulary tiles.
 
-  Same contract and same tokens as `specjax.sampling.verify_reference`.
+  Same contract and same tokens as `specjax.rule.verify_reference`.
 
   Args:
     target_logits: `[B, k+1, V]` raw target logits (float32 or bfloat16).

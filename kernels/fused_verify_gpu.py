@@ -1,7 +1,7 @@
 """Fused rejection-sampling verify for GPUs (Pallas Triton backend; also runs in interpret mode).
 
 The same math, the same random numbers and the same `VerifyResult` as the TPU kernel in
-`fused_verify.py` and the oracle `specjax.sampling.verify_reference`; only the schedule differs.
+`fused_verify.py` and the oracle `specjax.rule.verify_reference`; only the schedule differs.
 Triton has no sequential grid axes with persistent scratch, so each program owns a block of
 `block_b` batch rows and runs every pass itself, as `lax.fori_loop`s over vocabulary tiles:
 
@@ -101,7 +101,7 @@ def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
   """The speculative accept/reject rule on GPU (Triton), fused over vocabulary tiles.
 
   Same arguments, contract and tokens as `specjax.kernels.fused_verify` (and
-  `specjax.sampling.verify_reference`), except `block_sizes` is a `GpuBlockSizes` and `interpret`
+  `specjax.rule.verify_reference`), except `block_sizes` is a `GpuBlockSizes` and `interpret`
   is a bool (the Pallas interpreter, any platform).
   """
   batch, num_draft = check_verify_args(target_logits, draft_logits, draft_tokens)
