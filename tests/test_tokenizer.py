@@ -160,3 +160,21 @@ def test_matches_transformers_saved_tokenizer(trained, tmp_path):
     assert tok.decode(ids[row]) == hf.decode(batch["input_ids"][row], skip_special_tokens=True)
     assert (tok.decode(ids[row], skip_special_tokens=False)
             == hf.decode(batch["input_ids"][row], skip_special_tokens=False))
+
+
+def test_gguf_tokenizer_saves_as_a_directory(tmp_path):
+  """A tokenizer built from GGUF metadata, saved and reloaded from tokenizer.json + configs:
+  same ids, special ids, end-of-turn ids and chat template."""
+  from specjax.io.gguf import find_packaged_gguf
+  try:
+    path = find_packaged_gguf("smollm2")
+  except FileNotFoundError as error:
+    pytest.skip(str(error))
+  built = sj.load_tokenizer(path)
+  built.save(tmp_path)
+  again = sj.load_tokenizer(tmp_path)
+  for text in ("Hello  world\n\n", "<|im_start|>user\nçà 123<|im_end|>", "def f():\n\treturn 1"):
+    assert again.encode(text) == built.encode(text)
+  assert (again.bos_id, again.eos_ids, again.pad_id, again.add_bos) == (
+      built.bos_id, built.eos_ids, built.pad_id, built.add_bos) == (1, (2,), 2, False)
+  assert again.chat_template == built.chat_template and "<|im_start|>" in built.chat_template
