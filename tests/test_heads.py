@@ -350,6 +350,7 @@ def test_eagle3_import_decodes_greedy_like_generate(import_target, tmp_path):
     (dict(overrides={"draft_vocab_size": 7}), "draft_vocab_size"),
     (dict(draft_ids=[5, 3, 9]), "d2t"),
     (dict(overrides={"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 9, 2]}}), "taps"),
+    (dict(overrides={"eagle_aux_hidden_state_layer_ids": [1, 2]}), "fc.weight reads 3"),
     (dict(overrides={"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}), "rope_scaling"),
 ])
 def test_eagle3_import_rejects_malformed_checkpoints(import_target, tmp_path, case, message):

@@ -3,8 +3,8 @@
 A checkpoint directory holds `config.json` (a Llama-style config: `hidden_size`,
 `num_attention_heads`, `num_key_value_heads`, `head_dim`, `intermediate_size`, `rms_norm_eps`,
 `rope_theta`, `vocab_size` (the target's), `draft_vocab_size`, optionally
-`eagle_config.eagle_aux_hidden_state_layer_ids`) and safetensors weights named (PyTorch `Linear`
-weights are `[out, in]`):
+`eagle_aux_hidden_state_layer_ids`, top level or under `eagle_config`) and safetensors weights
+named (PyTorch `Linear` weights are `[out, in]`):
 
   fc.weight                              [H, n*H]  the n target taps, concatenated -> H
   midlayer.input_layernorm.weight        [H]       norm of the token embedding
@@ -49,7 +49,9 @@ _REQUIRED = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_no
 
 def eagle3_taps(config: dict, num_target_layers: int) -> tuple[int, ...]:
   """The target layers whose incoming residual stream the head reads."""
-  ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+  ids = config.get("eagle_aux_hidden_state_layer_ids")  # top level (vLLM) or in eagle_config
+  if ids is None:
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
   if ids is None:
     ids = (2, num_target_layers // 2, num_target_layers - 3)
   taps = tuple(int(i) for i in ids)
