@@ -150,7 +150,8 @@ def test_batches_are_a_function_of_the_step(target, tmp_path):
   assert sum(int(a.batch_at(s)["mask"].sum()) for s in range(3)) == expected
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "medusa"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow),
+                                  pytest.param("medusa", marks=pytest.mark.slow)])
 def test_resumed_run_equals_uninterrupted_run_bitwise(target, tmp_path, kind):
   _write_chunks(tmp_path / "data", 4, target)
   config = heads.HeadTrainConfig(kind=kind, steps=6, batch_size=4, seq_len=16, ttt_steps=3,
@@ -170,6 +171,7 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(target, tmp_path, kind):
   assert (tmp_path / "full" / "head").is_dir()
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss(target, tmp_path):
   """A few dozen steps on a fixed small data set must fit it (the loss falls by a clear margin)."""
   _write_chunks(tmp_path / "data", 2, target)
@@ -242,3 +244,25 @@ def test_medusa_starts_as_the_target_head(target):
   logits = medusa.medusa_forward(heads_, out.hidden)  # [1, 5, 3, 40]
   for i in range(3):  # zero-initialised residual: each head reproduces the target's logits rows
     np.testing.assert_allclose(logits[:, :, i], out.logits[..., ids], atol=1e-4, rtol=1e-4)
+
+
+def test_cli_trains_and_exports_a_head(target, tmp_path):
+  """`specjax train head` on a saved tiny target; the exported head loads and drafts."""
+  from specjax import cli
+  from specjax.io.orbax import save
+  save(target, tmp_path / "target")
+  _write_chunks(tmp_path / "data", 2, target)
+  code = cli.main(["train", "head", "--target", str(tmp_path / "target"), "--data",
+                   str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), "--kind", "mtp",
+                   "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--ttt-steps", "2",
+                   "--draft-vocab", "24", "--warmup", "1", "--chunks", "1", "--eval-chunks", "0",
+                   "--gen-batch", "4", "--no-progress"])
+  assert code == 0
+  head = eagle.load_head(tmp_path / "run" / "head")
+  assert head.config.taps == () and head.config.draft_vocab_size == 24
+  exported, step = head_run.export_head(target, tmp_path / "run", tmp_path / "exported",
+                                        dtype=jnp.bfloat16)
+  assert step == 2
+  again = eagle.load_head(tmp_path / "exported")
+  np.testing.assert_allclose(np.asarray(again.params["lm_head"]),
+                             np.asarray(head.params["lm_head"]), rtol=1e-2, atol=1e-2)

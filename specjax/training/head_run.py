@@ -199,3 +199,24 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
   if int(state["step"]) >= config.steps:
     save_network(network, run_dir / HEAD_DIR)
   return network
+
+
+def export_head(target: Model, run_dir: str | os.PathLike, path: str | os.PathLike, *,
+                dtype=None):
+  """Saves the network of a run's newest train state (finished or not) to `path`.
+
+  Returns:
+    `(network, step)`.
+  """
+  run_dir = pathlib.Path(run_dir)
+  record = json.loads((run_dir / "run.json").read_text())
+  config = heads_lib.HeadTrainConfig(**record["config"])
+  draft_ids = np.load(run_dir / "draft_ids.npy")
+  params, d2t, static = heads_lib.split_network(
+      heads_lib.init_network(config, target, draft_ids))
+  state = _latest_state(run_dir, heads_lib.init_state(config, params))
+  if state is None:
+    raise FileNotFoundError(f"no train state in {run_dir}")
+  network = heads_lib.join_network(state["params"], d2t, static)
+  save_network(network, path, dtype=dtype)
+  return network, int(state["step"])
