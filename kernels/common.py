@@ -101,3 +101,13 @@ def select_row(values, n):
   row_ids = jax.lax.broadcasted_iota(jnp.int32, (1, values.shape[1], 1), 1)
   empty = np.iinfo(np.int32).min if values.dtype == jnp.int32 else _NEG_INF
   return jnp.max(jnp.where(row_ids == n, values, empty), axis=1, keepdims=True)
+
+
+def leading_ones(flags, k):
+  """[bb, rows, 1] int32 0/1 -> [bb, 1, 1] number of leading ones among the first k rows."""
+  alive = jnp.ones_like(flags[:, 0:1])
+  count = jnp.zeros_like(alive)
+  for i in range(k):
+    alive = alive * flags[:, i:i + 1]
+    count = count + alive
+  return count

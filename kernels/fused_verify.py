@@ -37,7 +37,6 @@ move a decision only when a comparison is within rounding of its boundary.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -51,7 +50,8 @@ from specjax.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET
                                     TPU_VMEM_BYTES, BlockSizes, compile_device_kind,
                                     tpu_generation, vmem_budget_for, vmem_limit_for)
 from specjax.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms, check_verify_args,
-                                    schedule_for, select_row, tile_argmax)
+                                    leading_ones, schedule_for, select_row,
+                                    tile_argmax)
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, VerifyResult
 
@@ -272,7 +272,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
     def _greedy_finish():
       target_argmax = _column(target_stats["argmax"])  # [bb, k+1, 1]
       matches = (target_argmax == draft_column).astype(jnp.int32)
-      num_accepted = _leading_ones(matches, k)  # [bb, 1, 1]
+      num_accepted = leading_ones(matches, k)  # [bb, 1, 1]
       _write_tokens(out_ref, draft_column, k, num_accepted,
                     select_row(target_argmax, num_accepted))
     return
@@ -398,7 +398,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
       else:
         q_draft = jnp.ones_like(p_draft)
       accepted = (uniform_column_ref[:, :k] * q_draft < p_draft).astype(jnp.int32)
-      _set_column(race["num_accepted"], _leading_ones(accepted, k))
+      _set_column(race["num_accepted"], leading_ones(accepted, k))
       _set_column(race["residual_best"], _NEG_INF)
       _set_column(race["fallback_best"], _NEG_INF)
       _set_column(race["residual_token"], 0)
@@ -432,16 +432,6 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
       final = jnp.where(_column(race["has_mass"]) > 0, _column(race["residual_token"]),
                         _column(race["fallback_token"]))
       _write_tokens(out_ref, draft_column, k, n, final)
-
-
-def _leading_ones(flags, k):
-  """[bb, rows, 1] int32 0/1 -> [bb, 1, 1] number of leading ones among the first k rows."""
-  alive = jnp.ones_like(flags[:, 0:1])
-  count = jnp.zeros_like(alive)
-  for i in range(k):
-    alive = alive * flags[:, i:i + 1]
-    count = count + alive
-  return count
 
 
 def _write_tokens(out_ref, draft_column, k, num_accepted, final):
