@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax as sj
 from specjax import parallel as sh
-from specjax import sharding as vocab
+from specjax import sharding as vocab_sharding
 from specjax.parallel import verify as parallel_verify
 from specjax.decode import _decode, decode
 from specjax.drafters import ModelDrafter
@@ -173,7 +173,7 @@ def test_cache_bytes_per_device(models, shape, expected):
 
 def test_compiled_generate_holds_a_sharded_cache(models, prompts):
   """Inside the jitted loop the cache is created and kept sharded: its per-device buffer is
-  [L, B/data, S, KVH/model, D] and the full-size cache never appears."""
+  [L, B/data, KVH/model, S, D] and the full-size cache never appears."""
   target, _ = models
   tokens, lengths = prompts
   mesh = sj.make_mesh((2, 4))
@@ -182,8 +182,8 @@ def test_compiled_generate_holds_a_sharded_cache(models, prompts):
                                jax.random.key(0), jnp.int32(4), jnp.int32(-1), sampling=Sampling(),
                                capacity=64, pad_id=0).compile()
   text = compiled.as_text()
-  assert "f32[2,4,70,1,8]" in text  # S = 6 prompt + 64 capacity
-  assert "f32[2,8,70,4,8]" not in text
+  assert "f32[2,4,1,70,8]" in text  # S = 6 prompt + 64 capacity
+  assert "f32[2,8,4,70,8]" not in text
 
 
 def test_constraints_only_under_a_mesh(models, prompts):
@@ -255,8 +255,9 @@ def _mesh(kind, shape):
 
 def _context(name, mesh):
   import contextlib
-  return {"none": contextlib.nullcontext(), "set_mesh": jax.set_mesh(mesh),
-          "use_mesh": sh.use_mesh(mesh)}[name]
+  if name == "none":
+    return contextlib.nullcontext()
+  return jax.set_mesh(mesh) if name == "set_mesh" else sh.use_mesh(mesh)
 
 
 def _grid():
@@ -338,7 +339,7 @@ def test_rules_are_part_of_the_compiled_program_key(models, prompts):
   with sh.use_mesh(mesh, replicated_rows):
     second = sj.generate(target, tokens, jax.random.key(2), lengths=lengths, max_new_tokens=4)
   assert first.tokens.sharding.spec[0] == "data"
-  assert second.tokens.sharding.spec[0] is None  # the new rules were used, not a cached program
+  assert tuple(second.tokens.sharding.spec)[:1] in ((), (None,))  # new rules, not a cached program
   np.testing.assert_array_equal(first.tokens, second.tokens)
 
 
@@ -388,7 +389,7 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
   draft = None if point_mass else draft
   expected = jax.jit(lambda t, d: verify_reference(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions))(target, draft)
-  got = jax.jit(lambda t, d: vocab.sharded_verify(
+  got = jax.jit(lambda t, d: vocab_sharding.sharded_verify(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions,
       mesh=mesh))(target, draft)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -407,7 +408,7 @@ def test_sharded_verify_other_layouts(shape, vocab):
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
   expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                               positions=positions)
-  got = vocab.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
+  got = vocab_sharding.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                           positions=positions, mesh=mesh)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -422,7 +423,7 @@ def test_sharded_warp_keeps_the_same_tokens(sampling):
   logits = 3.0 * jax.random.normal(jax.random.key(4), (256, 128))
   logits = logits.at[0].set(jnp.round(logits[0]))  # many exact ties
   expected = warp_logits(logits, sampling)
-  got = vocab.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
+  got = vocab_sharding.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
   assert got.sharding.spec[-1] == "model"
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
   np.testing.assert_allclose(np.where(np.isfinite(got), got, 0),
@@ -435,7 +436,7 @@ def test_sharded_verify_never_gathers_the_vocabulary():
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(0)
   shard = NamedSharding(mesh, P("data", None, "model"))
   target, draft = jax.device_put(target, shard), jax.device_put(draft, shard)
-  text = jax.jit(lambda t, d: vocab.sharded_verify(
+  text = jax.jit(lambda t, d: vocab_sharding.sharded_verify(
       t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seeds=seed_words, positions=positions,
       mesh=mesh)).lower(target, draft).compile().as_text()
   assert "f32[4,5,32]" in text  # the local slice: 8/2 rows, k+1, 128/4 vocab
