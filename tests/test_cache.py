@@ -86,3 +86,41 @@ def test_batch_sharded_write_is_local_and_in_place():
                for line in hlo.splitlines()
                if "=" in line and line.split("=", 1)[1].lstrip().startswith(local)]
   assert producers and all("parameter" in p or "scatter" in p for p in producers), producers
+
+
+
+def _moves(hlo: str, shapes) -> list[str]:
+  """Instructions of a compiled CPU program that copy or transpose into one of `shapes`."""
+  found = []
+  for line in hlo.splitlines():
+    if "=" not in line:
+      continue
+    name, rest = line.split("=", 1)
+    if not any(rest.lstrip().startswith(shape) for shape in shapes):
+      continue
+    op = rest.split("(", 1)[0].split()[-1]
+    if op in ("copy", "transpose") or "copy" in name or "transpose" in name:
+      found.append(line.strip()[:120])
+  return found
+
+
+@pytest.mark.parametrize("width", [1, 5])
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_compiled_forward_moves_no_cache_slab(layout, width):
+  """A jitted forward (donated cache) neither transposes a layer's cache slab for attention nor
+  copies the cache: the stacked scan reads each layer's [B, KVH, S, D] slab as it lies, and the
+  unrolled loop updates its per-layer buffers in place. (Head width 64 and 256 slots, so that
+  XLA:CPU picks the same dot kernels as for real models; with a `btkgd` output of the value
+  product, or the old [L, B, S, KVH, D] layout, this program holds a transposed slab per layer.)"""
+  config = sj.ModelConfig(vocab_size=64, embed_dim=64, num_layers=2, num_heads=6,
+                          num_kv_heads=2, head_dim=64, mlp_dim=96)
+  model = sj.init_params(config, jax.random.key(0))
+  model = model if layout == "stacked" else model.unstacked()
+  cache = model.init_cache(1, 256)
+  fwd = jax.jit(lambda m, tokens, starts, c: m(tokens, starts, c), donate_argnums=3)
+  hlo = fwd.lower(model, jnp.ones((1, width), jnp.int32), jnp.full((1,), 9, jnp.int32),
+                  cache).compile().as_text()
+  transposed = {"f32[1,2,64,256]", "f32[2,64,256]", "f32[1,256,2,64]", "f32[256,2,64]"}
+  assert not _moves(hlo, transposed), _moves(hlo, transposed)
+  if layout == "unstacked":
+    assert not _moves(hlo, {"f32[1,2,256,64]", "f32[2,256,64]"})
