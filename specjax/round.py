@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from specjax.sampling import Sampling
 from specjax.state import DecodeState, Proposal, gather_tokens
 from specjax.validation import is_eos as is_eos_token
-from specjax.verify import verify_tokens
+from specjax.dispatch import verify_tokens
 
 __all__ = ["draft_step", "round_step", "verify_block"]
 
@@ -63,7 +63,7 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     state: the decode state before verification (its target cache holds all but the last token).
     proposal: the round's drafts from `draft_step`.
     sampling: the sampling settings (identical to the drafter's).
-    impl: which verify implementation to run (see `specjax.verify.verify_tokens`).
+    impl: which verify implementation to run (see `specjax.dispatch.verify_tokens`).
 
   Returns:
     The advanced state. Rows already done are left unchanged.

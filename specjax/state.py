@@ -47,7 +47,7 @@ class DecodeState:
   eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
   done: jax.Array  # [B] bool
   seeds: jax.Array  # [B] uint32 per-row random-stream seeds (`sampling.row_seeds`)
-  target_cache: KVCache  # [L, B, S, KVH, D] keys/values for tokens[:, :lengths - 1]
+  target_cache: KVCache  # [L, B, KVH, S, D] keys/values for tokens[:, :lengths - 1]
   draft_state: Any  # the drafter's own state (e.g. its KV cache)
   stats: DecodeStats
 
