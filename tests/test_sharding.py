@@ -20,7 +20,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax as sj
 from specjax import parallel as sh
-from specjax import sharding as vocab_sharding
 from specjax.parallel import verify as parallel_verify
 from specjax.decode import _decode, decode
 from specjax.drafters import ModelDrafter
@@ -389,7 +388,7 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
   draft = None if point_mass else draft
   expected = jax.jit(lambda t, d: verify_reference(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions))(target, draft)
-  got = jax.jit(lambda t, d: vocab_sharding.sharded_verify(
+  got = jax.jit(lambda t, d: parallel_verify.sharded_verify(
       t, d, draft_tokens, sampling=sampling, seeds=seed_words, positions=positions,
       mesh=mesh))(target, draft)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
@@ -408,8 +407,8 @@ def test_sharded_verify_other_layouts(shape, vocab):
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
   expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                               positions=positions)
-  got = vocab_sharding.sharded_verify(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
-                          positions=positions, mesh=mesh)
+  got = parallel_verify.sharded_verify(target, draft, draft_tokens, sampling=sampling,
+                                       seeds=seed_words, positions=positions, mesh=mesh)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
 
@@ -423,7 +422,7 @@ def test_sharded_warp_keeps_the_same_tokens(sampling):
   logits = 3.0 * jax.random.normal(jax.random.key(4), (256, 128))
   logits = logits.at[0].set(jnp.round(logits[0]))  # many exact ties
   expected = warp_logits(logits, sampling)
-  got = vocab_sharding.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
+  got = parallel_verify.sharded_warp_logits(logits, sampling, mesh=sj.make_mesh((1, 8)))
   assert got.sharding.spec[-1] == "model"
   np.testing.assert_array_equal(np.isfinite(got), np.isfinite(expected))
   np.testing.assert_allclose(np.where(np.isfinite(got), got, 0),
@@ -436,7 +435,7 @@ def test_sharded_verify_never_gathers_the_vocabulary():
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(0)
   shard = NamedSharding(mesh, P("data", None, "model"))
   target, draft = jax.device_put(target, shard), jax.device_put(draft, shard)
-  text = jax.jit(lambda t, d: vocab_sharding.sharded_verify(
+  text = jax.jit(lambda t, d: parallel_verify.sharded_verify(
       t, d, draft_tokens, sampling=VERIFY_SAMPLINGS[-1], seeds=seed_words, positions=positions,
       mesh=mesh)).lower(target, draft).compile().as_text()
   assert "f32[4,5,32]" in text  # the local slice: 8/2 rows, k+1, 128/4 vocab

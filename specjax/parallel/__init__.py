@@ -1,6 +1,5 @@
-"""Sharding: logical-axis rules (`rules`) and meshes and placement (`mesh`).
-
-The vocabulary-sharded verify rule lives in `specjax.sharding` (moving to `parallel/verify.py`).
+"""Sharding: logical-axis rules (`rules`), meshes and placement (`mesh`), and the verify rule
+under `shard_map` with rows and the vocabulary split over the mesh (`verify`).
 """
 
 from specjax.parallel.mesh import (cache_shardings, call_context, make_mesh, param_shardings,
