@@ -73,10 +73,11 @@ def test_ngram_decode_with_the_kernel_matches_target_distribution(target, name):
   assert pvalue > exactness.ALPHA
 
 
-def test_kernel_path_equals_the_reference_path(target, draft):
+@pytest.mark.parametrize("name", sorted(exactness.SETTINGS))
+def test_kernel_path_equals_the_reference_path(target, draft, name):
   # Stronger than a goodness-of-fit test: the kernel and the reference share their random
-  # numbers, so the 20,000 decodes must agree token for token.
-  sampling = exactness.SETTINGS["t0.7_topk3"]
+  # numbers, so the 20,000 decodes must agree token for token, in every setting.
+  sampling = exactness.SETTINGS[name]
   kernel_tokens, _ = exactness.run_decode(target, draft, sampling, verify_impl="interpret")
   reference_tokens, _ = exactness.run_decode(target, draft, sampling, verify_impl="reference")
   np.testing.assert_array_equal(kernel_tokens, reference_tokens)
