@@ -155,8 +155,8 @@ def test_mtp_head_matches_target_distribution(target, name):
   assert p > ALPHA
 
 
-@pytest.mark.parametrize("name", [
-    "t0.7_topk5_topp0.9", pytest.param("t1", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_medusa_heads_match_target_distribution(target, name):
   p, summary = pvalue(target, make_medusa(target), name)
   assert 0.05 < summary["acceptance_rate"] < 0.95
@@ -192,8 +192,12 @@ def first_acceptance_pvalue(target, drafter, sampling) -> float:
   return value
 
 
+ACCEPTANCE_SETTING = "t0.7_topk5_topp0.9"  # shares the compiled decode of the chi-square test
+
+
 def test_first_draft_acceptance_is_one_minus_tv(target):
-  assert first_acceptance_pvalue(target, make_eagle(target, "eagle3"), SETTINGS["t1"]) > ALPHA
+  drafter = make_eagle(target, "eagle3")
+  assert first_acceptance_pvalue(target, drafter, SETTINGS[ACCEPTANCE_SETTING]) > ALPHA
 
 
 def test_point_mass_q_is_detected(target):
@@ -201,7 +205,7 @@ def test_point_mass_q_is_detected(target):
   rule emits p), so the chi-square above cannot see it; it shows as acceptance E_q[p(x)]
   instead of 1 - TV(p, q), which the same binomial test rejects."""
   drafter = make_eagle(target, "eagle3", PointMassEagle)
-  assert first_acceptance_pvalue(target, drafter, SETTINGS["t1"]) < POWER_ALPHA
+  assert first_acceptance_pvalue(target, drafter, SETTINGS[ACCEPTANCE_SETTING]) < POWER_ALPHA
 
 
 def test_q_before_warping_is_detected(target):
