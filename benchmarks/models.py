@@ -113,6 +113,8 @@ def environment() -> dict:
       "python": platform.python_version(),
       "jax": jax.__version__,
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      # Other load on a shared machine slows every call: 1/5/15-minute run-queue averages.
+      "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
   }
 
 

@@ -86,7 +86,10 @@ def real_table(result: dict) -> str:
            "(1 - a) / (k c + v) with v = one (k+1)-token verify / one target step = "
            f"{costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f} at "
            f"k={min(costs['verify_s'])} and c = the drafter's own work per draft token / one "
-           "target step (both measured); efficiency = loop speedup / bound.", ""]
+           "target step (both measured); efficiency = loop speedup / bound."
+           + (f" Load average at the end of the run: {env['load_average'][0]:.1f} on "
+              f"{env['cpu_count']} cores." if env.get("load_average") else "")
+           + (f" {result['run_note']}" if result.get("run_note") else ""), ""]
   summary = result["summary"]
   for sampling in dict.fromkeys(r["sampling"] for r in summary):
     rows = [r for r in summary if r["sampling"] == sampling]
