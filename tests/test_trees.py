@@ -144,18 +144,19 @@ def test_tree_forward_equals_causal_forward_on_every_path(target, draft, batch):
                           seeds=jnp.arange(3, dtype=jnp.uint32))
   scored_logits = model_expand(target, tokens, lengths)(
       tree.ext_tokens(root), tree.ext_parents(), tree.ext_depths())  # [B, N + 1, V]
-  checked = 0
+  cases = []  # (row, prompt length, path); all paths go through one causal forward, right-padded
   for b in range(3):
-    length = int(lengths[b])
-    for path in all_paths(tree, b):
-      sequence = np.concatenate([np.asarray(tokens[b, :length]),
-                                 np.asarray(tree.tokens[b])[path]])
-      plain = target(jnp.asarray(sequence)[None], jnp.zeros((1,), jnp.int32)).logits[0]
-      expected = plain[length - 1:]  # after the root, then after each path node
-      got = scored_logits[b, np.asarray([0] + [i + 1 for i in path])]
-      np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
-      checked += 1
-  assert checked == 3 * 12
+    cases += [(b, int(lengths[b]), path) for path in all_paths(tree, b)]
+  assert len(cases) == 3 * 12
+  sequences = np.zeros((len(cases), tokens.shape[1] + spec.depth), np.int32)
+  for row, (b, length, path) in enumerate(cases):
+    sequences[row, :length + len(path)] = np.concatenate(
+        [np.asarray(tokens[b, :length]), np.asarray(tree.tokens[b])[path]])
+  plain = target(jnp.asarray(sequences), jnp.zeros((len(cases),), jnp.int32)).logits
+  for row, (b, length, path) in enumerate(cases):
+    expected = plain[row, length - 1:length + len(path)]  # after the root, then each path node
+    got = scored_logits[b, np.asarray([0] + [i + 1 for i in path])]
+    np.testing.assert_allclose(got, expected, atol=ATOL, rtol=0)
 
 
 def test_compaction_equals_plain_decode_of_emitted_tokens(target, batch):
