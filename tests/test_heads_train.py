@@ -25,7 +25,7 @@ def _draft_ids(size=40, seed=0):
   return np.sort(np.random.RandomState(seed).choice(VOCAB, size, replace=False)).astype(np.int32)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["eagle3", pytest.param("mtp", marks=pytest.mark.slow)])
 def test_training_unroll_equals_cached_inference(target, kind):
   """Step j of the training-time test for chain i == running the head with its KV cache over the
   true pairs 0..i, then j single steps on its own output features."""
@@ -40,7 +40,7 @@ def test_training_unroll_equals_cached_inference(target, kind):
   embed = target.params["embed"]
   steps = heads.eagle_unroll(head, embed, tokens, source, num_steps=3)
   features = eagle.project_features(head, source)
-  for chain in (0, 4, 7):
+  for chain in (0, 6):
     cache = head.init_cache(2, 32)
     logits, hidden, cache = eagle.head_forward(head, embed, tokens[:, 1:chain + 2],
                                                features[:, :chain + 1], jnp.zeros(2, jnp.int32),
