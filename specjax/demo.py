@@ -14,7 +14,7 @@ import time
 import jax
 import numpy as np
 
-DEFAULT_QUESTION = "What are three simple habits that help people sleep better?"
+DEFAULT_QUESTION = "What are some tips for getting better sleep?"
 
 
 def _time(fn, repeats: int) -> float:
