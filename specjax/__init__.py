@@ -4,10 +4,15 @@ from specjax.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
 from specjax.decode import DecodeState, decode, draft_step, init_state
 from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal
+from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.io.eagle3 import load_eagle3
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.outputs import DecodeOutput, DecodeStats
-from specjax.sampling import Sampling
+from specjax.sampling import Sampling, row_seeds
+from specjax.stream import decode_stream
+from specjax.tree_decode import decode_tree
+from specjax.trees import TreeSpec
 from specjax.round import round_step, verify_block
 from specjax.parallel import ShardingRules, make_mesh, shard
 from specjax.io.tokenizer import Tokenizer, load_tokenizer
@@ -20,8 +25,9 @@ __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
     "generate", "init_params",
     "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
-    "init_state", "verify_block",
-    "from_hf", "load", "save",
+    "init_state", "round_step", "row_seeds", "verify_block", "decode_stream",
+    "EagleDrafter", "MedusaDrafter", "load_eagle3", "TreeSpec", "decode_tree",
+    "from_gguf", "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",
     "DefaultPair", "load_default",

@@ -30,6 +30,8 @@ from specjax.state import DecodeOutput, DecodeState, finish, init_state
 from specjax.tracing import TRACE_COUNTS
 from specjax.validation import NEW_TOKEN_BUCKET
 from specjax.dispatch import check_verify_impl
+from specjax.tree_decode import decode_tree
+from specjax.trees import TreeSpec
 
 __all__ = ["DecodeState", "NEW_TOKEN_BUCKET", "decode", "draft_step", "init_state",
            "verify_block"]
@@ -78,7 +80,8 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
            num_draft: int = 4, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
-           pad_id: int | None = None, verify_impl: str = "auto") -> DecodeOutput:
+           pad_id: int | None = None, verify_impl: str = "auto",
+           tree: TreeSpec | None = None) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -98,6 +101,11 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       included in the output; None = never.
     pad_id: fills the output after each row's end; defaults to the target config's `pad_id`.
     verify_impl: "auto", "reference", "kernel" or "interpret" (see `specjax.dispatch.verify_tokens`).
+    tree: a `specjax.TreeSpec` drafts a tree of continuations per round instead of a chain of
+      `num_draft` tokens (`specjax.tree_decode.decode_tree`: one target pass over the tree with an
+      ancestor mask, exact tree verification, the accepted branch compacted in the cache). The
+      tree path runs on one device with the jnp rule: `num_draft` and `verify_impl` must keep
+      their defaults.
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -105,6 +113,14 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Works on one device and on any mesh the weights live on (`jax.make_mesh` with Explicit axes,
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
+  if tree is not None:
+    if num_draft != 4 or verify_impl != "auto":
+      raise ValueError("with tree=, the tree spec sets the draft shape and the verify rule: leave "
+                       f"num_draft and verify_impl at their defaults (got num_draft={num_draft}, "
+                       f"verify_impl={verify_impl!r})")
+    return decode_tree(target, draft, tokens, rng, tree=tree, lengths=lengths,
+                       max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
+                       pad_id=pad_id)
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)

@@ -214,8 +214,8 @@ SPECS = {
 def test_greedy_tree_decode_equals_generate(target, draft, batch, name):
   tokens, lengths = batch
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
-  out = decode_tree(target, draft, tokens, jax.random.key(0), lengths=lengths,
-                    max_new_tokens=20, tree=SPECS[name])
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,  # routes to decode_tree
+                  max_new_tokens=20, tree=SPECS[name])
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
 
@@ -271,6 +271,8 @@ def test_bad_input_raises_before_tracing(target, draft, batch):
     decode_tree(target, draft, tokens, jax.random.key(0), tree="dynamic")
   with pytest.raises(ValueError, match="draft model"):
     decode_tree(target, None, tokens, jax.random.key(0), tree=SPECS["dynamic"])
+  with pytest.raises(ValueError, match="num_draft"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft=2, tree=SPECS["dynamic"])
 
 
 def test_valid_first_keeps_a_well_formed_tree():
