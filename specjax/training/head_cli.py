@@ -98,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="head: also train on prompt positions")
   parser.add_argument("--context", type=int,
                       help="head: windows start this many tokens before the answer")
+  parser.add_argument("--init-from", help="head: start from this saved head")
   parser.add_argument("--no-progress", action="store_true")
 
 
@@ -128,6 +129,7 @@ def run(args) -> int:
                       eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
                       max_steps=args.stop_at, progress=not args.no_progress,
                       train_on_prompts=args.train_on_prompts, context=args.context,
+                      init_from=args.init_from,
                       log=lambda line: print(line, flush=True))
   print(f"head saved under {pathlib.Path(args.run_dir) / head_run.HEAD_DIR}")
   return 0

@@ -53,6 +53,12 @@ def _latest_state(run_dir: pathlib.Path, abstract: dict):
   return None
 
 
+def _load_network(path):
+  from specjax.io.orbax import read_tree_metadata
+  kind = read_tree_metadata(path).get("kind")
+  return medusa.load_medusa(path) if kind == medusa.MEDUSA_KIND else eagle.load_head(path)
+
+
 def save_network(network, path, *, dtype=None, overwrite=True):
   """Saves an EagleHead or MedusaHeads (Orbax)."""
   if isinstance(network, medusa.MedusaHeads):
@@ -82,7 +88,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
                rows_per_chunk: int = 64, log_every: int = 10, eval_every: int = 200,
                eval_batches: int = 4, checkpoint_every: int = 100, max_steps: int | None = None,
                progress: bool = True, train_on_prompts: bool = False, context: int | None = None,
-               log: Callable[[str], None] = print):
+               init_from: str | os.PathLike | None = None, log: Callable[[str], None] = print):
   """Trains (or resumes) a head on self-distillation chunks; returns the trained network.
 
   Args:
@@ -102,6 +108,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     progress: show a rich progress bar.
     train_on_prompts: also train on prompt positions (evaluation stays on answers).
     context: windows start this many tokens before the answer (None: at the conversation start).
+    init_from: start from this saved network (its draft vocabulary too) instead of a fresh one.
     log: sink for one-line JSON records (also appended to `log.jsonl`).
 
   Returns:
@@ -115,7 +122,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
   record = {"config": dataclasses.asdict(config), "chunks": chunks,
             "eval_chunks": [int(i) for i in eval_chunks], "vocab_chunks": vocab_chunks,
             "rows_per_chunk": rows_per_chunk, "train_on_prompts": bool(train_on_prompts),
-            "context": context,
+            "context": context, "init_from": str(init_from) if init_from else None,
             "data_dir": str(pathlib.Path(data_dir).resolve())}
   run_file = run_dir / "run.json"
   if run_file.exists():
@@ -123,6 +130,10 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     if stored != record:
       raise ValueError(f"{run_dir} holds a different run (run.json differs); use a new folder")
     draft_ids = np.load(run_dir / "draft_ids.npy")
+  elif init_from is not None:
+    draft_ids = np.asarray(_load_network(init_from).draft_ids)
+    np.save(run_dir / "draft_ids.npy", draft_ids)
+    run_file.write_text(json.dumps(record, indent=1))
   else:
     for i in vocab_chunks:
       selfdistill.wait_for_chunk(data_dir, i)
@@ -134,7 +145,8 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     log(json.dumps({"draft_vocab": int(len(draft_ids)), "coverage_of_vocab_chunks":
                     round(coverage, 4), "vocab_tokens": int(counts.sum())}))
 
-  network = heads_lib.init_network(config, target, draft_ids)
+  network = (heads_lib.init_network(config, target, draft_ids) if init_from is None
+             else _load_network(init_from))
   params, d2t, static = heads_lib.split_network(network)
   state = heads_lib.init_state(config, params)
   restored = _latest_state(run_dir, state)
