@@ -176,14 +176,15 @@ def _load_model(path: str, dtype: str):
   from specjax.io import gguf, hf, orbax
 
   directory = pathlib.Path(path)
+  # for_platform: per-layer weights on CPU, the stacked lax.scan elsewhere (same numerics).
   if _is_gguf(path):
-    return gguf.from_gguf(path, dtype=dtype)
+    return gguf.from_gguf(path, dtype=dtype).for_platform()
   if not directory.is_dir():
     raise CliError(f"no checkpoint directory or GGUF file at {path}")
   if (directory / orbax.CONFIG_FILE).is_file():
-    return orbax.load(directory, dtype=dtype)
+    return orbax.load(directory, dtype=dtype).for_platform()
   if (directory / "config.json").is_file():
-    return hf.from_hf(directory, dtype=dtype)
+    return hf.from_hf(directory, dtype=dtype).for_platform()
   raise CliError(f"{path} is neither a specjax checkpoint ({orbax.CONFIG_FILE}) nor a "
                  "Hugging Face one (config.json)")
 

@@ -80,7 +80,7 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   if not head_path.is_dir():
     raise FileNotFoundError(f"the shipped head {head_path} is missing from this build")
   gguf = find_packaged_gguf(GGUF_NAME)
-  target = from_gguf(gguf, dtype=dtype)
+  target = from_gguf(gguf, dtype=dtype).for_platform()  # per-layer weights on CPU (faster there)
   head = load_head(head_path, dtype=dtype)
   if head.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")

@@ -510,3 +510,15 @@ def test_two_processes_match_single_process(tmp_path, models, prompts, single_de
     assert tuple(result["mesh_shape"]) == (2, 4)  # processes along data, local devices on model
     np.testing.assert_array_equal(result["generate"], single_device["generate"])
     np.testing.assert_array_equal(result["decode"], single_device["decode"])
+
+
+def test_shard_places_an_unstacked_model_in_the_stacked_layout():
+  """`Model.for_platform()` gives per-layer weights on CPU; `sj.shard` stacks them again so the
+  layer axis exists to shard and the same weights land on the mesh."""
+  model = sj.init_params(tiny_config(), jax.random.key(0))
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  placed = sj.shard(model.unstacked(), mesh)
+  assert placed.is_stacked
+  for name, weight in model.params["layers"].items():
+    np.testing.assert_array_equal(np.asarray(placed.params["layers"][name]), np.asarray(weight))
+    assert isinstance(placed.params["layers"][name].sharding, NamedSharding)

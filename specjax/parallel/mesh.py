@@ -108,8 +108,12 @@ def shard(model, mesh: jax.sharding.Mesh, rules: ShardingRules | None = None):
     rules: logical-to-mesh rules; default `DEFAULT_RULES`.
 
   Returns:
-    The same model with every weight a `jax.Array` sharded over `mesh`.
+    The same model with every weight a `jax.Array` sharded over `mesh`. A `specjax.Model` comes
+    back in its stacked layout (one `lax.scan` over layers, a `layers` axis to shard), whatever
+    layout it had (`Model.for_platform()` picks the unstacked one on CPU).
   """
+  if hasattr(model, "stacked"):
+    model = model.stacked()
   shardings = param_shardings(model, mesh, rules)
   params = jax.tree.map(_put, model.params, shardings)
   return dataclasses.replace(model, params=params)
