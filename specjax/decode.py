@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from specjax import validation
 from specjax.drafters import as_drafter
-from specjax.parallel.mesh import call_context
+from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
 from specjax.round import draft_step, round_step, verify_block
 from specjax.sampling import GREEDY, Sampling, row_seeds
@@ -127,10 +127,11 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs
-    out = _decode(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids,
-                  sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
-                  pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-                  rules=call.rules)
+    run = under_auto_axes(functools.partial(
+        _decode, sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
+        pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
+        rules=call.rules))
+    out = run(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from specjax import validation
 from specjax.outputs import DecodeOutput, DecodeStats
-from specjax.parallel.mesh import call_context
+from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
 from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
 from specjax.tracing import TRACE_COUNTS
@@ -53,8 +53,9 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
   with call_context(inputs) as call:
     model, tokens, lengths, rng, eos_ids = call.inputs
-    out = _generate(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids,
-                    sampling=sampling, capacity=capacity, pad_id=int(pad), rules=call.rules)
+    run = under_auto_axes(functools.partial(_generate, sampling=sampling, capacity=capacity,
+                                            pad_id=int(pad), rules=call.rules))
+    out = run(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 

@@ -522,3 +522,31 @@ def test_shard_places_an_unstacked_model_in_the_stacked_layout():
   for name, weight in model.params["layers"].items():
     np.testing.assert_array_equal(np.asarray(placed.params["layers"][name]), np.asarray(weight))
     assert isinstance(placed.params["layers"][name].sharding, NamedSharding)
+
+
+def test_decode_inside_the_callers_jit_on_an_explicit_mesh_equals_one_device():
+  """A user's own `jax.jit` around `sj.decode` and `sj.generate` under
+  `jax.set_mesh(jax.make_mesh(...))` (Explicit axes, JAX's default): the library runs under
+  `auto_axes` there and returns the single-device tokens."""
+  target = sj.init_params(tiny_config(), jax.random.key(0))
+  draft = sj.init_params(tiny_config(), jax.random.key(1))
+  tokens = jax.random.randint(jax.random.key(2), (8, 6), 3, target.vocab_size, jnp.int32)
+  lengths = jnp.array([6, 3, 5, 6, 2, 4, 6, 1], jnp.int32)
+  sampling = Sampling(temperature=0.8, top_k=20)
+  want = sj.decode(target, draft, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=8,
+                   num_draft=3, sampling=sampling).tokens
+  want_generate = sj.generate(target, tokens, jax.random.key(3), lengths=lengths,
+                              max_new_tokens=8).tokens
+  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  t, d = sj.shard(target, mesh), sj.shard(draft, mesh)
+
+  @jax.jit
+  def step(t, d, tokens, lengths, rng):
+    out = sj.decode(t, d, tokens, rng, lengths=lengths, max_new_tokens=8, num_draft=3,
+                    sampling=sampling)
+    return out.tokens, sj.generate(t, tokens, rng, lengths=lengths, max_new_tokens=8).tokens
+
+  with jax.set_mesh(mesh):
+    got, got_generate = step(t, d, tokens, lengths, jax.random.key(3))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  np.testing.assert_array_equal(np.asarray(got_generate), np.asarray(want_generate))

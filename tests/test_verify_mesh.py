@@ -63,9 +63,7 @@ def _manual_computation_holds_the_kernel(text: str) -> bool:
   return False
 
 
-@pytest.mark.parametrize("maker", ["sj", pytest.param("jax", marks=pytest.mark.xfail(
-    strict=True, reason="the Flax/transformer embedding gather under Explicit axes inside jit "
-                        "raises ShardingTypeError (models area), before the verify is reached"))])
+@pytest.mark.parametrize("maker", ["sj", "jax"])  # Auto axes; Explicit (under auto_axes)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_decode_exports_the_kernel_inside_shard_map(pair, maker, shape):
   target, draft, tokens, lengths = pair

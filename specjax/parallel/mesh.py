@@ -318,6 +318,21 @@ def call_context(inputs):
     yield context
 
 
+def under_auto_axes(fn):
+  """`fn`, or `fn` under `jax.sharding.auto_axes` when it is traced on a mesh with Explicit axes.
+
+  Outside a trace `call_context` re-types Explicit inputs onto the mesh's Auto view. Inside the
+  caller's own `jax.jit` under `jax.set_mesh(jax.make_mesh(...))` the inputs are tracers with
+  Explicit types that cannot be re-typed; `auto_axes` runs the library's program with Auto axes
+  there instead (the partitioner places its gathers and the verify's shard_map) and hands the
+  results back replicated, as Explicit arrays the caller's program can use.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+    return fn
+  return jax.sharding.auto_axes(fn, out_sharding=PartitionSpec())
+
+
 def place_like(tree, mesh: jax.sharding.Mesh | None):
   """Re-types the arrays of `tree` that live on a view of `mesh` onto it (see `call_context`)."""
   return tree if mesh is None else _retype(tree, mesh)
