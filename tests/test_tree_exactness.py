@@ -23,6 +23,7 @@ from specjax import tree_rule, trees
 from specjax.sampling import Sampling, row_seeds
 from specjax.tree_builders import build_tree
 from specjax.trees import TreeSpec
+from test_exactness import numpy_distribution  # the float64 oracle (tests/ is on sys.path)
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -123,24 +124,6 @@ def run(spec, sampling, rule=None, seed=0):
     sequence, lengths, count = step(sequence, lengths, seeds)
     accepted.append(np.asarray(count))
   return np.asarray(sequence[:, len(PROMPT):len(PROMPT) + NEW]), np.mean(accepted[0])
-
-
-def numpy_distribution(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
-  """Temperature, top-k, top-p in float64: the oracle, written without specjax's code."""
-  x = logits.astype(np.float64) / sampling.temperature
-  keep = np.ones_like(x, bool)
-  if sampling.top_k is not None:
-    kth = np.sort(x, axis=-1)[..., ::-1][..., sampling.top_k - 1:sampling.top_k]
-    keep &= x >= kth
-  probs = np.where(keep, np.exp(x - x.max(-1, keepdims=True)), 0.0)
-  probs /= probs.sum(-1, keepdims=True)
-  if sampling.top_p is not None:
-    order = np.sort(probs, axis=-1)[..., ::-1]
-    first = np.argmax(np.cumsum(order, axis=-1) >= sampling.top_p - 1e-12, axis=-1)
-    threshold = np.take_along_axis(order, first[..., None], axis=-1)
-    probs = np.where(probs >= threshold, probs, 0.0)
-    probs /= probs.sum(-1, keepdims=True)
-  return probs
 
 
 def exact_joint(sampling) -> np.ndarray:
