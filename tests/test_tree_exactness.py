@@ -23,9 +23,9 @@ from specjax import tree_rule, trees
 from specjax.sampling import Sampling, row_seeds
 from specjax.tree_builders import build_tree
 from specjax.trees import TreeSpec
-from test_exactness import numpy_distribution  # the float64 oracle (tests/ is on sys.path)
+# The float64 oracle and the pooled chi-square of tests/test_exactness.py (same VOCAB and NEW).
+from test_exactness import chi_square_pvalue, numpy_distribution
 
-scipy_stats = pytest.importorskip("scipy.stats")
 
 VOCAB = 8
 NEW = 3
@@ -133,21 +133,6 @@ def exact_joint(sampling) -> np.ndarray:
   p2 = probs[b]  # [x1, x2]
   p3 = probs  # [x1, x2, x3]
   return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
-
-
-def chi_square_pvalue(tokens: np.ndarray, joint: np.ndarray) -> float:
-  cells = (tokens[:, 0] * VOCAB + tokens[:, 1]) * VOCAB + tokens[:, 2]
-  observed = np.bincount(cells, minlength=VOCAB ** NEW).astype(np.float64)
-  expected = joint * len(tokens)
-  assert observed[joint == 0].sum() == 0, "emitted a sequence the target cannot produce"
-  support = joint > 0
-  observed, expected = observed[support], expected[support]
-  small = expected < 5
-  if small.any():
-    observed = np.append(observed[~small], observed[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-  expected *= observed.sum() / expected.sum()
-  return float(scipy_stats.chisquare(observed, expected).pvalue)
 
 
 @pytest.mark.parametrize("setting", [
