@@ -112,10 +112,12 @@ def _write_chunks(directory, count, target=None, rows=4, seed=0):
                               log=lambda _: None)
 
 
-def test_recorded_features_equal_a_fresh_forward(target, tmp_path):
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_recorded_features_equal_a_fresh_forward(target, tmp_path, layout):
   """What generation recorded at every kept position == the target's forward over the stored
-  sequence (features, top-k ids), and greedy chunks hold the target's greedy continuation."""
-  _write_chunks(tmp_path, 2, target)
+  sequence (features, top-k ids), and greedy chunks hold the target's greedy continuation; the
+  same for the per-layer CPU layout (`for_platform`), whose prefill caches are joined per layer."""
+  _write_chunks(tmp_path, 2, target if layout == "stacked" else target.for_platform("cpu"))
   for index in (0, 1):
     chunk = selfdistill.load_chunk(selfdistill.chunk_path(tmp_path, index))
     tokens = jnp.asarray(chunk["tokens"])

@@ -17,7 +17,11 @@ import pathlib
 
 def load_target(spec: str, dtype: str = "float32"):
   """A target from "smollm2" (the packaged GGUF), a `.gguf` file, a Hugging Face directory or a
-  specjax checkpoint directory."""
+  specjax checkpoint directory, in the layer layout that runs fastest on this platform."""
+  return _read_target(spec, dtype).for_platform()
+
+
+def _read_target(spec: str, dtype: str):
   import jax.numpy as jnp
   dtype = jnp.dtype(dtype)
   if spec == "smollm2":

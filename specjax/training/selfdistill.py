@@ -34,9 +34,10 @@ def chunk_path(directory: pathlib.Path, index: int) -> pathlib.Path:
 
 
 @functools.partial(jax.jit, static_argnames=("taps", "top_k"))
-def _prefill(target, prompts, cache, *, taps, top_k):
-  out = target(prompts, jnp.zeros((prompts.shape[0],), jnp.int32), cache, taps=taps,
-               return_hidden=True)
+def _prefill(target, prompts, starts, cache, *, taps, top_k):
+  # `starts` (zeros) is an argument: zeros XLA can see make it constant-fold the attention over
+  # the empty cache, for seconds per layer.
+  out = target(prompts, starts, cache, taps=taps, return_hidden=True)
   top_logits, top_ids = jax.lax.top_k(out.logits, top_k)
   return out.cache, out.taps, out.hidden, top_logits, top_ids.astype(jnp.int32)
 
@@ -118,12 +119,15 @@ def generate_chunks(target, encode_chat: Callable[[list[dict]], list[int]],
     caches, pre = [], []
     for r0 in range(0, batch_size, prefill_rows):
       cache = target.init_cache(min(prefill_rows, batch_size - r0), width + max_new_tokens)
-      cache, *rest = _prefill(target, jnp.asarray(prompts[r0:r0 + prefill_rows]), cache,
+      rows_r = jnp.asarray(prompts[r0:r0 + prefill_rows])
+      cache, *rest = _prefill(target, rows_r, jnp.zeros((rows_r.shape[0],), jnp.int32), cache,
                               taps=taps, top_k=top_k)
       caches.append(cache)
       pre.append([np.asarray(x) if x is not None else None for x in rest])
-    cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1) if xs[0].ndim > 1
-                         else jnp.concatenate(xs), *caches)
+    # Row-concatenate the prefill caches: [L, B, KVH, S, D] (stacked), [B, KVH, S, D] per layer.
+    batch_axis = 0 if caches[0].per_layer else 1
+    cache = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=batch_axis if xs[0].ndim > 1
+                                                     else 0), *caches)
     cache = cache.with_lengths(jnp.asarray(prompt_lengths))
     pre_taps = np.concatenate([p[0] for p in pre], axis=1) if taps else None  # [n, B, W, E]
     pre_hidden = np.concatenate([p[1] for p in pre])  # [B, W, E]
