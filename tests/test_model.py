@@ -251,3 +251,23 @@ def test_for_platform_picks_the_layout():
   assert not model.for_platform("cpu").is_stacked
   assert model.unstacked().for_platform("tpu").is_stacked
   assert model.for_platform("gpu").is_stacked
+
+
+def test_output_copy_of_a_tied_model_gives_the_same_logits_and_tokens():
+  """CPU's `for_platform` carries an `[E, V]` copy of a tied output projection: same logits (up
+  to float32 summation order), same greedy tokens; TPU/GPU layouts drop it; untied models have
+  nothing to copy."""
+  model = _model("llama_tied_bias_qknorm")
+  assert model.config.tie_embeddings and "lm_head" not in model.params
+  cpu = model.for_platform("cpu")
+  np.testing.assert_array_equal(cpu.params["lm_head"], np.asarray(model.params["embed"]).T)
+  assert "lm_head" not in cpu.for_platform("tpu").params
+  tokens = _tokens(2, 9, model.vocab_size, seed=3)
+  zeros = jnp.zeros(2, jnp.int32)
+  np.testing.assert_allclose(forward(cpu, tokens, zeros).logits, forward(model, tokens, zeros).logits,
+                             atol=1e-5, rtol=1e-5)
+  key = jax.random.key(1)
+  np.testing.assert_array_equal(sj.generate(cpu, tokens, key, max_new_tokens=10).tokens,
+                                sj.generate(model, tokens, key, max_new_tokens=10).tokens)
+  untied = sj.init_params(tiny_config(vocab_size=97, tie_embeddings=False), jax.random.key(2))
+  assert untied.with_output_copy() is untied
