@@ -58,7 +58,7 @@ SUITE_DEFAULTS = {
                       acceptances=(0.5, 0.8, 0.9)),
     "peer": dict(num_drafts=(4,), max_new_tokens=128, repeats=3, peer_prompts=3),
     "real": dict(model="smollm2-135m", num_drafts=(4,), temperatures=(0.0, 0.7),
-                 max_new_tokens=64, repeats=1, prompts_per_category=6),
+                 max_new_tokens=64, repeats=1, prompts_per_category=4),
     "tiny": dict(model="tiny", num_drafts=(1, 2), batches=(1, 2), temperatures=(0.0, 1.0),
                  max_new_tokens=8, prompt_tokens=8, repeats=1, synthetic_sizes=("tiny",),
                  acceptances=(0.8,), peer_prompts=1),
