@@ -6,11 +6,21 @@ of a static node budget, parents before children.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 
 from specjax.sampling import Sampling, gumbel, warp_logits
 from specjax.trees import PURPOSE_TREE_DRAFT, Expand, Tree, TreeSpec, dynamic_pool_size
+
+
+def call_expand(expand: Expand, ext_tokens, ext_parents, ext_depths, built: slice) -> jax.Array:
+  """Calls `expand`; an incremental one (`expand.incremental`) also gets `built`, the static slice
+  of nodes whose tokens were set since its previous call (see `specjax.trees`)."""
+  if getattr(expand, "incremental", False):
+    return expand(ext_tokens, ext_parents, ext_depths, built=built)
+  return expand(ext_tokens, ext_parents, ext_depths)
 
 
 def static_structure(choices) -> tuple[list[int], list[int], list[int]]:
@@ -139,11 +149,12 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
   valid = jnp.ones((batch, n), bool)
   logits = None
   start = 0
+  built = slice(0, 0)
   for d, b in enumerate(branching):
     count = len([x for x in depths_host if x == d + 1])
     level = slice(start, start + count)
     ext_tokens = jnp.concatenate([root[:, None].astype(jnp.int32), tokens], axis=1)
-    draft = expand(ext_tokens, ext_parents, ext_depths)  # [B, N + 1, V]
+    draft = call_expand(expand, ext_tokens, ext_parents, ext_depths, built)  # [B, N + 1, V]
     if logits is None:
       logits = jnp.zeros((batch, n, draft.shape[-1]), jnp.float32)
     parent_ext = jnp.asarray(parents_host[level], jnp.int32) + 1  # [count]
@@ -171,6 +182,7 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
     valid = valid.at[:, level].set(level_valid)
     logits = logits.at[:, level].set(q_logits)
     start += count
+    built = level
   # A child of an invalid node is invalid.
   for i, p in enumerate(parents_host):
     if p >= 0:
@@ -210,10 +222,12 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
   frontier = jnp.full((batch, 1), -1, jnp.int32)  # node indices (-1 = root) to expand
   frontier_score = jnp.zeros((batch, 1), jnp.float32)
   start = 0
+  built = slice(0, 0)
   for d in range(depth):
     ext_parents = jnp.concatenate([jnp.zeros((batch, 1), jnp.int32), parents + 1], axis=1)
     ext_tokens = jnp.concatenate([root[:, None].astype(jnp.int32), tokens], axis=1)
-    draft = expand(ext_tokens, ext_parents, ext_depths).astype(jnp.float32)  # [B, P + 1, V]
+    draft = call_expand(expand, ext_tokens, ext_parents, ext_depths, built)  # [B, P + 1, V]
+    draft = draft.astype(jnp.float32)
     if node_logits is None:
       node_logits = jnp.zeros((batch, pool, draft.shape[-1]), jnp.float32)
     q_logits = jnp.take_along_axis(draft, (frontier + 1)[..., None], axis=1)  # [B, F, V]
@@ -229,6 +243,7 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
     node_logits = node_logits.at[:, level].set(jnp.repeat(q_logits, width, axis=1))
     frontier_score, best = jax.lax.top_k(level_scores, min(width, count))
     frontier = (start + best).astype(jnp.int32)
+    built = level
     start += count
   # Top N overall; ties prefer the earlier candidate (lax.top_k is stable), then restore order.
   _, keep = jax.lax.top_k(scores, num_nodes)

@@ -13,6 +13,11 @@ Each round, per row with `L` tokens (the target cache holds `tokens[:L - 1]`):
 A draft model keeps its own cache of the committed text: each round it first catches up on the
 last round's emitted tokens (one forward of `D + 1` tokens), then expands the tree with
 tree-masked forwards that write only scratch slots past the committed length.
+
+A feature head (`EagleDrafter`: EAGLE-3 or MTP; `MedusaDrafter`) drafts through
+`specjax.drafters.tree_heads`: the target's tree forward also returns the features the head reads,
+and after verification the head catches up on the accepted path with the target's features (the
+chain `observe`), so its state keeps the chain invariant of `specjax.drafters.heads`.
 """
 
 from __future__ import annotations
@@ -26,8 +31,10 @@ import jax.numpy as jnp
 
 from specjax import tree_builders, tree_rule, trees, validation
 from specjax.cache import KVCache, compact
+from specjax.drafters import tree_heads
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, Sampling, row_seeds
+from specjax.state import prefill
 from specjax.tracing import TRACE_COUNTS
 from specjax.trees import TreeSpec
 
@@ -47,7 +54,8 @@ class TreeDecodeState:
   done: jax.Array  # [B] bool
   seeds: jax.Array  # [B] uint32
   target_cache: KVCache  # keys/values of tokens[:, :lengths - 1]
-  draft_cache: Any  # KVCache of a prefix of tokens[:, :lengths - 1], or () without a draft model
+  draft_cache: Any  # draft model: KVCache of a prefix of tokens[:, :lengths - 1]; head: its
+  #                   state (`EagleState`, `MedusaState`); () without a drafter
   stats: DecodeStats
 
 
@@ -75,8 +83,9 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
 
   Args:
     target: the target `specjax.Model` (it must accept `positions` and `block_mask`).
-    drafter: a draft `specjax.Model` (or an object with a `.model`); unused (may be None) for
-      `TreeSpec(builder="ngram")`.
+    drafter: a draft `specjax.Model` (or an object with a `.model`), or a feature head
+      (`EagleDrafter` for static, sampled and dynamic trees; `MedusaDrafter` for static and
+      sampled ones); unused (may be None) for `TreeSpec(builder="ngram")`.
     tokens: `[B, T]` int prompt ids, right-padded; lengths: `[B]` or None.
     rng: a PRNG key, or `[B]` keys (one per request).
     tree: the `TreeSpec`.
@@ -90,21 +99,23 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
   if not isinstance(tree, TreeSpec):
     raise ValueError(f"tree must be a specjax.TreeSpec, got {type(tree).__name__}")
   draft = _draft_model(drafter)
-  if tree.builder != "ngram":
-    if draft is None:
-      raise ValueError(f"a {tree.builder!r} tree needs a draft model, got "
-                       f"{type(drafter).__name__}")
-    if draft.vocab_size != target.vocab_size:
-      raise ValueError(f"draft vocabulary ({draft.vocab_size}) does not match the target's "
-                       f"({target.vocab_size})")
-  else:
+  if tree.builder == "ngram":
     draft = None
+  elif tree_heads.is_head_drafter(drafter):
+    tree_heads.check_tree_drafter(target, drafter, tree)
+    draft = drafter
+  elif draft is None:
+    raise ValueError(f"a {tree.builder!r} tree needs a draft model or a draft head "
+                     f"(EagleDrafter, MedusaDrafter), got {type(drafter).__name__}")
+  elif draft.vocab_size != target.vocab_size:
+    raise ValueError(f"draft vocabulary ({draft.vocab_size}) does not match the target's "
+                     f"({target.vocab_size})")
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   extra = extra_slots(tree)
   validation.check_context(lengths, tokens.shape[1], max_new_tokens + extra, target.max_len,
                            "target")
-  if draft is not None:
+  if draft is not None and not tree_heads.is_head_drafter(draft):
     validation.check_context(lengths, tokens.shape[1], max_new_tokens + extra, draft.max_len,
                              "draft")
   rng = validation.check_rng(rng, tokens.shape[0])
@@ -135,19 +146,26 @@ def _decode_tree(target, draft, tokens, lengths, rng, max_new_tokens, eos_ids, *
 
 def init_tree_state(target, draft, tokens, lengths, max_new_tokens, eos_ids, seeds, *,
                     spec: TreeSpec, capacity: int) -> TreeDecodeState:
-  """Prefills the target (and the draft model) on the prompts: caches hold `tokens[:L - 1]`."""
+  """Prefills the target and the drafter on the prompts: caches hold `tokens[:L - 1]` (a head's
+  state its invariant, from the target's prefill features)."""
   batch, width = tokens.shape
   buffer_len = width + capacity + extra_slots(spec)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   zeros = jnp.zeros((batch,), jnp.int32)
-  target_cache = target(tokens, zeros, target.init_cache(batch, buffer_len)).cache
+  head = tree_heads.is_head_drafter(draft)
+  out = prefill(target, tokens, target.init_cache(batch, buffer_len),
+                **(tree_heads.target_features(draft) if head else {}))
+  target_cache = out.cache
   draft_cache = ()
-  if draft is not None:
+  if head:
+    draft_cache = draft.init(tokens, lengths, buffer_len, out)
+  elif draft is not None:
     draft_cache = draft(tokens, zeros, draft.init_cache(batch, buffer_len)).cache
     draft_cache = draft_cache.with_lengths(lengths - 1)
   stats = DecodeStats(rounds=zeros, drafted=zeros, accepted=zeros,
                       accepted_per_position=jnp.zeros((batch, spec.depth), jnp.int32),
-                      target_calls=zeros + 1, draft_calls=zeros + (draft is not None))
+                      target_calls=zeros + 1,
+                      draft_calls=zeros + (draft is not None and not head))
   return TreeDecodeState(sequence, lengths, lengths, lengths + max_new_tokens,
                          jnp.atleast_1d(eos_ids), jnp.zeros((batch,), bool),
                          jnp.asarray(seeds, jnp.uint32), target_cache.with_lengths(lengths - 1),
@@ -160,9 +178,15 @@ def _gather(sequence, starts, width):
 
 
 def draft_tree(draft, state: TreeDecodeState, *, spec: TreeSpec, sampling: Sampling):
-  """Builds this round's tree; returns `(draft cache caught up to lengths - 1, tree, calls)`."""
+  """Builds this round's tree; returns `(draft cache caught up to lengths - 1, tree, calls)` (a
+  head's state is returned as it was: it catches up after verification)."""
   lengths = state.lengths
   root = _gather(state.tokens, lengths - 1, 1)[:, 0]
+  if tree_heads.is_head_drafter(draft):
+    tree = tree_heads.draft_tree(draft, state.draft_cache, spec=spec, root=root,
+                                 sequence=state.tokens, lengths=lengths, sampling=sampling,
+                                 seeds=state.seeds)
+    return state.draft_cache, tree, tree_heads.forwards_per_round(draft, spec)
   if draft is None:
     tree = tree_builders.build_tree(spec, expand=None, root=root, sequence=state.tokens,
                                     lengths=lengths, sampling=sampling, seeds=state.seeds)
@@ -196,36 +220,36 @@ def draft_tree(draft, state: TreeDecodeState, *, spec: TreeSpec, sampling: Sampl
   return cache, tree, 1 + spec.depth
 
 
-def score_tree(target, tree, root, starts, cache, done, spec: TreeSpec):
-  """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`:
-  `(logits [B, N + 1, V], cache)`.
+def score_tree(target, tree, root, starts, cache, done, spec: TreeSpec, **features):
+  """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`: its
+  `ForwardOutput` (logits `[B, N + 1, V]`, the cache, and the `features` asked for: `taps`,
+  `return_hidden`).
 
   With `spec.widths`, valid nodes are moved to the front and the forward runs on the smallest
-  compiled width that holds every live row's valid nodes (`lax.switch`, one program); logits past
+  compiled width that holds every live row's valid nodes (`lax.switch`, one program); outputs past
   that width are zeros, at nodes that are invalid and never reached.
   """
   n = tree.num_nodes
-  if spec.widths is None:
-    out = target(tree.ext_tokens(root), starts, cache, positions=starts[:, None] +
-                 tree.ext_depths(), block_mask=tree.ancestor_mask())
-    return out.logits, out.cache
   ext_tokens = tree.ext_tokens(root)
   positions = starts[:, None] + tree.ext_depths()
   mask = tree.ancestor_mask()
+  if spec.widths is None:
+    return target(ext_tokens, starts, cache, positions=positions, block_mask=mask, **features)
 
   def branch(width):
     def run(cache):
       out = target(ext_tokens[:, :width + 1], starts, cache, positions=positions[:, :width + 1],
-                   block_mask=mask[:, :width + 1, :width + 1])
-      logits = jnp.pad(out.logits, ((0, 0), (0, n - width), (0, 0)))
-      return logits, out.cache
+                   block_mask=mask[:, :width + 1, :width + 1], **features)
+      pad = lambda x, axis: None if x is None else jnp.pad(
+          x, [(0, n - width if a == axis else 0) for a in range(x.ndim)])
+      return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1),
+                          taps=pad(out.taps, 2))
     return run
 
   needed = jnp.max(jnp.where(done, 0, jnp.sum(tree.valid, axis=1)))
   widths = jnp.asarray(spec.widths, jnp.int32)
   choice = jnp.argmax(widths >= needed)  # the smallest width that holds every row
-  logits, new_cache = jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
-  return logits, new_cache
+  return jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
 
 
 def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
@@ -236,9 +260,10 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
   if spec.widths is not None:
     tree = trees.valid_first(tree)
   root = _gather(state.tokens, lengths - 1, 1)[:, 0]
-  logits, scored_cache = score_tree(target, tree, root, lengths - 1, state.target_cache,
-                                    state.done, spec)
-  result = tree_rule.verify_tree(logits, tree, rule=spec.rule, sampling=sampling,
+  head = tree_heads.is_head_drafter(draft)
+  scored = score_tree(target, tree, root, lengths - 1, state.target_cache, state.done, spec,
+                      **(tree_heads.target_features(draft) if head else {}))
+  result = tree_rule.verify_tree(scored.logits, tree, rule=spec.rule, sampling=sampling,
                                  seeds=state.seeds, positions=lengths, max_depth=spec.depth,
                                  max_children=spec.max_children)
   accepted = result.num_accepted
@@ -255,7 +280,7 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
   sequence = jnp.where(live[:, None], sequence, state.tokens)
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
-  cache = compact(scored_cache, lengths[:, None] + result.path, lengths, moved)
+  cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
   cache = cache.with_lengths(jnp.where(live, new_lengths - 1, lengths - 1))
   done = state.done | (new_lengths >= state.limits) | (live & (first_eos <= accepted))
   stats = state.stats
@@ -269,7 +294,10 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
       accepted_per_position=stats.accepted_per_position + per_depth,
       target_calls=stats.target_calls + live_i,
       draft_calls=stats.draft_calls + live_i * draft_calls)
-  if draft is None:
+  if head:
+    draft_cache = tree_heads.observe_path(draft, state.draft_cache, scored, tree, root,
+                                          result.path, result.tokens, count, lengths)
+  elif draft is None:
     draft_cache = state.draft_cache
   return TreeDecodeState(sequence, new_lengths, state.prompt_lengths, state.limits,
                          state.eos_ids, done, state.seeds, cache, draft_cache, stats)

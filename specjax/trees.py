@@ -29,8 +29,11 @@ Builders (`specjax.tree_builders`; all jnp, fixed shapes, usable inside `jit` / 
 
 The draft side is a generic `expand(tokens [B, P + 1], parents [B, P + 1], depths [B, P + 1]) ->
 logits [B, P + 1, V]` over an extended tree (root at 0; unbuilt nodes are placeholders whose
-outputs are ignored): a draft model runs it as one tree-masked forward; feature heads can supply
-their own.
+outputs are ignored): a draft model runs it as one tree-masked forward; feature heads supply their
+own (`specjax.drafters.tree_heads`). The builders call it once per depth, after setting the tokens
+of one more depth (depth-major node order), so an `expand` with a true `incremental` attribute is
+also passed `built=slice(start, stop)`, the (static) node indices set since its previous call
+(empty on the first call), and may evaluate only those: their ancestors were evaluated before.
 """
 
 from __future__ import annotations

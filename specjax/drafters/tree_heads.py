@@ -1,0 +1,267 @@
+"""Draft trees from feature heads: `EagleDrafter` (EAGLE-3, MTP) and `MedusaDrafter`.
+
+The tree loop (`specjax.tree_decode`) keeps the head's own state between rounds, with the chain
+invariant of `specjax.drafters.heads`: per row with `L` tokens, the head's cache holds the pairs
+`(target feature_t, token_{t+1})` of slots `0 .. L - 2`, and `hidden`/`logits` are the head's
+output at slot `L - 2`. A round:
+
+* **Drafting** (`draft_tree`). An `EagleDrafter` grows the tree through `EagleTreeExpand`, the
+  generic `expand` of `specjax.trees`: the root's children come from the stored `logits`; a
+  depth-`d` node is the pair (its parent's head output, its token) at slot/position `L - 2 + d`
+  (a depth-1 node pairs the stored `hidden` with its token), attending to the committed slots
+  `0 .. L - 2` of the head's cache and to its tree ancestors only (an ancestor mask over the tree
+  block, kept in a small per-round key/value buffer; the committed cache is read, never written).
+  Nodes are evaluated depth by depth, each once: the builders tell an incremental `expand` which
+  nodes were added since its last call. Dynamic (EAGLE-2) and sampled trees use it directly;
+  static trees take the head's greedy chain with its top-`K` candidates per depth. A
+  `MedusaDrafter` gives static trees (head `i`'s top-`K` are the depth-`i + 1` candidates) and
+  sampled trees (every depth-`d` node draws its children from head `d`); its heads never see the
+  tree's tokens, so EAGLE-2's dynamic trees are refused.
+* **Drafts over the full vocabulary.** Head logits live on the reduced draft vocabulary and are
+  mapped with `to_target_logits` (`-inf` outside), so a sampled child is drawn from, and verified
+  against, the very `q` it came from.
+* **Catching up** (`observe_path`). The target's tree forward returns the head's taps (or final
+  hidden state) for every node; along the accepted path (the root, then the path nodes) they are
+  exactly the target's features of positions `L - 1 ..`, and the drafter's own chain `observe`
+  runs on them with the emitted tokens. Rejected branches never touched the head's cache, done
+  rows keep their state (`count == 0`), and the next round starts from the invariant again.
+
+Per round an `EagleDrafter` runs `D - 1` head forwards to draft (depth `D` nodes are never
+expanded) plus one to catch up: `D`, as its chain of `D` drafts. A `MedusaDrafter` runs one.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax import tree_builders, trees
+from specjax.drafters import eagle, medusa
+from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.models.transformer import ForwardOutput, attention, check_taps
+from specjax.trees import Tree, TreeSpec
+
+__all__ = ["EagleTreeExpand", "check_tree_drafter", "draft_tree", "forwards_per_round",
+           "is_head_drafter", "observe_path", "path_output", "target_features"]
+
+
+def is_head_drafter(drafter) -> bool:
+  """Whether `drafter` drafts trees through this module."""
+  return isinstance(drafter, (EagleDrafter, MedusaDrafter))
+
+
+def _draft_vocab_size(drafter) -> int:
+  config = drafter.heads.config if isinstance(drafter, MedusaDrafter) else drafter.head.config
+  return int(config.draft_vocab_size)
+
+
+def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
+  """Raises a clear `ValueError` (before tracing) for a head/tree combination that cannot run."""
+  name = type(drafter).__name__
+  if drafter.vocab_size != target.vocab_size:
+    raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
+                     f"({target.vocab_size})")
+  config = getattr(target, "config", None)
+  if isinstance(drafter, EagleDrafter) and config is not None:
+    check_taps(drafter.taps, config.num_layers)
+    if drafter.head.config.embed_dim != config.embed_dim:
+      raise ValueError(f"the head's width ({drafter.head.config.embed_dim}) does not match the "
+                       f"target's embed_dim ({config.embed_dim})")
+  if isinstance(drafter, MedusaDrafter):
+    if spec.builder == "dynamic":
+      raise ValueError("a dynamic (EAGLE-2) tree expands each node from its own token, but "
+                       "Medusa heads predict every depth from one hidden state and never see the "
+                       "tree's tokens: use TreeSpec(builder='static') (or 'sampled') with a "
+                       "MedusaDrafter")
+    if spec.depth > drafter.num_heads:
+      raise ValueError(f"a tree of depth {spec.depth} needs {spec.depth} Medusa heads, the "
+                       f"drafter has {drafter.num_heads}")
+  vocab = _draft_vocab_size(drafter)
+  if spec.builder == "static":
+    k = max(c[-1] for c in spec.resolved_choices) + 1
+    if k > vocab:
+      raise ValueError(f"the static tree ranks {k} candidates per depth, more than {name}'s "
+                       f"draft vocabulary ({vocab})")
+  if spec.builder == "dynamic" and spec.width > vocab:
+    raise ValueError(f"TreeSpec.width ({spec.width}) exceeds {name}'s draft vocabulary ({vocab})")
+
+
+def forwards_per_round(drafter, spec: TreeSpec) -> int:
+  """Head forward passes per round (`DecodeStats.draft_calls`), as the chain counts them."""
+  return drafter.forwards_per_round(spec.depth)
+
+
+def target_features(drafter) -> dict:
+  """The keyword arguments that make the target's forward return what the head reads."""
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  return kwargs
+
+
+class EagleTreeExpand:
+  """An `EagleDrafter`'s `expand` (`specjax.trees`) below each row's root, for one round.
+
+  Trace-time helper (not a pytree): it keeps every evaluated node's head output, draft logits
+  and keys/values between the builder's calls. With `incremental` (the default) each call
+  evaluates only the nodes built since the previous call; without it every call re-evaluates the
+  whole pool from the previous call's outputs (a node is right once its parent was), which costs
+  `D` times more and is kept to measure against.
+
+  Args:
+    drafter: the `EagleDrafter`.
+    state: its `EagleState` (the invariant of `specjax.drafters.heads`).
+    lengths: `[B]` int32 tokens per row (`L`).
+    pool: the node budget `P` of the builder's extended tree (`P + 1` with the root).
+  """
+
+  def __init__(self, drafter: EagleDrafter, state, lengths: jax.Array, pool: int, *,
+               incremental: bool = True):
+    head = drafter.head
+    c = head.config
+    batch = lengths.shape[0]
+    self.drafter = drafter
+    self.state = state
+    self.incremental = incremental
+    self.pool = pool
+    self.base = lengths.astype(jnp.int32) - 2  # the root's slot; a depth-d node sits at base + d
+    dtype = state.hidden.dtype
+    self.hidden = jnp.zeros((batch, pool + 1, c.embed_dim), dtype).at[:, 0].set(state.hidden)
+    self.logits = jnp.zeros((batch, pool + 1, c.draft_vocab_size), jnp.float32).at[:, 0].set(
+        state.logits.astype(jnp.float32))  # [B, P + 1, N] draft-vocabulary logits
+    cache_dtype = state.cache.k[0].dtype
+    kv_shape = (batch, c.num_kv_heads, pool, c.head_dim)
+    self.keys = jnp.zeros(kv_shape, cache_dtype)  # [B, KVH, P, D] the tree block's entries
+    self.values = jnp.zeros(kv_shape, cache_dtype)
+
+  def __call__(self, ext_tokens, ext_parents, ext_depths, built: slice | None = None):
+    """Full-vocabulary draft logits `[B, P + 1, V]` after the root and every evaluated node."""
+    if built is None:
+      built = slice(0, self.pool)
+    if built.stop > built.start:
+      self.evaluate(ext_tokens, ext_parents, ext_depths, built)
+    return self.drafter.full_logits(self.logits)
+
+  def evaluate(self, ext_tokens, ext_parents, ext_depths, nodes: slice) -> None:
+    """Runs the head on pool nodes `nodes` (static), whose parents were evaluated before."""
+    head = self.drafter.head
+    c = head.config
+    ext = slice(nodes.start + 1, nodes.stop + 1)
+    tokens = ext_tokens[:, ext].astype(jnp.int32)  # [B, T]
+    parents = ext_parents[:, ext].astype(jnp.int32)  # [B, T] extended index of each parent
+    features = jnp.take_along_axis(self.hidden, parents[..., None], axis=1)  # [B, T, E]
+    positions = self.base[:, None] + ext_depths[:, ext].astype(jnp.int32)  # [B, T]
+    q, k, v = eagle.head_qkv(head, self.drafter.target_embed, tokens, features, positions)
+    self.keys = self.keys.at[:, :, nodes].set(k.swapaxes(1, 2).astype(self.keys.dtype))
+    self.values = self.values.at[:, :, nodes].set(v.swapaxes(1, 2).astype(self.values.dtype))
+    mask = trees.ancestor_mask(ext_parents)[:, ext, 1:]  # [B, T, P] ancestors and itself
+    tree_positions = self.base[:, None] + ext_depths[:, 1:].astype(jnp.int32)  # [B, P]
+    cache = self.state.cache
+    batch, size = tokens.shape[0], cache.max_len
+    slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
+    committed = (slot_positions <= self.base[:, None])[:, None, :]  # [B, 1, S] slots 0 .. L - 2
+    segments = [(cache.k[0], cache.v[0], slot_positions, committed),
+                (self.keys, self.values, tree_positions, mask)]
+    attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
+    logits, hidden = eagle.head_finish(head, features, attn)
+    self.hidden = self.hidden.at[:, ext].set(hidden.astype(self.hidden.dtype))
+    self.logits = self.logits.at[:, ext].set(logits)
+
+
+def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: int,
+                           k: int) -> jax.Array:
+  """The head's greedy chain below the root, its top-`k` candidates at each depth: `[B, D, K]`."""
+  batch = root.shape[0]
+  expand = EagleTreeExpand(drafter, state, lengths, depth)
+  ext_parents = jnp.broadcast_to(jnp.asarray([0] + list(range(depth)), jnp.int32),
+                                 (batch, depth + 1))
+  ext_depths = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), (batch, depth + 1))
+  ext_tokens = jnp.zeros((batch, depth + 1), jnp.int32).at[:, 0].set(root)
+  ranked = []
+  for d in range(depth):
+    if d:
+      expand.evaluate(ext_tokens, ext_parents, ext_depths, slice(d - 1, d))
+    top = jax.lax.top_k(expand.logits[:, d], k)[1]  # [B, K] draft ids, best first
+    top = jnp.take(drafter.head.draft_ids, top).astype(jnp.int32)
+    ranked.append(top)
+    ext_tokens = ext_tokens.at[:, d + 1].set(top[:, 0])
+  return jnp.stack(ranked, axis=1)
+
+
+def medusa_logits(drafter: MedusaDrafter, state, depth: int) -> jax.Array:
+  """`[B, D, N]` draft-vocabulary logits of heads `0 .. D - 1` (head `i`: depth `i + 1`)."""
+  return medusa.medusa_forward(drafter.heads, state.hidden[:, None])[:, 0, :depth]
+
+
+def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampling, seeds,
+               incremental: bool = True) -> Tree:
+  """This round's tree from a head drafter (see the module docstring).
+
+  Args:
+    drafter: an `EagleDrafter` or a `MedusaDrafter`; state: its state.
+    spec: the tree spec ("static", "sampled", or "dynamic" for an `EagleDrafter`).
+    root: `[B]` each row's last token; sequence: `[B, S]` tokens; lengths: `[B]` (`L`).
+    sampling, seeds: as for `specjax.tree_builders.build_tree`.
+    incremental: `EagleTreeExpand`'s evaluation mode.
+
+  Returns:
+    The `Tree`; `logits` (sampled and dynamic trees) are full-vocabulary.
+  """
+  depth = spec.depth
+  if isinstance(drafter, MedusaDrafter):
+    head_logits = medusa_logits(drafter, state, depth)  # [B, D, N]
+    full = drafter.full_logits(head_logits)  # [B, D, V]
+
+    def expand(ext_tokens, ext_parents, ext_depths):
+      del ext_tokens, ext_parents
+      rows = jnp.arange(full.shape[0])[:, None]
+      return full[rows, jnp.minimum(ext_depths, depth - 1)]  # a depth-d node: head d
+
+    def chain_candidates():
+      k = max(c[-1] for c in spec.resolved_choices) + 1
+      top = jax.lax.top_k(head_logits, k)[1]  # [B, D, K]
+      return jnp.take(drafter.heads.draft_ids, top).astype(jnp.int32)
+  else:
+    pool = trees.dynamic_pool_size(depth, spec.width) if spec.builder == "dynamic" else spec.size
+    expand = EagleTreeExpand(drafter, state, lengths, pool, incremental=incremental)
+
+    def chain_candidates():
+      k = max(c[-1] for c in spec.resolved_choices) + 1
+      return eagle_chain_candidates(drafter, state, lengths, root, depth, k)
+  return tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
+                                  lengths=lengths, sampling=sampling, seeds=seeds,
+                                  chain_candidates=chain_candidates)
+
+
+def path_output(scored: ForwardOutput, index: jax.Array) -> ForwardOutput:
+  """The target's features at extended nodes `index [B, W]` (hidden `[B, W, E]`, taps
+  `[n, B, W, E]`), as a `ForwardOutput` without logits or cache."""
+  hidden = taps = None
+  if scored.hidden is not None:
+    hidden = jnp.take_along_axis(scored.hidden, index[..., None], axis=1)
+  if scored.taps is not None:
+    taps = jnp.take_along_axis(scored.taps, index[None, ..., None], axis=2)
+  return ForwardOutput(None, hidden, taps, None)
+
+
+def observe_path(drafter, state, scored: ForwardOutput, tree: Tree, root, path, emitted, count,
+                 lengths):
+  """The head catches up on the accepted path with the *target's* features.
+
+  Block index `j` is position `L - 1 + j`: the root for `j = 0`, path node `j - 1` after it.
+
+  Args:
+    drafter: the head drafter; state: its state before the round.
+    scored: the target's `ForwardOutput` over the extended tree (with the head's features).
+    tree: the scored tree; root: `[B]`.
+    path: `[B, D]` accepted node indices; emitted: `[B, D + 1]` the tokens the row emitted
+      (`emitted[j]` is token `L + j`); count: `[B]` how many it keeps (0 for done rows).
+    lengths: `[B]` lengths before the round.
+
+  Returns:
+    The drafter's state after `drafter.observe` on the path (the chain's catch-up).
+  """
+  index = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)  # [B, D + 1]
+  block = jnp.take_along_axis(tree.ext_tokens(root), index, axis=1)
+  return drafter.observe(state, path_output(scored, index), block, emitted.astype(jnp.int32),
+                         count, lengths)
