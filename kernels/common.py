@@ -38,6 +38,21 @@ def check_verify_args(target_logits, draft_logits, draft_tokens) -> tuple[int, i
   return batch, num_draft
 
 
+def drafted_tokens(draft_tokens, num_drafted) -> tuple[jax.Array, jax.Array]:
+  """`(draft_tokens with -1 past each row's count, num_drafted [B] int32 in [0, k])`.
+
+  A kernel treats token -1 as "no draft" (it matches no vocabulary id, so the ratio test and the
+  greedy match fail there); `num_drafted` goes in as an operand as well, to give the bonus slot
+  `q = 0` when a row stops before `k`. None = every row drafted all `k`.
+  """
+  batch, num_draft = draft_tokens.shape
+  if num_drafted is None:
+    return draft_tokens, jnp.full((batch,), num_draft, jnp.int32)
+  num_drafted = jnp.clip(jnp.asarray(num_drafted, jnp.int32), 0, num_draft)
+  index = jnp.arange(num_draft, dtype=jnp.int32)
+  return jnp.where(index[None] < num_drafted[:, None], draft_tokens, -1), num_drafted
+
+
 def accept_uniforms(seeds, positions, num_draft: int, sampling: Sampling) -> jax.Array:
   """`[B, k]` float32 uniforms of the ratio test: tiny, and bit-identical to the reference's."""
   if sampling.greedy:

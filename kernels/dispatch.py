@@ -40,9 +40,9 @@ VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
 
 
 def local_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
-                    draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                    positions: jax.Array, impl: str = "auto",
-                    block_sizes: BlockSizes | None = None) -> VerifyResult:
+                 draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
+                 positions: jax.Array, num_drafted: jax.Array | None = None, impl: str = "auto",
+                 block_sizes: BlockSizes | None = None) -> VerifyResult:
   """The speculative accept/reject rule, by the implementation `impl` names (see module doc).
 
   Args:
@@ -52,6 +52,8 @@ def local_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     sampling: static sampling settings.
     seeds: `[B]` uint32 per-row stream seeds.
     positions: `[B]` int32 absolute position of each row's first draft token.
+    num_drafted: `[B]` int32 drafts each row really proposes; None = all `k` (see
+      `specjax.rule.verify_rule`).
     impl: "auto" | "reference" | "kernel" | "interpret".
     block_sizes: the TPU / interpret kernel's `BlockSizes` (default: `BlockSizes.get_default`);
       the GPU kernel always takes `GpuBlockSizes.get_default`.
@@ -61,7 +63,7 @@ def local_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   """
   if impl not in VERIFY_IMPLS:
     raise ValueError(f"verify impl must be one of {VERIFY_IMPLS}, got {impl!r}")
-  kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
+  kwargs = dict(sampling=sampling, seeds=seeds, positions=positions, num_drafted=num_drafted)
   reference = functools.partial(verify_reference, **kwargs)
   if impl == "reference":
     return reference(target_logits, draft_logits, draft_tokens)

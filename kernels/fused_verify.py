@@ -50,7 +50,7 @@ from specjax.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET
                                     TPU_VMEM_BYTES, BlockSizes, compile_device_kind,
                                     tpu_generation, vmem_budget_for, vmem_limit_for)
 from specjax.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms, check_verify_args,
-                                    leading_ones, schedule_for, select_row,
+                                    drafted_tokens, leading_ones, schedule_for, select_row,
                                     tile_argmax)
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, VerifyResult
@@ -70,8 +70,9 @@ fused_verify_reference = verify_reference
                                              "device_kind"))
 def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                  draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                 positions: jax.Array, block_sizes: BlockSizes | None = None,
-                 interpret=False, device_kind: str | None = None) -> VerifyResult:
+                 positions: jax.Array, num_drafted: jax.Array | None = None,
+                 block_sizes: BlockSizes | None = None, interpret=False,
+                 device_kind: str | None = None) -> VerifyResult:
   """The speculative accept/reject rule, fused over vocabulary tiles.
 
   Same contract and same tokens as `specjax.rule.verify_reference`.
@@ -83,6 +84,8 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     sampling: `specjax.Sampling`, static; applied to both models' logits.
     seeds: `[B]` uint32 per-row stream seeds.
     positions: `[B]` int32 absolute position of each row's first draft token.
+    num_drafted: `[B]` int32 drafts each row really proposes (the rest are not drafts; the
+      token at that slot is the bonus); None = all `k`.
     block_sizes: `BlockSizes` (default `BlockSizes.get_default(...)`, with the interpret-mode
       budget when `interpret` is set).
     interpret: False (compiled: Mosaic on TPU), True (Pallas interpreter) or
@@ -102,7 +105,8 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
               if interpret else dict(device_kind=device_kind))
     block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype, batch=batch,
                                          has_draft_logits=draft_logits is not None, **budget)
-  out = _fused_verify_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
+  draft_tokens, num_drafted = drafted_tokens(draft_tokens.astype(jnp.int32), num_drafted)
+  out = _fused_verify_impl(target_logits, draft_logits, draft_tokens, num_drafted,
                            jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                            sampling=sampling, block_v=block_sizes.tile(vocab),
                            block_b=block_sizes.rows(batch), interpret=interpret,
@@ -128,8 +132,8 @@ _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallb
                          has_mass=jnp.int32)
 
 
-def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positions, *,
-                       sampling: Sampling, block_v: int, block_b: int, interpret,
+def _fused_verify_impl(target_logits, draft_logits, draft_tokens, num_drafted, seeds,
+                       positions, *, sampling: Sampling, block_v: int, block_b: int, interpret,
                        vmem_limit: int | None = None):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
@@ -137,12 +141,12 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positio
   num_tiles = pl.cdiv(vocab, block_v)
   has_draft_logits = draft_logits is not None and not schedule.greedy
 
-  # Per-row columns [B, k+1, 1]: slot k holds draft token -1 (matches nothing) and uniform 1.
+  # Per-row columns [B, k+1, 1]: draft token -1 (matches nothing) from num_drafted on; uniform 1.
   uniforms = accept_uniforms(seeds, positions, num_draft, sampling)
   draft_column = jnp.pad(draft_tokens, ((0, 0), (0, 1)), constant_values=-1)[..., None]
   uniform_column = jnp.pad(uniforms, ((0, 0), (0, 1)), constant_values=1.0)[..., None]
   seed_words = jax.lax.bitcast_convert_type(seeds, jnp.int32)
-  row_columns = jnp.stack([seed_words, positions], axis=-1)[:, None, :]  # [B, 1, 2]
+  row_columns = jnp.stack([seed_words, positions, num_drafted], axis=-1)[:, None, :]  # [B, 1, 3]
   scalars = ()
 
   def logits_spec(num_rows):  # [block_b, rows, block_v]: rows = whole axis, block_v aligned or V
@@ -151,7 +155,7 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, seeds, positio
   def row_spec(num_rows, width):
     return pl.BlockSpec((block_b, num_rows, width), lambda b, p, j, *_: (b, 0, 0))
 
-  in_specs = [row_spec(num_draft + 1, 1), row_spec(num_draft + 1, 1), row_spec(1, 2),
+  in_specs = [row_spec(num_draft + 1, 1), row_spec(num_draft + 1, 1), row_spec(1, 3),
               logits_spec(num_draft + 1)]
   inputs = [draft_column, uniform_column, row_columns, target_logits]
   if has_draft_logits:
@@ -224,7 +228,7 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
 
   vocab_ids = tile * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, 1, block_v), 2)
   in_vocab = vocab_ids < vocab  # the last tile may run past V: its tail is garbage
-  draft_column = draft_column_ref[...]  # [bb, k+1, 1], -1 at slot k
+  draft_column = draft_column_ref[...]  # [bb, k+1, 1], -1 from slot num_drafted on
 
   def load(ref):  # [bb, rows, bv] float32 scaled logits, -inf outside the vocabulary
     x = ref[...].astype(jnp.float32)
@@ -406,14 +410,14 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
       _set_column(race["has_mass"], 0)
 
     n = _column(race["num_accepted"])  # [bb, 1, 1]
+    row_columns = row_columns_ref[...]  # [bb, 1, 3]: seed, position, num_drafted
     p = probability(select_row(load(target_ref), n), *stats_at(target_stats, n))  # [bb, 1, bv]
     if has_draft_logits:
       q = probability(select_row(load(draft_ref), n), *stats_at(draft_stats, n))
-      q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0 (and NaN statistics)
-    else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
+      q = jnp.where(n < row_columns[:, :, 2:3], q, 0.0)  # bonus slot n == num_drafted: q = 0
+    else:  # point mass at the draft token; slots from num_drafted on hold -1: the bonus has q = 0
       q = (vocab_ids == select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
-    row_columns = row_columns_ref[...]  # [bb, 1, 2]
     noise = sampling_lib.gumbel(row_columns[:, :, 0:1], row_columns[:, :, 1:2] + n, vocab_ids,
                                 sampling_lib.PURPOSE_RESIDUAL)  # [bb, 1, bv]
     for weights, best_key, token_key in ((residual, "residual_best", "residual_token"),

@@ -37,8 +37,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax import sampling as sampling_lib
-from specjax.kernels.common import (Schedule, accept_uniforms, check_verify_args, schedule_for,
-                                    select_row, tile_argmax)
+from specjax.kernels.common import (Schedule, accept_uniforms, check_verify_args, drafted_tokens,
+                                    schedule_for, select_row, tile_argmax)
 from specjax.sampling import Sampling, VerifyResult
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
@@ -96,7 +96,8 @@ class GpuBlockSizes:
 @functools.partial(jax.jit, static_argnames=("sampling", "block_sizes", "interpret"))
 def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
                      draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                     positions: jax.Array, block_sizes: GpuBlockSizes | None = None,
+                     positions: jax.Array, num_drafted: jax.Array | None = None,
+                     block_sizes: GpuBlockSizes | None = None,
                      interpret: bool = False) -> VerifyResult:
   """The speculative accept/reject rule on GPU (Triton), fused over vocabulary tiles.
 
@@ -108,13 +109,15 @@ def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
   vocab = target_logits.shape[-1]
   if block_sizes is None:
     block_sizes = GpuBlockSizes.get_default(vocab, num_draft, batch)
-  out = _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens.astype(jnp.int32),
+  draft_tokens, num_drafted = drafted_tokens(draft_tokens.astype(jnp.int32), num_drafted)
+  out = _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, num_drafted,
                                jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                                sampling=sampling, block_sizes=block_sizes, interpret=interpret)
   return VerifyResult(num_accepted=out[:, 0, -1], tokens=out[:, 0, :num_draft + 1])
 
 
-def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seeds, positions, *,
+def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, num_drafted, seeds,
+                           positions, *,
                            sampling: Sampling, block_sizes: GpuBlockSizes, interpret: bool):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
@@ -123,15 +126,16 @@ def _fused_verify_gpu_impl(target_logits, draft_logits, draft_tokens, seeds, pos
   num_rows = pl.next_power_of_2(num_draft + 1)  # R: row axis of every block
   out_lanes = pl.next_power_of_2(num_draft + 2)  # tokens in lanes 0..k, n in the last lane
 
-  # Small per-row inputs, padded to R rows: draft token -1 (matches nothing), uniform 1.
+  # Small per-row inputs, padded to R rows: draft token -1 (matches nothing; also every slot
+  # past a row's num_drafted), uniform 1.
   uniforms = accept_uniforms(seeds, positions, num_draft, sampling)
   pad = ((0, 0), (0, num_rows - num_draft))
   draft_column = jnp.pad(draft_tokens, pad, constant_values=-1)[..., None]  # [B, R, 1]
   uniform_column = jnp.pad(uniforms, pad, constant_values=1.0)[..., None]  # [B, R, 1]
   seed_words = jax.lax.bitcast_convert_type(seeds, jnp.int32)
   zeros = jnp.zeros_like(positions)
-  row_columns = jnp.stack([seed_words, positions, zeros, zeros],
-                          axis=-1)[:, None, :]  # [B, 1, 4]: stream seed, position
+  row_columns = jnp.stack([seed_words, positions, num_drafted, zeros],
+                          axis=-1)[:, None, :]  # [B, 1, 4]: stream seed, position, num_drafted
   inputs = [draft_column, uniform_column, row_columns, target_logits]
   if has_draft_logits:
     inputs.append(draft_logits)
@@ -307,6 +311,7 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
   lane4 = lax.broadcasted_iota(jnp.int32, (1, 1, 4), 2)
   stream_seeds = jnp.sum(jnp.where(lane4 == 0, row_columns, 0), axis=-1, keepdims=True)
   positions = jnp.sum(jnp.where(lane4 == 1, row_columns, 0), axis=-1, keepdims=True)
+  num_drafted = jnp.sum(jnp.where(lane4 == 2, row_columns, 0), axis=-1, keepdims=True)
 
   def race_step(tile, carry):
     residual_best, residual_token, fallback_best, fallback_token, has_mass = carry
@@ -314,8 +319,9 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     p = probability(0, select_row(x, n), n)  # [bb, 1, bv]
     if has_draft_logits:
       q = probability(1, select_row(load(draft_ref, k, tile)[0], n), n)
-      q = jnp.where(n < k, q, 0.0)  # the bonus slot has q = 0 (and NaN statistics)
-    else:  # point mass at the draft token; slot k holds -1, so the bonus has q = 0
+      # The bonus slot (n == num_drafted <= k) has q = 0 (at n == k, NaN statistics).
+      q = jnp.where(n < num_drafted, q, 0.0)
+    else:  # point mass at the draft token; slots from num_drafted on hold -1: the bonus has q = 0
       q = (vocab_ids == select_row(draft_column, n)).astype(jnp.float32)
     residual = jnp.maximum(p - q, 0.0)
     noise = sampling_lib.gumbel(stream_seeds, positions + n, vocab_ids,

@@ -42,8 +42,8 @@ def _active_mesh():
 
 def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
                   draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                  positions: jax.Array, impl="auto", mesh=None,
-                  rules: ShardingRules | None = None) -> VerifyResult:
+                  positions: jax.Array, num_drafted: jax.Array | None = None, impl="auto",
+                  mesh=None, rules: ShardingRules | None = None) -> VerifyResult:
   """Runs the accept/reject rule with the chosen implementation, on one device or a mesh.
 
   Args:
@@ -53,6 +53,9 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
     sampling: static sampling settings, applied to both models' logits.
     seeds: `[B]` uint32 per-row stream seeds (`specjax.sampling.row_seeds`).
     positions: `[B]` int32 absolute position of each row's first draft token.
+    num_drafted: `[B]` int32 drafts each row really proposes (the rest are not drafts and the
+      token at that slot is the bonus, see `specjax.rule.verify_rule`); None = all `k`. A
+      callable `impl` gets it as a keyword only when it is given.
     impl: "auto" | "reference" | "kernel" | "interpret" | a rule callable (see module doc).
     mesh: the mesh the rows (and vocabulary) are split over; None = the mesh active at trace
       time (`jax.sharding.get_abstract_mesh()`), if any.
@@ -64,6 +67,8 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
   """
   check_verify_impl(impl)
   kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
+  if num_drafted is not None:
+    kwargs["num_drafted"] = num_drafted
   if callable(impl):
     return impl(target_logits, draft_logits, draft_tokens, **kwargs)
   mesh = _active_mesh() if mesh is None else mesh

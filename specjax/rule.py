@@ -9,9 +9,10 @@
 
 The rule: accept draft `x` with probability `min(1, p(x) / q(x))` (as `u * q(x) < p(x)`, no
 division); at the first rejection sample from `normalize(max(p - q, 0))`, falling back to `p` when
-the residual has no mass; after `k` acceptances sample a bonus token from `p`. Temperature 0 is
-greedy (accept while the draft equals the target's argmax). All random numbers come from
-`specjax.sampling`'s per-row streams, so every implementation returns identical tokens.
+the residual has no mass; after all of a row's drafts are accepted (`k`, or its own
+`num_drafted`) sample a bonus token from `p`. Temperature 0 is greedy (accept while the draft
+equals the target's argmax). All random numbers come from `specjax.sampling`'s per-row streams,
+so every implementation returns identical tokens.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ def softmax(ops: VocabOps, x: jax.Array) -> jax.Array:
 
 def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array | None,
                 draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
-                positions: jax.Array) -> VerifyResult:
+                positions: jax.Array, num_drafted: jax.Array | None = None) -> VerifyResult:
   """The exact speculative accept/reject rule.
+
+  A row may propose fewer than `k` drafts (`num_drafted`, e.g. a drafter's confidence stop):
+  slots `j >= num_drafted[b]` are not drafts, so acceptance stops there and the token at slot
+  `num_drafted[b]`, if reached, is the bonus, a sample from p (q = 0 there), never a residual.
 
   Args:
     ops: the vocabulary reductions (`LocalVocab()`, or `ShardedVocab` inside a `shard_map`).
@@ -92,6 +97,8 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
     sampling: applied identically to both models' logits.
     seeds: `[B]` uint32 per-row stream seeds (`specjax.sampling.row_seeds`).
     positions: `[B]` int32 absolute sequence position of each row's first draft token.
+    num_drafted: `[B]` int32 in `[0, k]` drafts each row really proposes; None = all `k`.
+      Entries of `draft_tokens` / `draft_logits` past a row's count are ignored.
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
@@ -102,10 +109,14 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
   seeds = jnp.asarray(seeds, jnp.uint32)
   positions = jnp.asarray(positions, jnp.int32)
   index = jnp.arange(k + 1, dtype=jnp.int32)
+  if num_drafted is None:
+    num_drafted = jnp.full(draft_tokens.shape[:1], k, jnp.int32)
+  num_drafted = jnp.clip(jnp.asarray(num_drafted, jnp.int32), 0, k)
+  drafted = index[None, :k] < num_drafted[:, None]  # [B, k] the slots that hold drafts
 
   if sampling.greedy:
     target_argmax = ops.argmax(target_logits)  # [B, k+1]
-    num_accepted = leading_true(draft_tokens == target_argmax[:, :k])
+    num_accepted = leading_true(drafted & (draft_tokens == target_argmax[:, :k]))
     final = jnp.take_along_axis(target_argmax, num_accepted[:, None], axis=1)[:, 0]
   else:
     p = softmax(ops, warp_logits(target_logits, sampling, ops))  # [B, k+1, Vl]
@@ -117,8 +128,9 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
       q = softmax(ops, warp_logits(draft_logits, sampling, ops))  # [B, k, Vl]
       q_draft = ops.gather_at(q, draft_tokens)
     u = uniform(seeds[:, None], positions[:, None] + index[None, :k], 0, PURPOSE_ACCEPT)  # [B, k]
-    num_accepted = leading_true(u * q_draft < p_draft)  # u < p/q; q = 0 < p always accepts
-    final = _correction(ops, p, q, draft_tokens, num_accepted, seeds, positions)
+    # u < p/q; q = 0 < p always accepts
+    num_accepted = leading_true(drafted & (u * q_draft < p_draft))
+    final = _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions)
 
   tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens, 0)  # [B, k]
   tokens = jnp.pad(tokens, ((0, 0), (0, 1)))  # [B, k+1]
@@ -126,11 +138,11 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
   return VerifyResult(num_accepted, tokens)
 
 
-def _correction(ops, p, q, draft_tokens, num_accepted, seeds, positions):
+def _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions):
   """`[B]` the token at the first rejection (residual race) or the bonus (race on p)."""
   k = draft_tokens.shape[1]
   n = num_accepted
-  is_draft_slot = (n < k)[:, None]  # the bonus slot has q = 0
+  is_draft_slot = (n < num_drafted)[:, None]  # the bonus slot (n == num_drafted) has q = 0
   p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]  # [B, Vl]
   slot = jnp.minimum(n, k - 1)
   if q is None:  # point mass at the draft token of slot n

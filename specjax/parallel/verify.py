@@ -94,7 +94,7 @@ def mesh_layout(mesh, rules: ShardingRules, batch: int):
 def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
                    draft_tokens: jax.Array, *, sampling: Sampling, seeds: jax.Array,
                    positions: jax.Array, mesh, rules: ShardingRules | None = None,
-                   local_rule=None, vocab_ops=None) -> VerifyResult:
+                   local_rule=None, vocab_ops=None, num_drafted=None) -> VerifyResult:
   """The verify rule on `mesh`: rows split over the batch axes, the vocabulary over the vocab axes.
 
   Args:
@@ -109,6 +109,7 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     local_rule: the rule each device runs on its rows when the vocabulary is not split (a
       function with `verify_reference`'s signature, e.g. a fused kernel); default the reference.
     vocab_ops: the local reductions of `ShardedVocab` when the vocabulary is split (default jnp).
+    num_drafted: `[B]` int32 drafts per row (split with the rows); None = all `k`.
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`, equal to `verify_reference`'s.
@@ -130,6 +131,9 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   operands += [draft_tokens.astype(jnp.int32), jnp.asarray(seeds, jnp.uint32),
                jnp.asarray(positions, jnp.int32)]
   specs += [token_spec, row_spec, row_spec]
+  if num_drafted is not None:
+    operands.append(jnp.asarray(num_drafted, jnp.int32))
+    specs.append(row_spec)
 
   if vocab_axes:
     ops = ShardedVocab(vocab_axes, vocab, vocab_ops)
@@ -140,9 +144,10 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   def body(*args):
     if not has_draft:
       args = (args[0], None) + args[1:]
-    target, draft, tokens, row_seeds, row_positions = args
+    target, draft, tokens, row_seeds, row_positions, *counts = args
+    extra = dict(num_drafted=counts[0]) if counts else {}
     result = rule(target, draft, tokens, sampling=sampling, seeds=row_seeds,
-                  positions=row_positions)
+                  positions=row_positions, **extra)
     return result.num_accepted, result.tokens
 
   run = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=(row_spec, token_spec),
