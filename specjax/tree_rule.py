@@ -27,16 +27,20 @@ of positions past the emitted ones in the next round exact: nothing emitted depe
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from specjax import trees
+from specjax.kernels.tree_verify import tree_node_results
+from specjax.kernels.tree_verify_gpu import tree_node_results_gpu
 from specjax.sampling import Sampling, gumbel, uniform, warp_logits
 from specjax.trees import Tree
 
 RULES = ("match", "iid", "without_replacement")
+IMPLS = ("reference", "pallas", "auto")
 
 
 class TreeVerifyResult(NamedTuple):
@@ -83,7 +87,7 @@ def _emit(tree: Tree, path, count, final, max_depth):
 
 def verify_tree(target_logits: jax.Array, tree: Tree, *, rule: str, sampling: Sampling,
                 seeds: jax.Array, positions: jax.Array, max_depth: int,
-                max_children: int | None = None) -> TreeVerifyResult:
+                max_children: int | None = None, impl="reference") -> TreeVerifyResult:
   """The exact accept/reject walk down a draft tree.
 
   Args:
@@ -95,14 +99,31 @@ def verify_tree(target_logits: jax.Array, tree: Tree, *, rule: str, sampling: Sa
       (the row's length).
     max_depth: static bound `D` on node depths (the output width).
     max_children: static bound on siblings (sampled rules); default `N`.
+    impl: who does the vocabulary-sized work, with identical results:
+      "reference" (this module's jnp); "pallas" (the fused kernel `specjax.kernels.tree_verify`:
+      Mosaic on TPU, Triton on GPU, the Pallas interpreter on CPU); "auto" (the kernel on TPU and
+      GPU, the reference on CPU). The choice follows the platform the computation is lowered
+      for. Or a callable with the signature of `tree_verify.tree_node_results` (e.g. that kernel
+      in a chosen interpret mode), whose per-node decisions are walked here.
 
   Returns:
     `TreeVerifyResult(path [B, D], num_accepted [B], tokens [B, D + 1])`.
   """
   if rule not in RULES:
     raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+  if not (callable(impl) or impl in IMPLS):
+    raise ValueError(f"impl must be one of {IMPLS} or a callable, got {impl!r}")
   seeds = jnp.asarray(seeds, jnp.uint32)
   positions = jnp.asarray(positions, jnp.int32)
+  if impl != "reference":
+    return _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, max_depth,
+                               max_children, impl)
+  return _verify_reference(target_logits, tree, rule, sampling, seeds, positions, max_depth,
+                           max_children)
+
+
+def _verify_reference(target_logits, tree, rule, sampling, seeds, positions, max_depth,
+                      max_children):
   if sampling.greedy or rule == "match":
     return _verify_match(target_logits, tree, sampling, seeds, positions, max_depth)
   if tree.logits is None:
@@ -120,6 +141,12 @@ def _verify_match(target_logits, tree, sampling, seeds, positions, max_depth):
     sample_positions = positions[:, None] + tree.ext_depths()
     y = _race(warp_logits(target_logits, sampling), seeds[:, None], sample_positions, ext_ids,
               trees.PURPOSE_TREE_SAMPLE)
+  return _descend_match(tree, y, max_depth)
+
+
+def _descend_match(tree, y, max_depth):
+  """Sample-then-match given every extended node's sample `y [B, N + 1]`."""
+  batch = y.shape[0]
   matched = tree.valid & (tree.tokens == jnp.take_along_axis(y, tree.parents + 1, axis=1))
   cur = jnp.zeros((batch,), jnp.int32)  # extended index of the current node
   alive = jnp.ones((batch,), bool)
@@ -191,3 +218,55 @@ def _verify_sampled(target_logits, tree, without_replacement, sampling, seeds, p
   log_r = jnp.where(r > 0, jnp.log(jnp.where(r > 0, r, 1.0)), -jnp.inf)
   final = _race(log_r, seeds, final_position, cur, trees.PURPOSE_TREE_RESIDUAL)
   return _emit(tree, path.T, count, final, max_depth)
+
+
+# --------------------------------------------------------------------------------------------
+# The kernels' per-node decisions, walked (impl "pallas" / "auto" / a callable).
+# --------------------------------------------------------------------------------------------
+
+def _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, max_depth,
+                        max_children, impl):
+  match = sampling.greedy or rule == "match"
+  kwargs = dict(rule="match" if match else rule, sampling=sampling, max_children=max_children)
+
+  def walk(node_fn):
+    def run(target_logits, tree, seeds, positions):
+      nodes = node_fn(target_logits, tree, seeds=seeds, positions=positions, **kwargs)
+      if match:
+        return _descend_match(tree, nodes.token, max_depth)
+      return _descend_sampled(tree, nodes, max_depth)
+    return run
+
+  args = (target_logits, tree, seeds, positions)
+  if callable(impl):
+    return walk(impl)(*args)
+  mosaic = walk(functools.partial(tree_node_results, interpret=False))
+  triton = walk(functools.partial(tree_node_results_gpu, interpret=False))
+  branches = dict(tpu=mosaic, cuda=triton, rocm=triton)
+  if impl == "pallas":
+    branches["cpu"] = walk(functools.partial(tree_node_results, interpret=True))
+  else:  # "auto"
+    branches["cpu"] = lambda *args: _verify_reference(*args[:2], rule, sampling, *args[2:],
+                                                      max_depth, max_children)
+  return jax.lax.platform_dependent(*args, **branches)
+
+
+def _descend_sampled(tree, nodes, max_depth):
+  """The sibling rules' walk given every node's decisions (`tree_common.NodeResults`): move to
+  the accepted child while there is one; emit the residual race of the last node, or the race
+  over its `p` when the walk ends at the depth bound (the reference's `r` is `p` there)."""
+  batch = nodes.token.shape[0]
+  cur = jnp.zeros((batch,), jnp.int32)
+  alive = jnp.ones((batch,), bool)
+  count = jnp.zeros((batch,), jnp.int32)
+  path = []
+  for _ in range(max_depth):
+    nxt = jnp.take_along_axis(nodes.accepted, cur[:, None], axis=1)[:, 0]
+    moved = alive & (nxt >= 0)
+    cur = jnp.where(moved, nxt + 1, cur)
+    count = count + moved
+    alive = moved
+    path.append(jnp.maximum(nxt, 0))
+  at_cur = lambda x: jnp.take_along_axis(x, cur[:, None], axis=1)[:, 0]
+  final = jnp.where(count == max_depth, at_cur(nodes.p_token), at_cur(nodes.token))
+  return _emit(tree, jnp.stack(path, axis=1), count, final, max_depth)
