@@ -34,7 +34,7 @@ from specjax import trees
 from specjax.sampling import Sampling
 
 RULES = ("match", "iid", "without_replacement")
-MAX_CHILDREN = 64  # sibling steps are lanes of the kernels' per-node state
+MAX_CHILDREN = 128  # sibling ranks are lanes of the TPU kernel's per-node state
 
 
 class NodeResults(NamedTuple):
@@ -65,7 +65,7 @@ def check_tree_args(target_logits, tree, rule: str, sampling: Sampling,
                      f"got {target_logits.shape}")
   if not jnp.issubdtype(target_logits.dtype, jnp.floating):
     raise ValueError(f"target_logits must be floating point, got {target_logits.dtype}")
-  num_children = num_nodes if max_children is None else max_children
+  num_children = max_children or num_nodes  # the reference's default
   if sampled_rule(rule, sampling):
     if tree.logits is None:
       raise ValueError(f"rule {rule!r} needs the draft logits the children were drawn from")
@@ -73,8 +73,9 @@ def check_tree_args(target_logits, tree, rule: str, sampling: Sampling,
       raise ValueError(f"tree.logits must be [B, N, V] = "
                        f"{(batch, num_nodes, target_logits.shape[-1])}, got {tree.logits.shape}")
     if not 1 <= num_children <= MAX_CHILDREN:
-      raise ValueError(f"the tree kernels take max_children in 1..{MAX_CHILDREN}, "
-                       f"got {num_children}")
+      raise ValueError(f"the tree kernels take at most {MAX_CHILDREN} siblings per node, got "
+                       f"max_children={num_children} (pass the tree's bound, "
+                       f"TreeSpec.max_children)")
   return num_children
 
 

@@ -40,7 +40,7 @@ from specjax.sampling import Sampling, gumbel, uniform, warp_logits
 from specjax.trees import Tree
 
 RULES = ("match", "iid", "without_replacement")
-IMPLS = ("reference", "pallas", "auto")
+IMPLS = ("reference", "pallas", "auto", "kernel", "interpret")
 
 
 class TreeVerifyResult(NamedTuple):
@@ -103,8 +103,10 @@ def verify_tree(target_logits: jax.Array, tree: Tree, *, rule: str, sampling: Sa
       "reference" (this module's jnp); "pallas" (the fused kernel `specjax.kernels.tree_verify`:
       Mosaic on TPU, Triton on GPU, the Pallas interpreter on CPU); "auto" (the kernel on TPU and
       GPU, the reference on CPU). The choice follows the platform the computation is lowered
-      for. Or a callable with the signature of `tree_verify.tree_node_results` (e.g. that kernel
-      in a chosen interpret mode), whose per-node decisions are walked here.
+      for. As in `specjax.dispatch`, "kernel" is "pallas" without a CPU branch (lowering it for
+      CPU raises) and "interpret" the TPU kernel in the Pallas interpreter on any platform. Or a
+      callable with the signature of `tree_verify.tree_node_results` (e.g. that kernel in a
+      chosen interpret mode), whose per-node decisions are walked here.
 
   Returns:
     `TreeVerifyResult(path [B, D], num_accepted [B], tokens [B, D + 1])`.
@@ -238,14 +240,15 @@ def _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, m
     return run
 
   args = (target_logits, tree, seeds, positions)
-  if callable(impl):
-    return walk(impl)(*args)
+  interpreted = walk(functools.partial(tree_node_results, interpret=True))
+  if callable(impl) or impl == "interpret":
+    return (interpreted if impl == "interpret" else walk(impl))(*args)
   mosaic = walk(functools.partial(tree_node_results, interpret=False))
   triton = walk(functools.partial(tree_node_results_gpu, interpret=False))
   branches = dict(tpu=mosaic, cuda=triton, rocm=triton)
   if impl == "pallas":
-    branches["cpu"] = walk(functools.partial(tree_node_results, interpret=True))
-  else:  # "auto"
+    branches["cpu"] = interpreted
+  elif impl == "auto":
     branches["cpu"] = lambda *args: _verify_reference(*args[:2], rule, sampling, *args[2:],
                                                       max_depth, max_children)
   return jax.lax.platform_dependent(*args, **branches)

@@ -277,9 +277,10 @@ def test_broken_kernels_fail_the_check(broken, case):
 # Dispatch, validation, export.
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", ["auto", pytest.param("pallas", marks=pytest.mark.slow)])
-def test_pallas_and_auto_on_cpu_equal_the_reference(impl):
-  # On CPU "pallas" runs the kernel in the interpreter and "auto" the reference.
+@pytest.mark.parametrize("impl", ["auto", *(pytest.param(impl, marks=pytest.mark.slow)
+                                           for impl in ("pallas", "interpret"))])
+def test_impls_on_cpu_equal_the_reference(impl):
+  # On CPU "pallas" and "interpret" run the kernel in the interpreter, "auto" the reference.
   target, tree, kwargs = random_case(3, 3, 7, 200, max_children=3, rule="iid",
                                      sampling=SAMPLINGS["t1"])
   verify = lambda impl: jax.jit(functools.partial(tree_rule.verify_tree, impl=impl, **kwargs))
@@ -296,7 +297,7 @@ def test_bad_input_raises_value_error():
     tree_rule.verify_tree(target, no_logits, impl="pallas", **kwargs)
   with pytest.raises(ValueError, match="target_logits"):
     tree_rule.verify_tree(target[:, :3], tree, impl="pallas", **kwargs)
-  with pytest.raises(ValueError, match="max_children"):
+  with pytest.raises(ValueError, match="max_children=200"):
     tree_rule.verify_tree(target, tree, impl="pallas", **{**kwargs, "max_children": 200})
 
 
@@ -333,6 +334,13 @@ def test_auto_follows_the_lowering_platform(platform, custom_call):
   text = _export(platform, "iid", SAMPLINGS["t1"], impl="auto")
   for name in ("tpu_custom_call", "__gpu$xla.gpu.triton"):
     assert (name in text) == (name == custom_call)
+
+
+def test_kernel_impl_has_no_cpu_branch():
+  # "kernel" (the chain dispatch's name) compiles the kernel where lowered; CPU has none.
+  assert "tpu_custom_call" in _export("tpu", "match", SAMPLINGS["greedy"], impl="kernel")
+  with pytest.raises(NotImplementedError, match="platform cpu"):  # jax: no branch for CPU
+    _export("cpu", "match", SAMPLINGS["greedy"], impl="kernel")
 
 
 @pytest.mark.parametrize("device_kind,num_nodes,vocab,rule", [
