@@ -20,11 +20,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax import validation
+from specjax import costs, validation
 from specjax.drafters import as_drafter
 from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
-from specjax.round import draft_step, round_step, verify_block
+from specjax.round import check_verify_widths, draft_step, round_step, verify_block
 from specjax.sampling import GREEDY, Sampling, row_seeds
 from specjax.state import DecodeOutput, DecodeState, finish, init_state
 from specjax.tracing import TRACE_COUNTS
@@ -48,10 +48,38 @@ class DecodeArguments(NamedTuple):
   num_draft: int
   eos_ids: jax.Array  # [E] int32
   capacity: int  # max_new_tokens rounded up to the bucket
+  widths: tuple[int, ...]  # compiled verify widths, sorted, ending in num_draft + 1
+
+
+def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
+                      calibration=None) -> tuple[int, tuple[int, ...]]:
+  """`(k, verify widths)` from `decode`'s `num_draft`, `verify_widths` and `calibration`.
+
+  `num_draft="auto"` picks `k` (and, for a drafter with a confidence stop, the widths) from the
+  measured cost table and acceptance profile (`specjax.costs.choose_num_draft`), on the host.
+
+  Raises:
+    ValueError: a bad count or width, "auto" without a calibration, a calibration without "auto".
+  """
+  if isinstance(num_draft, str):
+    if num_draft != "auto":
+      raise ValueError(f"num_draft must be an int >= 1 or 'auto', got {num_draft!r}")
+    stop = getattr(drafter, "confidence", None) is not None
+    measured = costs.resolve_calibration(calibration)
+    choice = costs.choose_num_draft(measured.costs, measured.profile,
+                                    max_draft=getattr(drafter, "max_draft", None),
+                                    confidence_stop=stop)
+    num_draft = choice.num_draft
+    verify_widths = choice.widths if verify_widths is None else verify_widths
+  elif calibration is not None:
+    raise ValueError("calibration= is read only with num_draft='auto'")
+  num_draft = validation.check_count(num_draft, "num_draft")
+  return num_draft, check_verify_widths(verify_widths, num_draft)
 
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
-                           sampling, eos_id, verify_impl) -> DecodeArguments:
+                           sampling, eos_id, verify_impl, verify_widths=None,
+                           calibration=None) -> DecodeArguments:
   """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
 
   Raises:
@@ -60,7 +88,8 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   validation.check_model(target, "target")
   drafter = as_drafter(draft)
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-  num_draft = validation.check_count(num_draft, "num_draft")
+  num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths,
+                                        calibration=calibration)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
@@ -74,14 +103,15 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   check_verify_impl(verify_impl)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   return DecodeArguments(drafter, tokens, lengths, rng, max_new_tokens, num_draft, eos_ids,
-                         capacity)
+                         capacity, widths)
 
 
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-           num_draft: int = 4, sampling: Sampling = GREEDY,
+           num_draft: int | str = 4, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
-           tree: TreeSpec | None = None) -> DecodeOutput:
+           tree: TreeSpec | None = None, verify_widths: tuple[int, ...] | None = None,
+           calibration=None) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -94,7 +124,9 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       depend only on its own key and prompt, not on its batch slot or neighbours.
     lengths: `[B]` prompt lengths; None = every row is `T` long.
     max_new_tokens: new tokens per row at most.
-    num_draft: draft tokens per round (`k`).
+    num_draft: draft tokens per round (`k`), or "auto": the `k` that maximises expected tokens
+      per unit time under the measured `calibration` (`specjax.costs.choose_num_draft`), chosen
+      on the host before compilation.
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
@@ -106,6 +138,13 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       ancestor mask, exact tree verification, the accepted branch compacted in the cache). The
       tree path runs on one device with the jnp rule: `num_draft` and `verify_impl` must keep
       their defaults.
+    verify_widths: compiled verify widths (each in `[1, k + 1]`; `k + 1` is always added) for a
+      drafter that stops rows early (`confidence=`): each round the target's forward runs at the
+      smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
+      None = `k + 1` only (with "auto": the widths `choose_num_draft` picks).
+    calibration: with `num_draft="auto"`, a directory holding `cost_table_<backend>.json` and
+      `acceptance_profile.json` (`specjax calibrate --out DIR`), or a `specjax.costs.Calibration`.
+      Missing: a ValueError (no unmeasured default).
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -114,31 +153,33 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
   if tree is not None:
-    if num_draft != 4 or verify_impl != "auto":
+    if (num_draft != 4 or verify_impl != "auto" or verify_widths is not None
+        or calibration is not None):
       raise ValueError("with tree=, the tree spec sets the draft shape and the verify rule: leave "
-                       f"num_draft and verify_impl at their defaults (got num_draft={num_draft}, "
-                       f"verify_impl={verify_impl!r})")
+                       "num_draft, verify_impl, verify_widths and calibration at their defaults "
+                       f"(got num_draft={num_draft!r}, verify_impl={verify_impl!r})")
     return decode_tree(target, draft, tokens, rng, tree=tree, lengths=lengths,
                        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
                        pad_id=pad_id)
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
-                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
+                                verify_widths=verify_widths, calibration=calibration)
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs
     run = under_auto_axes(functools.partial(
         _decode, sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
         pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-        rules=call.rules))
+        widths=args.widths, rules=call.rules))
     out = run(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
-                                             "verify_impl", "rules"))
+                                             "verify_impl", "widths", "rules"))
 def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling,
-            num_draft, capacity, pad_id, verify_impl, rules=None) -> DecodeOutput:
+            num_draft, capacity, pad_id, verify_impl, widths=None, rules=None) -> DecodeOutput:
   TRACE_COUNTS["decode"] += 1
   with rules_scope(rules):
     seeds = row_seeds(rng, tokens.shape[0])  # [B]
@@ -147,7 +188,7 @@ def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, s
     state = jax.lax.while_loop(
         lambda state: ~jnp.all(state.done),
         lambda state: round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,
-                                 verify_impl=verify_impl),
+                                 verify_impl=verify_impl, widths=widths),
         state)
     return finish(state, capacity, pad_id)
 

@@ -3,13 +3,18 @@
 `specjax.decode` runs `round_step` inside a `lax.while_loop`; `specjax.stream.decode_stream` runs
 the same function from the host, one jitted (and donated) call per round. A round:
 
-1. `draft_step`: the drafter proposes `k` tokens per row after each row's sequence.
+1. `draft_step`: the drafter proposes `k` tokens per row after each row's sequence (a drafter
+   with a confidence stop proposes only each row's first `Proposal.num_drafted[b]`).
 2. `verify_block`: the target scores `[last token, d_1 .. d_k]` at each row's own offset in one
    forward pass, which gives its distributions at the `k` draft positions and one past them; the
    exact accept/reject rule keeps a prefix of the drafts plus one target token (the correction,
-   or the bonus when every draft is accepted), cut at EOS and at the row's length limit. Rejected
-   drafts are rolled back by setting the target cache's length, never by copying. The drafter
-   then observes the target's outputs over the block (`Drafter.observe`).
+   or the bonus when every proposed draft is accepted), cut at EOS and at the row's length limit.
+   Rejected drafts are rolled back by setting the target cache's length, never by copying. The
+   drafter then observes the target's outputs over the block (`Drafter.observe`).
+
+Verify widths: with `widths=(w_1, .., k + 1)` the target's forward is compiled once per width and
+each round runs the smallest one that holds every live row's `num_drafted + 1` positions, picked
+on device with `lax.switch` (one program, fixed shapes per branch, no host sync).
 
 Random numbers are keyed by each row's seed and the token's absolute position, so a round needs
 no key and no round counter: a row's tokens depend on its own seed and prompt only.
@@ -27,7 +32,27 @@ from specjax.state import DecodeState, Proposal, gather_tokens
 from specjax.validation import is_eos as is_eos_token
 from specjax.dispatch import verify_tokens
 
-__all__ = ["draft_step", "round_step", "verify_block"]
+__all__ = ["check_verify_widths", "draft_step", "round_step", "verify_block"]
+
+
+def check_verify_widths(widths, num_draft: int) -> tuple[int, ...]:
+  """The sorted compiled verify widths: `widths` plus `num_draft + 1`, each in [1, k + 1].
+
+  Raises:
+    ValueError: a width that is not an int or lies outside [1, num_draft + 1].
+  """
+  if widths is None:
+    return (num_draft + 1,)
+  if isinstance(widths, (int, str)) or not hasattr(widths, "__iter__"):
+    raise ValueError(f"verify_widths must be a sequence of ints, got {widths!r}")
+  widths = tuple(widths)
+  for width in widths:
+    if isinstance(width, bool) or not isinstance(width, int):
+      raise ValueError(f"verify_widths must hold ints, got {width!r} in {widths}")
+    if not 1 <= width <= num_draft + 1:
+      raise ValueError(f"verify width {width} is outside [1, num_draft + 1 = {num_draft + 1}]: "
+                       "a round verifies its last token plus at most num_draft drafts")
+  return tuple(sorted(set(widths) | {num_draft + 1}))
 
 
 def draft_step(drafter, state: DecodeState, *, num_draft: int,
@@ -41,7 +66,8 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
     sampling: the sampling settings (identical to the target's).
 
   Returns:
-    `(state with the drafter's new state, Proposal(tokens [B, k], logits [B, k, V] or None))`.
+    `(state with the drafter's new state, Proposal(tokens [B, k], logits [B, k, V] or None,
+    num_drafted [B] or None))`.
   """
   draft_state, proposal = drafter.propose(
       state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
@@ -52,8 +78,41 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
 
 
+def _pad_positions(scored, width: int):
+  """A `ForwardOutput` over `w` positions, zero-padded to `width` (logits, hidden, taps)."""
+  def pad(x, axis):
+    if x is None or x.shape[axis] == width:
+      return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, width - x.shape[axis])
+    return jnp.pad(x, widths)
+  return scored._replace(logits=pad(scored.logits, 1), hidden=pad(scored.hidden, 1),
+                         taps=pad(scored.taps, 2))
+
+
+def _score(target, drafter, block, state, needed, widths):
+  """The target's forward over `block [B, k+1]` at each row's offset, at the smallest width of
+  `widths` that is >= `needed` (a traced scalar), zero-padded back to `k + 1` positions."""
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  starts = state.lengths - 1
+  full = block.shape[1]
+
+  def branch(width):
+    def forward(block, cache):
+      return _pad_positions(target(block[:, :width], starts, cache, **kwargs), full)
+    return forward
+
+  if widths is None or len(widths) == 1 or needed is None:
+    return target(block, starts, state.target_cache, **kwargs)
+  index = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
+  return jax.lax.switch(index, [branch(w) for w in widths], block, state.target_cache)
+
+
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
-                 sampling: Sampling, impl="auto") -> DecodeState:
+                 sampling: Sampling, impl="auto",
+                 widths: tuple[int, ...] | None = None) -> DecodeState:
   """Verifies one round of drafts for every row and advances the state.
 
   Args:
@@ -64,20 +123,26 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     proposal: the round's drafts from `draft_step`.
     sampling: the sampling settings (identical to the drafter's).
     impl: which verify implementation to run (see `specjax.dispatch.verify_tokens`).
+    widths: sorted compiled verify widths ending in `k + 1` (`check_verify_widths`); the forward
+      runs at the smallest that holds every live row's `num_drafted + 1`. None or a proposal
+      without `num_drafted`: always `k + 1`.
 
   Returns:
     The advanced state. Rows already done are left unchanged.
   """
   _, k = proposal.tokens.shape
   lengths = state.lengths
+  live = ~state.done
+  num_drafted = proposal.num_drafted
+  if num_drafted is not None:
+    num_drafted = jnp.clip(num_drafted.astype(jnp.int32), 0, k)
   last = gather_tokens(state.tokens, lengths - 1, 1)
   block = jnp.concatenate([last, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, k+1]
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
-  scored = target(block, lengths - 1, state.target_cache, **kwargs)
+  needed = None if num_drafted is None else jnp.max(jnp.where(live, num_drafted + 1, 1))
+  scored = _score(target, drafter, block, state, needed, widths)
   result = verify_tokens(scored.logits, proposal.logits, proposal.tokens, sampling=sampling,
-                         seeds=state.seeds, positions=lengths, impl=impl)
+                         seeds=state.seeds, positions=lengths, num_drafted=num_drafted,
+                         impl=impl)
   accepted = result.num_accepted
 
   # How many of the k+1 candidate tokens each row keeps: up to the correction, cut at EOS
@@ -85,7 +150,6 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
   index = jnp.arange(k + 1, dtype=jnp.int32)
   is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
   first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
-  live = ~state.done
   count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
   count = jnp.where(live, count, 0)
   new_lengths = lengths + count
@@ -100,11 +164,12 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
   draft_state = drafter.observe(state.draft_state, scored, block, result.tokens, count, lengths)
 
   live_i = live.astype(jnp.int32)
+  drafted = k if num_drafted is None else num_drafted
   stats = state.stats
   stats = dataclasses.replace(
       stats,
       rounds=stats.rounds + live_i,
-      drafted=stats.drafted + k * live_i,
+      drafted=stats.drafted + drafted * live_i,
       accepted=stats.accepted + accepted * live_i,
       accepted_per_position=stats.accepted_per_position
       + (index[None, :k] < accepted[:, None]).astype(jnp.int32) * live_i[:, None],
@@ -115,7 +180,8 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
 
 
 def round_step(target, drafter, state: DecodeState, *, num_draft: int, sampling: Sampling,
-               verify_impl="auto") -> DecodeState:
+               verify_impl="auto", widths: tuple[int, ...] | None = None) -> DecodeState:
   """One round: `draft_step` then `verify_block`. The body of `decode`'s loop and of the stream."""
   state, proposal = draft_step(drafter, state, num_draft=num_draft, sampling=sampling)
-  return verify_block(target, drafter, state, proposal, sampling=sampling, impl=verify_impl)
+  return verify_block(target, drafter, state, proposal, sampling=sampling, impl=verify_impl,
+                      widths=widths)

@@ -11,12 +11,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.cache import KVCache
 from specjax.outputs import DecodeOutput, DecodeStats
 
-__all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "Proposal", "gather_tokens",
-           "init_state", "prefill", "finish"]
+__all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "Proposal", "check_confidence",
+           "confident_count", "gather_tokens", "init_state", "prefill", "finish",
+           "top_probability"]
 
 
 @jax.tree_util.register_dataclass
@@ -29,10 +31,14 @@ class Proposal:
     logits: `[B, k, V]` float32 raw logits of the distribution each draft was sampled from, over
       the full vocabulary (`-inf` outside a reduced draft vocabulary); None = point mass (the
       drafter proposed deterministically: n-gram lookup, argmax).
+    num_drafted: `[B]` int32 in `[0, k]`: row `b` proposes only `tokens[b, :num_drafted[b]]`
+      (a confidence stop); later entries are not drafts, and the verify samples the token at
+      slot `num_drafted[b]` from the target (the bonus). None = every row proposes all `k`.
   """
 
   tokens: jax.Array
   logits: jax.Array | None
+  num_drafted: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -50,6 +56,32 @@ class DecodeState:
   target_cache: KVCache  # [L, B, KVH, S, D] keys/values for tokens[:, :lengths - 1]
   draft_state: Any  # the drafter's own state (e.g. its KV cache)
   stats: DecodeStats
+
+
+def check_confidence(confidence) -> float | None:
+  """A drafter's confidence threshold: None (no stop) or a number in (0, 1]; else a ValueError."""
+  if confidence is None:
+    return None
+  if isinstance(confidence, bool) or not isinstance(confidence, (int, float, np.floating)):
+    raise ValueError(f"confidence must be None or a number in (0, 1], got {confidence!r}")
+  if not 0.0 < float(confidence) <= 1.0:  # also rejects NaN
+    raise ValueError(f"confidence must be in (0, 1] (the top probability below which a row stops "
+                     f"drafting), got {confidence}")
+  return float(confidence)
+
+
+def top_probability(logits: jax.Array) -> jax.Array:
+  """`max(softmax(logits))` over the last axis (temperature 1, no top-k / top-p): `[..., N]` ->
+  `[...]` float32. A drafter's confidence in its next draft."""
+  x = logits.astype(jnp.float32)
+  return 1.0 / jnp.sum(jnp.exp(x - jnp.max(x, axis=-1, keepdims=True)), axis=-1)
+
+
+def confident_count(confidences: jax.Array, threshold: float) -> jax.Array:
+  """`[B, k]` top probabilities -> `[B]` int32 leading drafts whose confidence is >= threshold:
+  a row stops at its first draft below the threshold (that one and later ones are not proposed)."""
+  keep = (confidences >= threshold).astype(jnp.int32)
+  return jnp.sum(jnp.cumprod(keep, axis=-1), axis=-1).astype(jnp.int32)
 
 
 def gather_tokens(sequence: jax.Array, starts: jax.Array, width: int) -> jax.Array:

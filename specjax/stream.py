@@ -34,22 +34,25 @@ def _start(target, drafter, tokens, lengths, max_new_tokens, eos, rng, *, num_dr
                       row_seeds(rng, tokens.shape[0]), num_draft=num_draft, capacity=capacity)
 
 
-@functools.partial(jax.jit, static_argnames=("num_draft", "sampling", "verify_impl", "rules"),
+@functools.partial(jax.jit, static_argnames=("num_draft", "sampling", "verify_impl", "widths",
+                                             "rules"),
                    donate_argnames=("state",))
-def _round(target, drafter, state, *, num_draft, sampling, verify_impl, rules=None):
+def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=None, rules=None):
   with rules_scope(rules):
     return round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,
-                      verify_impl=verify_impl)
+                      verify_impl=verify_impl, widths=widths)
 
 
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-                  num_draft: int = 4, sampling: Sampling = GREEDY,
-                  eos_id: int | tuple[int, ...] | None = None,
-                  verify_impl: str = "auto") -> Iterator[tuple[list[np.ndarray], DecodeState]]:
+                  num_draft: int | str = 4, sampling: Sampling = GREEDY,
+                  eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
+                  verify_widths: tuple[int, ...] | None = None,
+                  calibration=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
   """Speculative decoding that yields after every round.
 
   Args:
-    Same as `specjax.decode` (without `pad_id`).
+    Same as `specjax.decode` (without `pad_id` and `tree`; `num_draft="auto"`,
+    `verify_widths` and `calibration` as there).
 
   Yields:
     `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
@@ -60,7 +63,8 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   """
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
-                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl)
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
+                                verify_widths=verify_widths, calibration=calibration)
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs
@@ -71,7 +75,7 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   while not bool(np.all(np.asarray(state.done))):
     with call_context((target, drafter, state)):
       state = _round(target, drafter, state, num_draft=args.num_draft, sampling=sampling,
-                     verify_impl=verify_impl, rules=rules)
+                     verify_impl=verify_impl, widths=args.widths, rules=rules)
     now = np.asarray(state.lengths)
     sequence = np.asarray(state.tokens)
     yield [sequence[b, seen[b]:now[b]] for b in range(len(now))], state

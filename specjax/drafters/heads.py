@@ -13,7 +13,8 @@ at `L - 1` and its logits for `token_L`.
 
 * `init` runs the head over the prompt's pairs (the target's prefill features).
 * `propose` samples `d_1` from the stored logits, then runs `k - 1` single-token steps, each
-  feeding the previous step's output feature with the token just drafted.
+  feeding the previous step's output feature with the token just drafted (fewer when a
+  `confidence` threshold stops every row early: `specjax.drafters.model.draft_chain`).
 * `observe` runs the head over the round's verified block: block index `j < count` holds the
   target's feature for position `lengths - 1 + j`, paired with `emitted[j]` (token
   `lengths + j`). That overwrites the slots the drafting steps filled with the head's own
@@ -40,8 +41,9 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache
 from specjax.drafters import eagle, medusa
+from specjax.drafters.model import draft_chain
 from specjax.sampling import PURPOSE_DRAFT, Sampling, sample_token
-from specjax.state import Proposal
+from specjax.state import Proposal, check_confidence, confident_count, top_probability
 
 __all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
 
@@ -87,12 +89,18 @@ class EagleDrafter:
   Attributes:
     head: an `EagleHead`.
     target_embed: `[V, E]` the target's input embedding (the head embeds tokens with it).
+    confidence: None, or a threshold in (0, 1]: a row stops drafting at its first draft whose
+      top probability under the head (softmax of its draft-vocabulary logits, temperature 1) is
+      below it; drafting ends once every row has stopped. Exact: see
+      `specjax.drafters.model` (static: a new value compiles a new program).
   """
 
   head: Any
   target_embed: jax.Array
+  confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
+    object.__setattr__(self, "confidence", check_confidence(self.confidence))
     config = getattr(self.head, "config", None)
     shape = getattr(self.target_embed, "shape", None)  # absent for pytree placeholders
     if config is not None and shape is not None and tuple(shape) != (config.vocab_size,
@@ -149,21 +157,19 @@ class EagleDrafter:
                                                    sampling, seeds, positions)
     first, first_logits = draft(state.logits, lengths)  # [B], [B, V] or None
 
-    def step(carry, i):
-      cache, hidden, token = carry
+    def step(carry, i, token):
+      cache, hidden = carry
       # Pair (guessed feature_{L-2+i}, d_i) at slot L - 2 + i predicts token_{L+i}.
       logits, out, cache = self._run(token[:, None], hidden[:, None], lengths - 2 + i, cache)
       next_token, next_logits = draft(logits[:, 0], lengths + i)
-      return (cache, out[:, 0], next_token), (next_token, next_logits)
+      return (cache, out[:, 0]), (next_token, next_logits, logits[:, 0])
 
-    (cache, _, _), (tokens, all_logits) = jax.lax.scan(
-        step, (state.cache, state.hidden, first), jnp.arange(1, num_draft, dtype=jnp.int32))
-    tokens = jnp.concatenate([first[:, None], tokens.T], axis=1)  # [B, k]
-    if first_logits is not None:  # [B, k, V]
-      all_logits = jnp.concatenate([first_logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
+    (cache, _), proposal = draft_chain(step, (state.cache, state.hidden),
+                                       (first, first_logits, state.logits), num_draft,
+                                       confidence=self.confidence)
     # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
     state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
-    return state, Proposal(tokens, all_logits)
+    return state, proposal
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block
@@ -192,9 +198,13 @@ class MedusaDrafter:
 
   Attributes:
     heads: `MedusaHeads`.
+    confidence: None, or a threshold in (0, 1]: a row proposes only its leading drafts whose
+      head's top probability (raw softmax) is at least this (exact: see
+      `specjax.drafters.model`; all heads still run in their one forward).
   """
 
   heads: Any
+  confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   taps = ()
   needs_hidden = True
@@ -210,6 +220,9 @@ class MedusaDrafter:
   @property
   def max_draft(self) -> int:
     return self.num_heads
+
+  def __post_init__(self):
+    object.__setattr__(self, "confidence", check_confidence(self.confidence))
 
   def forwards_per_round(self, num_draft: int) -> int:
     del num_draft
@@ -234,7 +247,9 @@ class MedusaDrafter:
     positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
     tokens, full = draft_tokens(logits, self.heads.draft_ids, self.full_logits, sampling,
                                 seeds[:, None], positions)
-    return state, Proposal(tokens, full)
+    num_drafted = (None if self.confidence is None
+                   else confident_count(top_probability(logits), self.confidence))
+    return state, Proposal(tokens, full, num_drafted)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block, emitted, lengths

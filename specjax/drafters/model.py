@@ -1,15 +1,95 @@
-"""A small language model as the drafter."""
+"""A small language model as the drafter; `draft_chain`, the drafting loop with a confidence stop.
+
+**Confidence stop.** A chain drafter with `confidence=c` stops drafting a row at its first draft
+whose drafting distribution has top probability `max(softmax(logits)) < c` (the drafter's raw
+logits: temperature 1, no top-k / top-p, so one threshold means the same at every sampling
+setting); that draft and later ones are not proposed (`Proposal.num_drafted`), and the verify
+samples the token at the stop slot from the target (the bonus). Once every row of the batch has
+stopped, the drafting loop ends early (a `lax.while_loop`: no host sync).
+
+Why this stays exact: the stop decision at slot `j` is a function of the drafter's own logits,
+which depend only on the tokens before slot `j` (the accepted prefix and the drafts `1..j-1`)
+and the drafter's own random stream, never on the target's logits or on the verify's random
+numbers for slot `j`. So, given everything emitted before slot `j`, the token the verify emits
+there is either the ratio test / residual outcome for a draft drawn from `q_j` (distributed as
+`p_j` for every `q_j`) or a direct sample from `p_j` (the bonus): `p_j` either way, whichever
+way the (independent) stop decision went.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from specjax.sampling import PURPOSE_DRAFT, sample_token
-from specjax.state import Proposal, gather_tokens
+from specjax.state import (Proposal, check_confidence, confident_count, gather_tokens,
+                           top_probability)
+
+__all__ = ["ModelDrafter", "draft_chain"]
+
+
+def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
+                confidence: float | None) -> tuple[Any, Proposal]:
+  """Drafts `num_draft` tokens per row: `first`, then `num_draft - 1` calls of `step`.
+
+  Args:
+    step: `(carry, i, token [B]) -> (carry, (token [B], logits [B, V] or None, raw [B, N]))`
+      feeds draft `i` (1-based) and drafts `i + 1`: its token, the full-vocabulary logits of the
+      distribution it was drawn from (None when greedy), and the drafter's raw logits (for the
+      confidence).
+    carry: the step's loop state (e.g. a KV cache).
+    first: `(token [B], logits [B, V] or None, raw [B, N])` of the first draft.
+    num_draft: `k`.
+    confidence: None = every row drafts `k` (a `lax.scan`); a threshold in (0, 1] = the
+      confidence stop (see the module docstring; a `lax.while_loop` that ends when every row
+      has stopped).
+
+  Returns:
+    `(carry after the last step run, Proposal(tokens [B, k], logits [B, k, V] or None,
+    num_drafted [B] or None))`.
+  """
+  token, logits, raw = first
+  if confidence is None:
+    def scan_step(state, i):
+      carry, token = state
+      carry, (token, logits, _) = step(carry, i, token)
+      return (carry, token), (token, logits)
+
+    (carry, _), (tokens, all_logits) = jax.lax.scan(
+        scan_step, (carry, token), jnp.arange(1, num_draft, dtype=jnp.int32))
+    tokens = jnp.concatenate([token[:, None], tokens.T], axis=1)  # [B, k]
+    if logits is not None:
+      all_logits = jnp.concatenate([logits[:, None], all_logits.transpose(1, 0, 2)], axis=1)
+    return carry, Proposal(tokens, all_logits if logits is not None else None)
+
+  batch = token.shape[0]
+  tokens = jnp.zeros((batch, num_draft), jnp.int32).at[:, 0].set(token)
+  all_logits = None
+  if logits is not None:
+    all_logits = jnp.zeros((batch, num_draft) + logits.shape[1:], logits.dtype)
+    all_logits = all_logits.at[:, 0].set(logits)
+  alive = top_probability(raw) >= confidence  # [B] still drafting
+  count = alive.astype(jnp.int32)
+
+  def cond(state):
+    i, _, _, _, _, alive, _ = state
+    return (i < num_draft) & jnp.any(alive)
+
+  def body(state):
+    i, carry, token, tokens, all_logits, alive, count = state
+    carry, (token, logits, raw) = step(carry, i, token)
+    tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, i, axis=1)
+    if all_logits is not None:
+      all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
+    alive = alive & (top_probability(raw) >= confidence)
+    return i + 1, carry, token, tokens, all_logits, alive, count + alive.astype(jnp.int32)
+
+  _, carry, _, tokens, all_logits, _, count = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), carry, token, tokens, all_logits, alive, count))
+  return carry, Proposal(tokens, all_logits, count)
 
 
 @jax.tree_util.register_dataclass
@@ -19,14 +99,24 @@ class ModelDrafter:
 
   Each round it first catches up on the tokens it has not seen: the last round's correction or
   bonus token (and, when every draft was accepted, its own last draft, which it proposed but never
-  fed). It does that in one block forward of two tokens, then `k - 1` single-token steps. It
+  fed). It does that in one block forward of two tokens, then up to `k - 1` single-token steps. It
   reads no target features (`observe` is the identity).
+
+  Attributes:
+    model: the draft `specjax.Model`.
+    confidence: None, or a threshold in (0, 1]: a row stops drafting at its first draft whose
+      top probability (raw softmax) is below it (see the module docstring; static: a new value
+      compiles a new program).
   """
 
   model: Any
+  confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   taps = ()
   needs_hidden = False
+
+  def __post_init__(self):
+    object.__setattr__(self, "confidence", check_confidence(self.confidence))
 
   @property
   def vocab_size(self) -> int:
@@ -47,7 +137,8 @@ class ModelDrafter:
     return cache.with_lengths(lengths - 1)  # the last prompt token is fed with the first draft
 
   def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds):
-    # Valid draft cache: what it has seen that is still in the sequence (rollback).
+    # Valid draft cache: what it has seen that is still in the sequence (rollback). After a
+    # confidence stop the cache may hold more than that; `start` cuts it back.
     start = jnp.minimum(cache.lengths, lengths - 1)  # lengths - 2 or lengths - 1
     block = gather_tokens(sequence, start, 2)
     out = self.model(block, start, cache)
@@ -55,19 +146,16 @@ class ModelDrafter:
     logits = jnp.take_along_axis(out.logits, pick, axis=1)[:, 0]  # [B, V]
     cache = out.cache.with_lengths(lengths)
     first = sample_token(logits, sampling, seeds, lengths, PURPOSE_DRAFT)
+    keep = (lambda logits: None) if sampling.greedy else (lambda logits: logits)
 
-    def step(carry, i):
-      cache, token, logits = carry
+    def step(cache, i, token):
       out = self.model(token[:, None], lengths + i - 1, cache)
       next_logits = out.logits[:, 0]
       next_token = sample_token(next_logits, sampling, seeds, lengths + i, PURPOSE_DRAFT)
-      return (out.cache, next_token, next_logits), (token, logits)
+      return out.cache, (next_token, keep(next_logits), next_logits)
 
-    (cache, last, last_logits), (tokens, all_logits) = jax.lax.scan(
-        step, (cache, first, logits), jnp.arange(1, num_draft, dtype=jnp.int32))
-    tokens = jnp.concatenate([tokens, last[None]], axis=0).T  # [B, k]
-    all_logits = jnp.concatenate([all_logits, last_logits[None]], axis=0).transpose(1, 0, 2)
-    return cache, Proposal(tokens, None if sampling.greedy else all_logits)
+    return draft_chain(step, cache, (first, keep(logits), logits), num_draft,
+                       confidence=self.confidence)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths

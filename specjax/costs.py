@@ -1,0 +1,380 @@
+"""Measured costs and acceptance profiles: what `specjax.decode(..., num_draft="auto")` picks from.
+
+A **cost table** is measured once per backend (`measure_costs`, or `specjax calibrate`): the
+target's forward over blocks of `w = 1 .. W` positions at batch `B` (a chain verifies `k + 1`
+positions; a tree of `N` nodes scores `N + 1`), the drafter's cost per draft step, and one step of
+plain `specjax.generate`. It is saved as `cost_table_<backend>.json` (with the device kind, the
+jax version, the batch and the date) beside a checkpoint.
+
+An **acceptance profile** (`acceptance_profile.json`, measured by `specjax calibrate` on a few
+prompts) holds the drafter's per-position acceptance `alpha_j`: the probability that draft `j`
+is accepted given that drafts `1 .. j-1` were. A round with `k` drafts then yields
+`E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i` tokens on average.
+
+`choose_num_draft` maximises expected tokens per unit time,
+`E[tokens | k] / (verify(k + 1) + k * draft_step)`, over the `k` both files cover, on the host
+before anything is compiled (so `k` is static and the loop has no host syncs). There is no
+fallback guess: without both files `num_draft="auto"` raises a ValueError that says how to make
+them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.generate import generate
+from specjax.sampling import GREEDY, Sampling
+from specjax.state import prefill
+
+__all__ = ["AcceptanceProfile", "AutoChoice", "Calibration", "CostTable", "PROFILE_FILE",
+           "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
+           "load_calibration", "measure_costs", "resolve_calibration"]
+
+FORMAT = 1
+PROFILE_FILE = "acceptance_profile.json"
+WIDTH_SAVING = 0.1  # a smaller verify width is compiled when it is >= 10% cheaper
+MAX_AUTO_WIDTHS = 4
+
+
+def cost_table_file(backend: str | None = None) -> str:
+  """`cost_table_<backend>.json` (default: jax's default backend, e.g. cpu, gpu, tpu)."""
+  return f"cost_table_{backend or jax.default_backend()}.json"
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _write(path: pathlib.Path, data: dict) -> pathlib.Path:
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(data, indent=1) + "\n")
+  return path
+
+
+def _read(path: pathlib.Path, what: str) -> dict:
+  data = json.loads(path.read_text())
+  if data.get("format") != FORMAT:
+    raise ValueError(f"{path}: {what} of format {data.get('format')!r}, this specjax reads "
+                     f"format {FORMAT}: measure it again with `specjax calibrate`")
+  return data
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTable:
+  """Per-backend costs in milliseconds (see the module docstring).
+
+  Attributes:
+    verify_ms: the target's forward over `w` positions, `w = 1 .. W` (`verify_ms[w - 1]`).
+    draft_step_ms: the drafter's cost per draft token (slope between two `num_draft`s).
+    generate_step_ms: one token of plain `specjax.generate` (slope between two lengths).
+    backend, device_kind, jax_version, batch, context, date: where and how it was measured.
+    notes: free-form facts (target and drafter kinds, repeats).
+  """
+
+  verify_ms: tuple[float, ...]
+  draft_step_ms: float
+  generate_step_ms: float
+  backend: str
+  device_kind: str
+  jax_version: str
+  batch: int
+  context: int
+  date: str
+  notes: dict = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    values = (*self.verify_ms, self.draft_step_ms, self.generate_step_ms)
+    if not self.verify_ms or not all(math.isfinite(v) and v >= 0 for v in values):
+      raise ValueError(f"a cost table needs finite, non-negative costs, got {values}")
+
+  @property
+  def max_width(self) -> int:
+    return len(self.verify_ms)
+
+  def verify_cost(self, width: int) -> float:
+    if not 1 <= width <= self.max_width:
+      raise ValueError(f"the cost table covers verify widths 1..{self.max_width}, not {width}")
+    return self.verify_ms[width - 1]
+
+  def save(self, directory) -> pathlib.Path:
+    """Writes `cost_table_<backend>.json` in `directory`; returns its path."""
+    data = dict(format=FORMAT, **dataclasses.asdict(self))
+    data["verify_ms"] = list(self.verify_ms)
+    return _write(pathlib.Path(directory) / cost_table_file(self.backend), data)
+
+  @classmethod
+  def load(cls, directory, backend: str | None = None) -> CostTable:
+    """Reads `cost_table_<backend>.json` from `directory` (FileNotFoundError if absent)."""
+    path = pathlib.Path(directory) / cost_table_file(backend)
+    data = _read(path, "cost table")
+    data.pop("format")
+    data["verify_ms"] = tuple(float(v) for v in data["verify_ms"])
+    return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptanceProfile:
+  """A drafter's per-position acceptance (see the module docstring).
+
+  Attributes:
+    alpha: `alpha_j`, j = 1 .. K: P(draft j accepted | drafts before it accepted).
+    sampling: the sampling settings it was measured under (as a dict).
+    rounds: verify rounds measured; prompts: prompts measured; date.
+  """
+
+  alpha: tuple[float, ...]
+  sampling: dict
+  rounds: int
+  prompts: int
+  date: str
+
+  def __post_init__(self):
+    if not self.alpha or not all(0.0 <= a <= 1.0 for a in self.alpha):
+      raise ValueError(f"alpha must be probabilities, got {self.alpha}")
+
+  @classmethod
+  def from_counts(cls, rounds: int, accepted_per_position, *, sampling: Sampling,
+                  prompts: int) -> AcceptanceProfile:
+    """`alpha_j = accepted[j] / reached[j]` with `reached[1] = rounds` and
+    `reached[j] = accepted[j - 1]` (a draft is tested only if all before it were accepted)."""
+    accepted = [int(a) for a in accepted_per_position]
+    reached = [int(rounds)] + accepted[:-1]
+    alpha = tuple(a / r if r else 0.0 for a, r in zip(accepted, reached))
+    return cls(alpha, dataclasses.asdict(sampling), int(rounds), int(prompts), _now())
+
+  def save(self, directory) -> pathlib.Path:
+    data = dict(format=FORMAT, **dataclasses.asdict(self))
+    data["alpha"] = list(self.alpha)
+    return _write(pathlib.Path(directory) / PROFILE_FILE, data)
+
+  @classmethod
+  def load(cls, directory) -> AcceptanceProfile:
+    data = _read(pathlib.Path(directory) / PROFILE_FILE, "acceptance profile")
+    data.pop("format")
+    data["alpha"] = tuple(float(a) for a in data["alpha"])
+    return cls(**data)
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+  """A cost table and an acceptance profile: everything `num_draft="auto"` needs."""
+
+  costs: CostTable
+  profile: AcceptanceProfile
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+  """What `choose_num_draft` picked, and why.
+
+  Attributes:
+    num_draft: `k`.
+    widths: the compiled verify widths (ending in `k + 1`).
+    expected_tokens: `E[tokens | k]` per round.
+    round_ms: `verify(k + 1) + k * draft_step` from the table.
+    speedup: `expected_tokens / round_ms * generate_step_ms`: the predicted speedup over
+      `specjax.generate` (below 1: speculation is predicted to be slower than the target alone).
+    scores: tokens per millisecond for every `k` considered (index `k - 1`).
+  """
+
+  num_draft: int
+  widths: tuple[int, ...]
+  expected_tokens: float
+  round_ms: float
+  speedup: float
+  scores: tuple[float, ...]
+
+
+def expected_tokens(alpha, num_draft: int) -> float:
+  """`1 + sum_{j=1..k} prod_{i<=j} alpha_i`: tokens per round with `k` drafts."""
+  total, reach = 1.0, 1.0
+  for a in list(alpha)[:num_draft]:
+    reach *= a
+    total += reach
+  return total
+
+
+def choose_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
+  """Verify widths worth compiling for `k` drafts under a confidence stop: walking down from
+  `k + 1`, a width is kept when its forward is at least `WIDTH_SAVING` cheaper than the last kept
+  one (at most `MAX_AUTO_WIDTHS`)."""
+  kept = [num_draft + 1]
+  for width in range(num_draft, 0, -1):
+    if len(kept) == MAX_AUTO_WIDTHS:
+      break
+    if costs.verify_cost(width) <= (1.0 - WIDTH_SAVING) * costs.verify_cost(kept[-1]):
+      kept.append(width)
+  return tuple(sorted(kept))
+
+
+def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
+                     max_draft: int | None = None, confidence_stop: bool = False) -> AutoChoice:
+  """The `k` that maximises `E[tokens | k] / (verify(k + 1) + k * draft_step)`.
+
+  Args:
+    costs: the backend's cost table.
+    profile: the drafter's acceptance profile.
+    max_draft: an upper bound on `k` (e.g. a Medusa drafter's number of heads).
+    confidence_stop: the drafter stops rows early, so smaller verify widths are worth compiling
+      (`choose_widths`); otherwise the only width is `k + 1`.
+
+  Returns:
+    An `AutoChoice`; ties go to the smaller `k`.
+  """
+  limit = min(costs.max_width - 1, len(profile.alpha))
+  if max_draft is not None:
+    limit = min(limit, max_draft)
+  if limit < 1:
+    raise ValueError(f"the cost table (widths 1..{costs.max_width}) and the profile "
+                     f"({len(profile.alpha)} positions) cover no num_draft >= 1")
+  scores = []
+  for k in range(1, limit + 1):
+    scores.append(expected_tokens(profile.alpha, k)
+                  / (costs.verify_cost(k + 1) + k * costs.draft_step_ms))
+  best = int(np.argmax(scores)) + 1  # first maximum: the smaller k on ties
+  round_ms = costs.verify_cost(best + 1) + best * costs.draft_step_ms
+  widths = choose_widths(costs, best) if confidence_stop else (best + 1,)
+  return AutoChoice(best, widths, expected_tokens(profile.alpha, best), round_ms,
+                    scores[best - 1] * costs.generate_step_ms, tuple(scores))
+
+
+def load_calibration(directory, backend: str | None = None) -> Calibration:
+  """The cost table for `backend` (default: this process's) and the acceptance profile in
+  `directory`.
+
+  Raises:
+    ValueError: a file is missing (the message names it and the command that measures it).
+  """
+  directory = pathlib.Path(directory)
+  missing = [name for name in (cost_table_file(backend), PROFILE_FILE)
+             if not (directory / name).is_file()]
+  if missing:
+    raise ValueError(f"num_draft='auto' needs measured costs: {', '.join(missing)} not found in "
+                     f"{directory}; run `specjax calibrate --out {directory}` on this backend "
+                     "(or pass an explicit num_draft)")
+  return Calibration(CostTable.load(directory, backend), AcceptanceProfile.load(directory))
+
+
+def resolve_calibration(calibration) -> Calibration:
+  """A `Calibration`, or one loaded from a directory; None is a ValueError saying what to do."""
+  if isinstance(calibration, Calibration):
+    return calibration
+  if calibration is None:
+    raise ValueError("num_draft='auto' needs a calibration: pass calibration=DIR, a directory "
+                     "with cost_table_<backend>.json and acceptance_profile.json written by "
+                     "`specjax calibrate --out DIR` (there is no unmeasured default)")
+  if isinstance(calibration, (str, pathlib.Path)):
+    return load_calibration(calibration)
+  raise ValueError(f"calibration must be a directory or a specjax.costs.Calibration, got "
+                   f"{type(calibration).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring.
+
+
+def _best_ms(fn, repeats: int) -> float:
+  """The fastest of `repeats` timed calls (after one warm-up call), in milliseconds."""
+  jax.block_until_ready(fn())
+  best = math.inf
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best * 1e3
+
+
+def _without_stop(drafter):
+  if getattr(drafter, "confidence", None) is not None:
+    return dataclasses.replace(drafter, confidence=None)
+  return drafter
+
+
+def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, context: int = 64,
+                  repeats: int = 5, sampling: Sampling = GREEDY, seed: int = 0,
+                  notes: dict[str, Any] | None = None) -> CostTable:
+  """Measures a `CostTable` on this process's default backend.
+
+  Args:
+    target: the target model.
+    drafter: a `specjax.Drafter` (a draft `Model` is wrapped with `as_drafter` by the caller).
+      Its confidence stop, if any, is switched off to time full steps.
+    batch: rows per forward.
+    max_width: W, the widest verify block timed.
+    context: prompt length the forwards run after (random token ids).
+    repeats: timed calls per measurement; the fastest is kept.
+    sampling: the drafter's sampling settings while timed.
+    seed: for the random prompt.
+    notes: extra facts stored with the table.
+
+  Returns:
+    The `CostTable` (not saved: call `.save(directory)`).
+  """
+  if max_width < 2:
+    raise ValueError(f"max_width must be >= 2 (one draft), got {max_width}")
+  drafter = _without_stop(drafter)
+  tokens = jax.random.randint(jax.random.key(seed), (batch, context), 0, target.vocab_size,
+                              jnp.int32)
+  lengths = jnp.full((batch,), context, jnp.int32)
+  buffer_len = context + 2 * max_width + 2
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  out = jax.jit(lambda t, x: prefill(t, x, t.init_cache(batch, buffer_len), taps=drafter.taps,
+                                     return_hidden=drafter.needs_hidden))(target, tokens)
+  cache = out.cache.with_lengths(lengths - 1)
+
+  forward = jax.jit(lambda t, block, cache: t(block, lengths - 1, cache, **kwargs),
+                    donate_argnums=2)
+  verify_ms = []
+  for width in range(1, max_width + 1):
+    block = tokens[:, :width]
+    state = {"cache": cache}
+
+    def verify_once(block=block, state=state):
+      scored = forward(target, block, state["cache"])
+      state["cache"] = scored.cache.with_lengths(lengths - 1)
+      return scored.logits
+    verify_ms.append(_best_ms(verify_once, repeats))
+    cache = state["cache"]
+
+  sequence = jnp.concatenate([tokens, jnp.zeros((batch, buffer_len - context), jnp.int32)], 1)
+  seeds = jnp.arange(batch, dtype=jnp.uint32)
+  propose = jax.jit(lambda d, s, k: d.propose(s, sequence, lengths, num_draft=k,
+                                              sampling=sampling, seeds=seeds),
+                    static_argnums=2, donate_argnums=1)
+  state = {"draft": drafter.init(tokens, lengths, buffer_len, out)}
+
+  def propose_once(k):
+    state["draft"], proposal = propose(drafter, state["draft"], k)
+    return proposal.tokens
+  draft_ms = {k: _best_ms(lambda k=k: propose_once(k), repeats) for k in (1, max_width - 1)}
+  steps = max_width - 2
+  draft_step = ((draft_ms[max_width - 1] - draft_ms[1]) / steps if steps
+                else draft_ms[1])
+
+  short, long = 8, 40  # one output bucket: one compiled program
+  key = jax.random.key(seed)
+  generate_ms = {n: _best_ms(lambda n=n: generate(target, tokens, key, max_new_tokens=n).tokens,
+                             repeats) for n in (short, long)}
+  generate_step = (generate_ms[long] - generate_ms[short]) / (long - short)
+
+  device = jax.devices()[0]
+  facts = dict(target=type(target).__name__, drafter=type(drafter).__name__,
+               repeats=repeats, draft_propose_ms={str(k): v for k, v in draft_ms.items()},
+               generate_ms={str(n): v for n, v in generate_ms.items()})
+  facts.update(notes or {})
+  return CostTable(verify_ms=tuple(verify_ms), draft_step_ms=max(draft_step, 0.0),
+                   generate_step_ms=max(generate_step, 0.0), backend=jax.default_backend(),
+                   device_kind=device.device_kind, jax_version=jax.__version__, batch=batch,
+                   context=context, date=_now(), notes=facts)
