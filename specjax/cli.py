@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from specjax import calibrate  # light: its heavy imports sit inside its handlers
 
 
 class CliError(Exception):
@@ -127,7 +128,6 @@ def _run_convert(args):
 
 
 SUBCOMMANDS = [_add_demo, _add_train, _add_convert]
-
 
 # ---------------------------------------------------------------------------------------------
 # generate / audit / bench: shared loading of a target/draft pair from checkpoint directories.
@@ -423,7 +423,7 @@ def _run_bench(args):
   return _benchmarks_cli().main(args.args)
 
 
-SUBCOMMANDS += [_add_generate, _add_audit, _add_bench]
+SUBCOMMANDS += [_add_generate, _add_audit, _add_bench, calibrate.add_subcommand]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,199 @@
+"""Cost tables, acceptance profiles and `num_draft="auto"`.
+
+* `measure_costs` on a tiny model, saved as `cost_table_<backend>.json` and loaded back.
+* `AcceptanceProfile.from_counts` and `expected_tokens` against hand-worked numbers.
+* `choose_num_draft` picks the `k` that maximises `E[tokens | k] / (verify(k+1) + k * draft)` for
+  a hand-written table and profile; the expected value is computed here independently, from the
+  distribution of the number of accepted drafts.
+* `sj.decode(..., num_draft="auto", calibration=DIR)` runs with that `k` (and greedy still equals
+  `sj.generate`); without the files, or without a calibration, it raises a ValueError that names
+  `specjax calibrate`, before compiling.
+* `specjax calibrate` end to end on the shipped toy pair (slow).
+"""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import cli, costs
+from specjax.costs import AcceptanceProfile, CostTable
+from specjax.models import tiny_config
+from specjax.tracing import TRACE_COUNTS
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _table(verify_ms, draft_step_ms=0.5, generate_step_ms=10.0, backend=None):
+  return CostTable(verify_ms=tuple(verify_ms), draft_step_ms=draft_step_ms,
+                   generate_step_ms=generate_step_ms,
+                   backend=backend or jax.default_backend(), device_kind="hand-written",
+                   jax_version=jax.__version__, batch=1, context=16, date="2025-01-01")
+
+
+def _profile(alpha):
+  return AcceptanceProfile(tuple(alpha), {"temperature": 0.0, "top_k": None, "top_p": None},
+                           rounds=1000, prompts=4, date="2025-01-01")
+
+
+def _expected_tokens_by_distribution(alpha, k):
+  """E[accepted + 1] from P(exactly n accepted) = prod_{i<=n} a_i * (1 - a_{n+1}) (n < k) and
+  P(k accepted) = prod_{i<=k} a_i: written without `costs.expected_tokens`."""
+  total = 0.0
+  for n in range(k + 1):
+    reach = float(np.prod(alpha[:n]))
+    probability = reach * (1.0 - alpha[n]) if n < k else reach
+    total += (n + 1) * probability
+  return total
+
+
+# Verify cost rises in steps (flat-ish then a jump), drafts cost 0.5 ms each: with these alphas
+# k = 3 is the best ratio (worked out below).
+VERIFY_MS = (10.0, 10.5, 11.0, 11.5, 16.0, 16.5, 17.0)
+ALPHA = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4)
+
+
+def test_expected_tokens_hand_worked():
+  # alpha = (0.5, 0.5): 1 + 0.5 + 0.25 = 1.75 with k = 2; 1.5 with k = 1.
+  assert costs.expected_tokens((0.5, 0.5), 2) == pytest.approx(1.75)
+  assert costs.expected_tokens((0.5, 0.5), 1) == pytest.approx(1.5)
+  for k in range(1, len(ALPHA) + 1):
+    assert costs.expected_tokens(ALPHA, k) == pytest.approx(
+        _expected_tokens_by_distribution(ALPHA, k))
+
+
+def test_auto_picks_the_k_that_maximises_tokens_per_time():
+  table, profile = _table(VERIFY_MS), _profile(ALPHA)
+  ratios = {k: _expected_tokens_by_distribution(ALPHA, k) / (VERIFY_MS[k] + 0.5 * k)
+            for k in range(1, 7)}
+  # k = 3: (1 + .9 + .72 + .504) / (11.5 + 1.5) = 3.124 / 13 = 0.2403; k = 2: 2.62 / 12 = 0.2183;
+  # k = 4: 3.4264 / 18 = 0.1904.
+  best = max(ratios, key=ratios.get)
+  assert best == 3
+  choice = costs.choose_num_draft(table, profile)
+  assert choice.num_draft == best
+  assert choice.widths == (best + 1,)
+  assert choice.expected_tokens == pytest.approx(_expected_tokens_by_distribution(ALPHA, best))
+  assert choice.round_ms == pytest.approx(VERIFY_MS[best] + 0.5 * best)
+  assert choice.speedup == pytest.approx(ratios[best] * 10.0)
+  assert costs.choose_num_draft(table, profile, max_draft=2).num_draft == 2  # a Medusa bound
+  # A table that covers fewer widths bounds k: widths 1..3 allow k <= 2.
+  assert costs.choose_num_draft(_table(VERIFY_MS[:3]), profile).num_draft == 2
+
+
+def test_widths_for_a_confidence_stop():
+  # k = 4: start from 5 (3.0 ms); 4 costs 2.1 <= 0.9 * 3.0 -> kept; 3 costs 2.0 > 0.9 * 2.1 = 1.89
+  # -> not; 2 costs 1.05 <= 1.89 -> kept; 1 costs 1.0 > 0.9 * 1.05 -> not.
+  table = _table((1.0, 1.05, 2.0, 2.1, 3.0))
+  assert costs.choose_widths(table, 4) == (2, 4, 5)
+  # Nearly flat costs up to 5 positions, free drafts, alpha 0.99: k = 4 (4.90 tokens / 1.24 ms
+  # against 3.94 / 1.18 for k = 3); widths: 5 (1.2 ms); 4, 3 cost more than 0.9 * 1.2 = 1.08;
+  # 2 costs 1.05 -> kept; 1 costs 1.0 > 0.9 * 1.05 -> not.
+  table = _table((1.0, 1.05, 1.1, 1.15, 1.2), draft_step_ms=0.01)
+  choice = costs.choose_num_draft(table, _profile((0.99,) * 4), confidence_stop=True)
+  assert choice.num_draft == 4 and choice.widths == (2, 5)
+  plain = costs.choose_num_draft(table, _profile((0.99,) * 4))
+  assert plain.num_draft == 4 and plain.widths == (5,)
+
+
+def test_profile_from_counts_and_round_trip(tmp_path):
+  # 100 rounds; draft 1 accepted 80 times, draft 2 40 times (of the 80 that reached it), draft 3
+  # 10 times (of 40): alpha = (0.8, 0.5, 0.25).
+  profile = AcceptanceProfile.from_counts(100, [80, 40, 10], sampling=sj.Sampling(0.7, top_k=5),
+                                          prompts=3)
+  assert profile.alpha == pytest.approx((0.8, 0.5, 0.25))
+  path = profile.save(tmp_path)
+  assert path.name == "acceptance_profile.json"
+  loaded = AcceptanceProfile.load(tmp_path)
+  assert loaded == profile
+  assert loaded.sampling == {"temperature": 0.7, "top_k": 5, "top_p": None}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  target = sj.init_params(tiny_config(vocab_size=64), jax.random.key(30))
+  draft = sj.init_params(tiny_config(vocab_size=64, num_layers=1), jax.random.key(31))
+  return target, draft
+
+
+def test_measure_save_load_round_trip(tiny, tmp_path):
+  target, draft = tiny
+  table = costs.measure_costs(target, sj.ModelDrafter(draft), max_width=3, context=8, repeats=2)
+  assert len(table.verify_ms) == 3 and all(v > 0 for v in table.verify_ms)
+  assert table.draft_step_ms >= 0 and table.generate_step_ms >= 0
+  assert table.backend == jax.default_backend() and table.batch == 1
+  path = table.save(tmp_path)
+  assert path.name == f"cost_table_{jax.default_backend()}.json"
+  data = json.loads(path.read_text())
+  for key in ("device_kind", "jax_version", "batch", "date", "verify_ms", "draft_step_ms",
+              "generate_step_ms"):
+    assert key in data
+  assert data["jax_version"] == jax.__version__
+  assert CostTable.load(tmp_path) == table
+
+
+def test_decode_auto_runs_the_chosen_k(tiny, tmp_path):
+  target, draft = tiny
+  _table(VERIFY_MS).save(tmp_path)
+  _profile(ALPHA).save(tmp_path)
+  tokens = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
+  lengths = jnp.array([5, 3], jnp.int32)
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
+                  num_draft="auto", calibration=tmp_path)
+  assert out.stats.accepted_per_position.shape == (2, 3)  # k = 3, as worked out above
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
+  target, draft = tiny
+  tokens = jnp.array([[3, 1, 4]], jnp.int32)
+  before = TRACE_COUNTS["decode"]
+  with pytest.raises(ValueError, match="needs a calibration"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto")
+  with pytest.raises(ValueError, match=r"cost_table_\w+\.json, acceptance_profile\.json not "
+                     r"found.*specjax calibrate --out"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto", calibration=tmp_path)
+  _profile(ALPHA).save(tmp_path)
+  _table(VERIFY_MS, backend="some-other-backend").save(tmp_path)  # not this backend's
+  with pytest.raises(ValueError, match=f"cost_table_{jax.default_backend()}.json not found"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto", calibration=tmp_path)
+  assert TRACE_COUNTS["decode"] == before
+
+
+def test_bad_tables_raise(tmp_path):
+  with pytest.raises(ValueError, match="finite, non-negative"):
+    _table((1.0, float("nan")))
+  with pytest.raises(ValueError, match="probabilities"):
+    _profile((0.5, 1.5))
+  with pytest.raises(ValueError, match="cover no num_draft"):
+    costs.choose_num_draft(_table((1.0,)), _profile((0.5,)))
+  path = _table(VERIFY_MS).save(tmp_path)
+  path.write_text(path.read_text().replace('"format": 1', '"format": 99'))
+  with pytest.raises(ValueError, match="format"):
+    CostTable.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_calibrate_command_on_the_toy_pair(tmp_path, capsys):
+  toy = ROOT / "checkpoints" / "toy"
+  status = cli.main(["calibrate", "--out", str(tmp_path), "--target", str(toy / "target"),
+                     "--draft", str(toy / "draft"), "--tokenizer", str(toy / "tokenizer.json"),
+                     "--max-width", "4", "--repeats", "2", "--context", "16",
+                     "--max-new-tokens", "16", "--prompt", "def f(x):\n", "--prompt",
+                     "import os\n"])
+  assert status == 0
+  printed = capsys.readouterr().out
+  assert "num_draft='auto' picks k =" in printed
+  calibration = costs.load_calibration(tmp_path)
+  assert len(calibration.costs.verify_ms) == 4 and len(calibration.profile.alpha) == 3
+  assert calibration.profile.rounds > 0
+
+
+def test_calibrate_rejects_a_bad_width(tmp_path, capsys):
+  assert cli.main(["calibrate", "--out", str(tmp_path), "--max-width", "1"]) == 2
+  assert "--max-width must be >= 2" in capsys.readouterr().err
