@@ -129,6 +129,8 @@ class EagleTreeExpand:
     self.hidden = jnp.zeros((batch, pool + 1, c.embed_dim), dtype).at[:, 0].set(state.hidden)
     self.logits = jnp.zeros((batch, pool + 1, c.draft_vocab_size), jnp.float32).at[:, 0].set(
         state.logits.astype(jnp.float32))  # [B, P + 1, N] draft-vocabulary logits
+    root = drafter.full_logits(state.logits.astype(jnp.float32))  # [B, V]
+    self.full = jnp.zeros((batch, pool + 1, c.vocab_size), jnp.float32).at[:, 0].set(root)
     cache_dtype = state.cache.k[0].dtype
     kv_shape = (batch, c.num_kv_heads, pool, c.head_dim)
     self.keys = jnp.zeros(kv_shape, cache_dtype)  # [B, KVH, P, D] the tree block's entries
@@ -140,7 +142,7 @@ class EagleTreeExpand:
       built = slice(0, self.pool)
     if built.stop > built.start:
       self.evaluate(ext_tokens, ext_parents, ext_depths, built)
-    return self.drafter.full_logits(self.logits)
+    return self.full
 
   def evaluate(self, ext_tokens, ext_parents, ext_depths, nodes: slice) -> None:
     """Runs the head on pool nodes `nodes` (static), whose parents were evaluated before."""
@@ -166,6 +168,7 @@ class EagleTreeExpand:
     logits, hidden = eagle.head_finish(head, features, attn)
     self.hidden = self.hidden.at[:, ext].set(hidden.astype(self.hidden.dtype))
     self.logits = self.logits.at[:, ext].set(logits)
+    self.full = self.full.at[:, ext].set(self.drafter.full_logits(logits))
 
 
 def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: int,
