@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -283,15 +284,19 @@ def resolve_calibration(calibration) -> Calibration:
 # Measuring.
 
 
-def _best_ms(fn, repeats: int) -> float:
-  """The fastest of `repeats` timed calls (after one warm-up call), in milliseconds."""
-  jax.block_until_ready(fn())
-  best = math.inf
-  for _ in range(repeats):
-    start = time.perf_counter()
+def _best_ms(thunks: dict, repeats: int) -> dict:
+  """The fastest of `repeats` timed calls of each thunk, in milliseconds, after one warm-up call
+  each. The thunks take turns (round robin), so a burst of load on a shared machine hits every
+  measurement alike instead of one of them."""
+  for fn in thunks.values():
     jax.block_until_ready(fn())
-    best = min(best, time.perf_counter() - start)
-  return best * 1e3
+  best = {name: math.inf for name in thunks}
+  for _ in range(repeats):
+    for name, fn in thunks.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      best[name] = min(best[name], time.perf_counter() - start)
+  return {name: seconds * 1e3 for name, seconds in best.items()}
 
 
 def _without_stop(drafter):
@@ -336,37 +341,37 @@ def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, contex
 
   forward = jax.jit(lambda t, block, cache: t(block, lengths - 1, cache, **kwargs),
                     donate_argnums=2)
-  verify_ms = []
-  for width in range(1, max_width + 1):
-    block = tokens[:, :width]
-    state = {"cache": cache}
-
-    def verify_once(block=block, state=state):
-      scored = forward(target, block, state["cache"])
-      state["cache"] = scored.cache.with_lengths(lengths - 1)
-      return scored.logits
-    verify_ms.append(_best_ms(verify_once, repeats))
-    cache = state["cache"]
-
   sequence = jnp.concatenate([tokens, jnp.zeros((batch, buffer_len - context), jnp.int32)], 1)
   seeds = jnp.arange(batch, dtype=jnp.uint32)
   propose = jax.jit(lambda d, s, k: d.propose(s, sequence, lengths, num_draft=k,
                                               sampling=sampling, seeds=seeds),
                     static_argnums=2, donate_argnums=1)
-  state = {"draft": drafter.init(tokens, lengths, buffer_len, out)}
+  state = {"cache": out.cache.with_lengths(lengths - 1),
+           "draft": drafter.init(tokens, lengths, buffer_len, out)}
+
+  blocks = {w: tokens[:, :w] for w in range(1, max_width + 1)}
+
+  def verify_once(width):  # the cache is donated and threaded through (written in place)
+    scored = forward(target, blocks[width], state["cache"])
+    state["cache"] = scored.cache.with_lengths(lengths - 1)
+    return scored.logits
 
   def propose_once(k):
     state["draft"], proposal = propose(drafter, state["draft"], k)
     return proposal.tokens
-  draft_ms = {k: _best_ms(lambda k=k: propose_once(k), repeats) for k in (1, max_width - 1)}
-  steps = max_width - 2
-  draft_step = ((draft_ms[max_width - 1] - draft_ms[1]) / steps if steps
-                else draft_ms[1])
 
   short, long = 8, 40  # one output bucket: one compiled program
   key = jax.random.key(seed)
-  generate_ms = {n: _best_ms(lambda n=n: generate(target, tokens, key, max_new_tokens=n).tokens,
-                             repeats) for n in (short, long)}
+  thunks = {("verify", w): functools.partial(verify_once, w) for w in range(1, max_width + 1)}
+  thunks.update({("draft", k): functools.partial(propose_once, k) for k in (1, max_width - 1)})
+  thunks.update({("generate", n): functools.partial(
+      lambda n: generate(target, tokens, key, max_new_tokens=n).tokens, n) for n in (short, long)})
+  best = _best_ms(thunks, repeats)
+  verify_ms = [best["verify", w] for w in range(1, max_width + 1)]
+  draft_ms = {k: best["draft", k] for k in (1, max_width - 1)}
+  steps = max_width - 2
+  draft_step = (draft_ms[max_width - 1] - draft_ms[1]) / steps if steps else draft_ms[1]
+  generate_ms = {n: best["generate", n] for n in (short, long)}
   generate_step = (generate_ms[long] - generate_ms[short]) / (long - short)
 
   device = jax.devices()[0]
