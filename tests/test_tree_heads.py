@@ -324,6 +324,8 @@ def test_bad_combinations_raise_before_tracing(target, batch):
   with pytest.raises(ValueError, match="needs 4 Medusa heads"):
     run(medusa_drafter, TreeSpec("static", depth=4, width=2))
   eagle3 = make_drafter(target, "eagle3")
+  with pytest.raises(ValueError, match="min_prob"):
+    run(dataclasses.replace(eagle3, confidence=0.5), SPECS["dynamic"])
   with pytest.raises(ValueError, match="width .* exceeds"):
     run(eagle3, TreeSpec("dynamic", depth=2, width=len(DRAFT_IDS) + 1))
   with pytest.raises(ValueError, match="candidates per depth"):
