@@ -117,7 +117,10 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Args:
     target: the target `specjax.Model` (p).
     draft: the drafter (q): a smaller `specjax.Model`, or any `Drafter` such as
-      `specjax.NGramDrafter()`.
+      `specjax.NGramDrafter()`. One built with `confidence=c` (`specjax.ModelDrafter(model,
+      confidence=c)`, `EagleDrafter`, `MedusaDrafter`) stops drafting a row at its first draft
+      whose top probability is below `c`: fewer drafts where it is unsure, the same exact output
+      law (why: `specjax.drafters.model`).
     tokens: `[B, T]` int prompt ids, right-padded.
     rng: a JAX PRNG key, or a `[B]` array of keys (one per row). Row `b`'s random stream is
       seeded by `fold_in(rng, b)` or by its own key, and keyed by token position: a row's tokens
