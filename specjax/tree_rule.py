@@ -23,6 +23,12 @@ position of the token being decided, the extended index of the node whose succes
 the sibling rank, and a purpose from `specjax.trees.PURPOSE_TREE_*`, disjoint from the drafting
 stream. The same stopping-time argument as the chain rule's (see `specjax.sampling`) makes reuse
 of positions past the emitted ones in the next round exact: nothing emitted depends on them.
+
+The vocabulary-sized work can also run fused over vocabulary tiles (`verify_tree(..., impl=)`,
+`specjax.kernels.tree_verify`): what each rule decides at a node (`y_n`; the sibling loop and the
+residual race) does not depend on the path that reaches it, so the kernel decides at every node
+at once, with the same streams and elementwise steps, and the walk over those `[B, N + 1]`
+decisions stays here (`_descend_match`, `_descend_sampled`): identical tokens.
 """
 
 from __future__ import annotations
@@ -223,7 +229,7 @@ def _verify_sampled(target_logits, tree, without_replacement, sampling, seeds, p
 
 
 # --------------------------------------------------------------------------------------------
-# The kernels' per-node decisions, walked (impl "pallas" / "auto" / a callable).
+# The kernels' per-node decisions, walked (every impl but "reference").
 # --------------------------------------------------------------------------------------------
 
 def _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, max_depth,
