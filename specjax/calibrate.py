@@ -40,6 +40,24 @@ def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, samp
       sampling=sampling, prompts=int(tokens.shape[0]))
 
 
+def profile_prompts(tokenizer, prompts=None, count: int = 6):
+  """`(tokens, lengths)` of the acceptance-profile prompts: the given texts; else, for a chat
+  model (a tokenizer with a chat template), `count` conversations of the training templates
+  (`specjax.training.prompts`, never the held-out benchmark prompts), chat-templated; else
+  `DEFAULT_PROMPTS`."""
+  import numpy as np
+
+  if prompts or getattr(tokenizer, "chat_template", None) is None:
+    return tokenizer.encode_batch(list(prompts or DEFAULT_PROMPTS))
+  from specjax.training.prompts import training_conversations
+  conversations = training_conversations(count * 50, seed=123)[::50]  # spread over templates
+  rows = [tokenizer.apply_chat_template(c) for c in conversations]
+  tokens = np.zeros((len(rows), max(map(len, rows))), np.int32)
+  for i, row in enumerate(rows):
+    tokens[i, :len(row)] = row
+  return tokens, np.asarray([len(r) for r in rows], np.int32)
+
+
 def add_subcommand(subparsers):
   """Registers `calibrate` (called by `specjax.cli`)."""
   from specjax import cli
@@ -85,7 +103,7 @@ def run(args) -> int:
   table = costs.measure_costs(target, drafter, batch=args.batch, max_width=args.max_width,
                               context=args.context, repeats=args.repeats, sampling=sampling,
                               seed=args.seed)
-  tokens, lengths = tokenizer.encode_batch(list(args.prompt or DEFAULT_PROMPTS))
+  tokens, lengths = profile_prompts(tokenizer, args.prompt)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=args.max_width - 1,
                                sampling=sampling, max_new_tokens=args.max_new_tokens,
                                seed=args.seed)

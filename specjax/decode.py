@@ -139,8 +139,8 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     tree: a `specjax.TreeSpec` drafts a tree of continuations per round instead of a chain of
       `num_draft` tokens (`specjax.tree_decode.decode_tree`: one target pass over the tree with an
       ancestor mask, exact tree verification, the accepted branch compacted in the cache). The
-      tree path runs on one device with the jnp rule: `num_draft` and `verify_impl` must keep
-      their defaults.
+      tree path runs on one device; `verify_impl` picks the tree rule's implementation (the
+      fused Pallas tree kernel on TPU/GPU under "auto"); `num_draft` must keep its default.
     verify_widths: compiled verify widths (each in `[1, k + 1]`; `k + 1` is always added) for a
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
@@ -156,14 +156,13 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
   if tree is not None:
-    if (num_draft != 4 or verify_impl != "auto" or verify_widths is not None
-        or calibration is not None):
-      raise ValueError("with tree=, the tree spec sets the draft shape and the verify rule: leave "
-                       "num_draft, verify_impl, verify_widths and calibration at their defaults "
-                       f"(got num_draft={num_draft!r}, verify_impl={verify_impl!r})")
+    if num_draft != 4 or verify_widths is not None or calibration is not None:
+      raise ValueError("with tree=, the tree spec sets the draft shape (TreeSpec.widths the "
+                       "verify widths): leave num_draft, verify_widths and calibration at their "
+                       f"defaults (got num_draft={num_draft!r})")
     return decode_tree(target, draft, tokens, rng, tree=tree, lengths=lengths,
                        max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-                       pad_id=pad_id)
+                       pad_id=pad_id, verify_impl=verify_impl)
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,

@@ -78,7 +78,7 @@ def extra_slots(spec: TreeSpec) -> int:
 def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
                 max_new_tokens: int = 64, sampling: Sampling = GREEDY,
                 eos_id: int | tuple[int, ...] | None = None,
-                pad_id: int | None = None) -> DecodeOutput:
+                pad_id: int | None = None, verify_impl: str = "auto") -> DecodeOutput:
   """Speculative decoding with a draft tree per round; the target's exact distribution.
 
   Args:
@@ -90,6 +90,9 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
     rng: a PRNG key, or `[B]` keys (one per request).
     tree: the `TreeSpec`.
     max_new_tokens, sampling, eos_id, pad_id: as in `specjax.decode`.
+    verify_impl: who does the verify's vocabulary-sized work (`specjax.tree_rule.verify_tree`'s
+      `impl`): "auto" (the fused Pallas kernel on TPU/GPU, the jnp rule on CPU), "reference",
+      "pallas", "kernel" or "interpret"; identical tokens whichever.
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`; `stats.accepted_per_position`
@@ -124,17 +127,19 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   out = _decode_tree(target, draft, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids,
                      spec=tree, sampling=sampling, capacity=capacity,
-                     pad_id=validation.resolve_pad_id(target, pad_id))
+                     pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl)
   return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "sampling", "capacity", "pad_id"))
+@functools.partial(jax.jit, static_argnames=("spec", "sampling", "capacity", "pad_id",
+                                             "verify_impl"))
 def _decode_tree(target, draft, tokens, lengths, rng, max_new_tokens, eos_ids, *, spec, sampling,
-                 capacity, pad_id) -> DecodeOutput:
+                 capacity, pad_id, verify_impl) -> DecodeOutput:
   TRACE_COUNTS["decode_tree"] += 1
   state = init_tree_state(target, draft, tokens, lengths, max_new_tokens, eos_ids,
                           row_seeds(rng, tokens.shape[0]), spec=spec, capacity=capacity)
-  body = functools.partial(tree_round, target, draft, spec=spec, sampling=sampling)
+  body = functools.partial(tree_round, target, draft, spec=spec, sampling=sampling,
+                           verify_impl=verify_impl)
   state = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
   num_tokens = state.lengths - state.prompt_lengths
   index = jnp.arange(capacity, dtype=jnp.int32)
@@ -253,7 +258,7 @@ def score_tree(target, tree, root, starts, cache, done, spec: TreeSpec, **featur
 
 
 def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
-               sampling: Sampling) -> TreeDecodeState:
+               sampling: Sampling, verify_impl: str = "auto") -> TreeDecodeState:
   """One draft / score / verify / compact round for every row (done rows are left unchanged)."""
   lengths = state.lengths
   draft_cache, tree, draft_calls = draft_tree(draft, state, spec=spec, sampling=sampling)
@@ -265,7 +270,7 @@ def tree_round(target, draft, state: TreeDecodeState, *, spec: TreeSpec,
                       **(tree_heads.target_features(draft) if head else {}))
   result = tree_rule.verify_tree(scored.logits, tree, rule=spec.rule, sampling=sampling,
                                  seeds=state.seeds, positions=lengths, max_depth=spec.depth,
-                                 max_children=spec.max_children)
+                                 max_children=spec.max_children, impl=verify_impl)
   accepted = result.num_accepted
   depth = spec.depth
   index = jnp.arange(depth + 1, dtype=jnp.int32)

@@ -362,3 +362,34 @@ def test_lowered_kernel_fits_vmem(device_kind, num_nodes, vocab, rule):
                      positions)
   limit = eqn.params["compiler_params"].vmem_limit_bytes or 16 * 2**20  # Mosaic's default
   assert _vmem_bytes(eqn) <= limit <= TPU_VMEM_BYTES[tpu_generation(device_kind)]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(temperature=0.0),
+                                      Sampling(temperature=0.8, top_k=5)], ids=["greedy", "t0.8"])
+def test_tree_decode_through_the_kernel_equals_the_reference_rule(sampling):
+  """`sj.decode(..., tree=..., verify_impl=...)` reaches the tree kernel: the interpreted kernel
+  gives the reference rule's tokens (sampled children from a draft model: the sampled rule), and
+  greedy is `sj.generate`; the TPU export of the same call holds the Mosaic kernel."""
+  import specjax as sj
+  from specjax.models import tiny_config
+
+  target = sj.init_params(tiny_config(vocab_size=61, num_layers=2), jax.random.key(0))
+  draft = sj.init_params(tiny_config(vocab_size=61, num_layers=1), jax.random.key(1))
+  tokens = jnp.asarray([[3, 9, 4, 9, 4, 0], [7, 1, 2, 5, 8, 6]], jnp.int32)
+  lengths = jnp.asarray([5, 6], jnp.int32)
+  spec = sj.TreeSpec("sampled", branching=(2, 2, 1), replacement=False)
+  run = lambda impl: sj.decode(target, draft, tokens, jax.random.key(3), lengths=lengths,
+                               max_new_tokens=10, sampling=sampling, tree=spec, verify_impl=impl)
+  reference, kernel = run("reference"), run("interpret")
+  np.testing.assert_array_equal(kernel.tokens, reference.tokens)
+  np.testing.assert_array_equal(kernel.num_tokens, reference.num_tokens)
+  if sampling.greedy:
+    plain = sj.generate(target, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=10)
+    np.testing.assert_array_equal(kernel.tokens, plain.tokens)
+  else:
+    exported = jax.export.export(
+        jax.jit(lambda t, d, x, n: sj.decode(t, d, x, jax.random.key(3), lengths=n,
+                                             max_new_tokens=10, sampling=sampling, tree=spec,
+                                             verify_impl="kernel").tokens),
+        platforms=["tpu"])(target, draft, tokens, lengths)
+    assert "tpu_custom_call" in exported.mlir_module()
