@@ -33,7 +33,7 @@ def example():
   return module
 
 
-@pytest.mark.parametrize("kind", ["nnx", "linen"])
+@pytest.mark.parametrize("kind", ["nnx", pytest.param("linen", marks=pytest.mark.slow)])
 def test_decode_in_a_jitted_eval_step_of_a_flax_training_loop(example, kind):
   logs = []
   record = example.run(kind, steps=40, eval_every=20, log=logs.append)

@@ -30,6 +30,7 @@ def _reference_greedy(model, prompt, steps):
   return seq[len(prompt):]
 
 
+@pytest.mark.slow  # ~1 min; the default selection keeps the other greedy identities
 def test_greedy_batch_equals_each_row_alone_and_full_forward_oracle(model):
   tokens, lengths = _batch()
   out = sj.generate(model, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)

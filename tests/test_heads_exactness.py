@@ -208,11 +208,13 @@ def test_point_mass_q_is_detected(target):
   assert first_acceptance_pvalue(target, drafter, SETTINGS[ACCEPTANCE_SETTING]) < POWER_ALPHA
 
 
+@pytest.mark.slow  # power checks: CI runs them in its slow step
 def test_q_before_warping_is_detected(target):
   p, _ = pvalue(target, make_eagle(target, "eagle3", UnwarpedQEagle), "t0.7_topk5_topp0.9")
   assert p < POWER_ALPHA
 
 
+@pytest.mark.slow
 def test_drafting_outside_the_draft_vocabulary_is_detected(target):
   p, _ = pvalue(target, make_eagle(target, "eagle3", LeakyVocabEagle), "t1")
   assert p < POWER_ALPHA

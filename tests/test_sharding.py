@@ -399,7 +399,8 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
 
 
 @pytest.mark.parametrize("shape, vocab", [
-    ((1, 8), 128), ((2, 4), 100), pytest.param((8, 1), 128, marks=pytest.mark.slow)])
+    ((1, 8), 128), pytest.param((2, 4), 100, marks=pytest.mark.slow),
+    pytest.param((8, 1), 128, marks=pytest.mark.slow)])
 def test_sharded_verify_other_layouts(shape, vocab):
   """All 8 devices on the vocabulary, a vocabulary that needs padding, no vocab split."""
   mesh = sj.make_mesh(shape)
