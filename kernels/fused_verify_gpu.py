@@ -226,35 +226,6 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
                   select_row(target_argmax, num_accepted))
     return
 
-  lane = lax.broadcasted_iota(jnp.int32, (1, 1, SEARCH_LANES), 2)  # candidate j in lane j
-
-  def radix_search(lows, holds_per_set):  # per set [bb, R, 1] float32: largest t that holds
-    def search_round(_, bounds):
-      candidates = [sampling_lib.radix_candidates(base, width, lane) for base, width in bounds]
-      holds = holds_per_set([thresholds for thresholds, _ in candidates])  # [bb, R, L] each
-      new_bounds = []
-      for (base, width), (_, open_), h in zip(bounds, candidates, holds):
-        open_ = open_ & (lane >= 1) & (lane < sampling_lib.RADIX)
-        count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
-        new_bounds.append(sampling_lib.radix_update(base, width, count(open_ & h), count(open_)))
-      return tuple(new_bounds)
-
-    bounds = []
-    for low, top in zip(lows, maxes):
-      base = (jnp.full(top.shape, _NEG_INF_KEY, jnp.int32) if low is None
-              else sampling_lib.float_to_key(low))
-      bounds.append((base, sampling_lib.float_to_key(top) - base + 1))
-    bounds = lax.fori_loop(0, sampling_lib.RADIX_ROUNDS, search_round, tuple(bounds))
-    return [sampling_lib.key_to_float(base) for base, _ in bounds]
-
-  def lane_sums(x, thresholds, values):  # [bb, R, L]: lane j sums `values` where x >= t_j
-    total = jnp.zeros(thresholds.shape, values.dtype)
-    for j in range(1, sampling_lib.RADIX):
-      t_j = jnp.sum(jnp.where(lane == j, thresholds, 0.0), axis=-1, keepdims=True)
-      part = jnp.sum(jnp.where(x >= t_j, values, 0), axis=-1, keepdims=True)
-      total = total + jnp.where(lane == j, part, 0).astype(values.dtype)
-    return total
-
   def tile_sums(fn, init_value, lanes=1):  # per set: sum over tiles of fn(i, x) [bb, R, lanes]
     def step(tile, totals):
       return tuple(total + fn(i, load(ref, valid_rows, tile)[0])
@@ -267,27 +238,8 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     return jnp.where(x >= floor, jnp.exp(x - maxes[i]), 0.0)
 
   floors = [column(_NEG_INF) for _ in sets]
-  # ---- TOP_K: count(x >= t) >= top_k for RADIX - 1 candidates t per round.
-  if schedule.top_k:
-    def top_k_holds(thresholds):
-      counts = tile_sums(lambda i, x: lane_sums(x, thresholds[i], jnp.ones(x.shape, jnp.int32)),
-                         0, SEARCH_LANES)
-      return [count >= schedule.top_k for count in counts]
-    floors = radix_search([None for _ in sets], top_k_holds)
-
-  # ---- TOP_P: mass(x >= t) >= top_p * mass(top-k survivors), searched above the top-k floor.
-  if schedule.top_p:
-    top_k_floors = floors
-    kept_mass = tile_sums(lambda i, x: jnp.sum(kept_weights(i, x, top_k_floors[i]), axis=-1,
-                                               keepdims=True), 0.0)
-
-    def top_p_holds(thresholds):
-      masses = tile_sums(lambda i, x: lane_sums(x, thresholds[i],
-                                                kept_weights(i, x, top_k_floors[i])),
-                         0.0, SEARCH_LANES)
-      return [mass >= jnp.float32(schedule.top_p) * total
-              for mass, total in zip(masses, kept_mass)]
-    floors = radix_search(top_k_floors if schedule.top_k else [None for _ in sets], top_p_holds)
+  if schedule.top_k or schedule.top_p:
+    floors = threshold_floors(schedule, maxes, tile_sums)
 
   # ---- SUM: normaliser over the final kept set, with the final max.
   if schedule.has_threshold:
@@ -373,3 +325,73 @@ def _leading_ones(flags, k: int):
     alive = alive * _row(flags, i)
     count = count + alive
   return count
+
+
+def threshold_floors(schedule, maxes, tile_sums):
+  """The GPU kernels' threshold search (chain and tree): per set `[bb, R, 1]` floors of the kept
+  set, top-k then top-p over its survivors, each by `RADIX_ROUNDS` radix rounds
+  (`specjax.sampling.radix_threshold`) testing `RADIX - 1` candidates per round, one per lane.
+
+  Args:
+    schedule: has `top_k` and `top_p` (None / 0 when off; at least one is on).
+    maxes: per set `[bb, R, 1]` the row maxima of the scaled logits.
+    tile_sums: `tile_sums(fn, init_value, lanes)` -> per set the sum over vocabulary tiles of
+      `fn(i, x)` (`x` the set's `[bb, R, bv]` scaled tile, `-inf` outside), `[bb, R, lanes]`.
+  """
+  lane = lax.broadcasted_iota(jnp.int32, (1, 1, SEARCH_LANES), 2)  # candidate j in lane j
+
+  def radix_search(lows, holds_per_set):  # per set [bb, R, 1] float32: largest t that holds
+    def search_round(_, bounds):
+      candidates = [sampling_lib.radix_candidates(base, width, lane) for base, width in bounds]
+      holds = holds_per_set([thresholds for thresholds, _ in candidates])  # [bb, R, L] each
+      new_bounds = []
+      for (base, width), (_, open_), h in zip(bounds, candidates, holds):
+        open_ = open_ & (lane >= 1) & (lane < sampling_lib.RADIX)
+        count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
+        new_bounds.append(sampling_lib.radix_update(base, width, count(open_ & h), count(open_)))
+      return tuple(new_bounds)
+
+    bounds = []
+    for low, top in zip(lows, maxes):
+      base = (jnp.full(top.shape, _NEG_INF_KEY, jnp.int32) if low is None
+              else sampling_lib.float_to_key(low))
+      bounds.append((base, sampling_lib.float_to_key(top) - base + 1))
+    bounds = lax.fori_loop(0, sampling_lib.RADIX_ROUNDS, search_round, tuple(bounds))
+    return [sampling_lib.key_to_float(base) for base, _ in bounds]
+
+  def lane_sums(x, thresholds, values):  # [bb, R, L]: lane j sums `values` where x >= t_j
+    total = jnp.zeros(thresholds.shape, values.dtype)
+    for j in range(1, sampling_lib.RADIX):
+      t_j = jnp.sum(jnp.where(lane == j, thresholds, 0.0), axis=-1, keepdims=True)
+      part = jnp.sum(jnp.where(x >= t_j, values, 0), axis=-1, keepdims=True)
+      total = total + jnp.where(lane == j, part, 0).astype(values.dtype)
+    return total
+
+  def kept_weights(i, x, floor):  # exp(x - max) on tokens >= floor (None: all), else 0
+    return jnp.exp(x - maxes[i]) if floor is None else jnp.where(x >= floor,
+                                                                   jnp.exp(x - maxes[i]), 0.0)
+
+  no_floor = [None for _ in maxes]
+  floors = no_floor
+  # ---- TOP_K: count(x >= t) >= top_k for RADIX - 1 candidates t per round.
+  if schedule.top_k:
+    def top_k_holds(thresholds):
+      counts = tile_sums(lambda i, x: lane_sums(x, thresholds[i], jnp.ones(x.shape, jnp.int32)),
+                         0, SEARCH_LANES)
+      return [count >= schedule.top_k for count in counts]
+    floors = radix_search(no_floor, top_k_holds)
+
+  # ---- TOP_P: mass(x >= t) >= top_p * mass(top-k survivors), searched above the top-k floor.
+  if schedule.top_p:
+    top_k_floors = floors
+    kept_mass = tile_sums(lambda i, x: jnp.sum(kept_weights(i, x, top_k_floors[i]), axis=-1,
+                                               keepdims=True), 0.0)
+
+    def top_p_holds(thresholds):
+      masses = tile_sums(lambda i, x: lane_sums(x, thresholds[i],
+                                                kept_weights(i, x, top_k_floors[i])),
+                         0.0, SEARCH_LANES)
+      return [mass >= jnp.float32(schedule.top_p) * total
+              for mass, total in zip(masses, kept_mass)]
+    floors = radix_search(top_k_floors, top_p_holds)
+  return floors

@@ -17,15 +17,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from specjax import sampling as sampling_lib
 from specjax import trees
 from specjax.kernels.common import tile_argmax
-from specjax.kernels.fused_verify_gpu import SEARCH_LANES, GpuBlockSizes
+from specjax.kernels.fused_verify_gpu import GpuBlockSizes, threshold_floors
 from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
                                          check_tree_args, children_draft_logits, log_weights,
                                          node_inputs, node_results, replay, sampled_rule,
@@ -34,7 +32,6 @@ from specjax.sampling import Sampling
 
 _NEG_INF = float("-inf")
 # sampling.float_to_key(-inf) as a Python int (Triton cannot lower a bitcast of a constant).
-_NEG_INF_KEY = int(np.float32(_NEG_INF).view(np.int32)) ^ 0x7FFFFFFF
 OUT_LANES = 4  # token, p_token, accepted rank, unused
 
 
@@ -222,15 +219,6 @@ def _thresholds(schedule, sets, load, maxes, column, num_tiles):
   floors = [column(_NEG_INF) for _ in sets]
   if not schedule.has_threshold:
     return floors
-  lane = lax.broadcasted_iota(jnp.int32, (1, 1, SEARCH_LANES), 2)  # candidate j in lane j
-
-  def lane_sums(x, thresholds, values):  # [bb, R, L]: lane j sums `values` where x >= t_j
-    total = jnp.zeros(thresholds.shape, values.dtype)
-    for j in range(1, sampling_lib.RADIX):
-      t_j = jnp.sum(jnp.where(lane == j, thresholds, 0.0), axis=-1, keepdims=True)
-      part = jnp.sum(jnp.where(x >= t_j, values, 0), axis=-1, keepdims=True)
-      total = total + jnp.where(lane == j, part, 0).astype(values.dtype)
-    return total
 
   def tile_sums(fn, init_value, lanes=1):  # per set: sum over the tiles of fn(i, x)
     def step(tile, totals):
@@ -239,45 +227,4 @@ def _thresholds(schedule, sets, load, maxes, column, num_tiles):
     return list(lax.fori_loop(0, num_tiles, step,
                               tuple(column(init_value, lanes) for _ in sets)))
 
-  def radix_search(lows, holds_per_set):
-    def search_round(_, bounds):
-      candidates = [sampling_lib.radix_candidates(base, width, lane) for base, width in bounds]
-      holds = holds_per_set([thresholds for thresholds, _ in candidates])
-      new_bounds = []
-      for (base, width), (_, open_), h in zip(bounds, candidates, holds):
-        open_ = open_ & (lane >= 1) & (lane < sampling_lib.RADIX)
-        count = lambda mask: jnp.sum(mask.astype(jnp.int32), axis=-1, keepdims=True)
-        new_bounds.append(sampling_lib.radix_update(base, width, count(open_ & h), count(open_)))
-      return tuple(new_bounds)
-
-    bounds = []
-    for low, top in zip(lows, maxes):
-      base = (jnp.full(top.shape, _NEG_INF_KEY, jnp.int32) if low is None
-              else sampling_lib.float_to_key(low))
-      bounds.append((base, sampling_lib.float_to_key(top) - base + 1))
-    bounds = lax.fori_loop(0, sampling_lib.RADIX_ROUNDS, search_round, tuple(bounds))
-    return [sampling_lib.key_to_float(base) for base, _ in bounds]
-
-  def kept_weights(i, x, floor):
-    return jnp.where(x >= floor, jnp.exp(x - maxes[i]), 0.0)
-
-  if schedule.top_k:
-    def top_k_holds(thresholds):
-      counts = tile_sums(lambda i, x: lane_sums(x, thresholds[i], jnp.ones(x.shape, jnp.int32)),
-                         0, SEARCH_LANES)
-      return [count >= schedule.top_k for count in counts]
-    floors = radix_search([None for _ in sets], top_k_holds)
-
-  if schedule.top_p:
-    top_k_floors = floors
-    kept_mass = tile_sums(lambda i, x: jnp.sum(kept_weights(i, x, top_k_floors[i]), axis=-1,
-                                               keepdims=True), 0.0)
-
-    def top_p_holds(thresholds):
-      masses = tile_sums(lambda i, x: lane_sums(x, thresholds[i],
-                                                kept_weights(i, x, top_k_floors[i])),
-                         0.0, SEARCH_LANES)
-      return [mass >= jnp.float32(schedule.top_p) * total
-              for mass, total in zip(masses, kept_mass)]
-    floors = radix_search(top_k_floors if schedule.top_k else [None for _ in sets], top_p_holds)
-  return floors
+  return threshold_floors(schedule, maxes, tile_sums)
