@@ -53,13 +53,14 @@ def _prompts(tokenizer, per_category: int):
   return rows, categories
 
 
-def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int, eos):
+def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int):
   from specjax import costs
   from specjax.calibrate import measure_acceptance, profile_prompts
+  from specjax.sampling import GREEDY
   table = costs.measure_costs(target, drafter, max_width=max_width, repeats=5)
   tokens, lengths = profile_prompts(tokenizer)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=max_width - 1,
-                               sampling=__import__("specjax").Sampling(temperature=0.0))
+                               sampling=GREEDY)
   table.save(out)
   profile.save(out)
   return table, profile
@@ -93,7 +94,7 @@ def main(argv=None):
   ks = [int(k) for k in args.ks.split(",")]
   began = time.perf_counter()
   calib_dir = pathlib.Path(args.calibration_out or tempfile.mkdtemp(prefix="specjax_calib_"))
-  table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3, eos=eos)
+  table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3)
   auto = costs.choose_num_draft(table, profile, max_draft=getattr(drafter, "max_draft", None))
   widths = costs.choose_widths(table, max(ks))
   print(json.dumps({"calibration": str(calib_dir), "alpha": profile.alpha,
