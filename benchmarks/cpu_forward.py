@@ -8,13 +8,15 @@ Measures, in one process and alternating between the variants so that load chang
     weights), and the floor = weight bytes / best read bandwidth;
   * `sj.generate` per-token time at batch 1 (greedy, no EOS): the difference between runs with
     N2 and N1 new tokens divided by N2 - N1, so prefill and call overhead cancel; stacked
-    (`lax.scan`) and the CPU layout (`model.for_platform("cpu")`: unstacked layers and an `[E, V]`
-    copy of the tied output projection), reported as "unstacked";
+    (`lax.scan`), per-layer weights with seven projections per layer ("unstacked_unfused"), and
+    the CPU layout (`model.for_platform("cpu")`: per-layer weights with fused q/k/v and gate/up
+    projections, `w_down` stored `[E, F]`, an `[E, V]` copy of the tied output projection),
+    reported as "unstacked";
   * `transformers` greedy generate on the same weights (torch on CPU, same thread count), the
     same difference method;
   * a jitted verify forward of k + 1 tokens (k = 0..8) against a 128-token cache, relative to one
     token, for both layouts;
-  * where one step's time goes: each part of the unstacked step timed alone (the 30 layers'
+  * where one step's time goes: each part of the CPU layout's step timed alone (the 30 layers'
     matmuls, attention over the cache, the output head, the cache writes) next to the whole step.
 Every time is the minimum over `--reps` repetitions (the machine is shared; the minimum is the
 least disturbed run). Writes benchmarks/results/cpu_forward.json and .png.
@@ -143,15 +145,18 @@ def step_breakdown(model, reps, context=128):
   """One T=1 step of the unstacked model, whole and in parts (each part jitted alone)."""
   c = model.config
   layers = model.params["layers"]
-  x = jnp.ones((1, 1, c.embed_dim), jnp.float32)
+  x = jnp.ones((1, c.embed_dim), jnp.float32)
   cache = model.init_cache(1, context + 1)
   starts = jnp.full((1,), context, jnp.int32)
 
-  def matmuls(layers, x):
+  q_dim, f = c.num_heads * c.head_dim, c.mlp_dim
+
+  def matmuls(layers, x):  # the CPU layout's four per layer: wqkv, wo, w_gate_up, w_down_t
     for lp in layers:
-      h = x @ lp["wq"] + (x @ lp["wk"]).sum() + (x @ lp["wv"]).sum()
-      x = x + h @ lp["wo"]
-      x = x + (jax.nn.silu(x @ lp["w_gate"]) * (x @ lp["w_up"])) @ lp["w_down"]
+      qkv = x @ lp["wqkv"]
+      x = x + (qkv[:, :q_dim] + qkv[:, q_dim:].sum()) @ lp["wo"]
+      gate_up = x @ lp["w_gate_up"]
+      x = x + jnp.einsum("bf,ef->be", jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down_t"])
     return x
 
   def attention(k_cache, v_cache, q):
@@ -161,8 +166,8 @@ def step_breakdown(model, reps, context=128):
       out = out + jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(s, axis=-1), values)
     return out
 
-  def head(x, embed):
-    return jnp.einsum("bte,ve->btv", x, embed)
+  def head(x, lm_head):
+    return jnp.einsum("bte,ev->btv", x, lm_head)
 
   def writes(k_cache, v_cache, block, starts):
     from specjax.cache import write_block
@@ -173,9 +178,9 @@ def step_breakdown(model, reps, context=128):
   block = jnp.ones((1, 1, c.num_kv_heads, c.head_dim), jnp.float32)
   full = jax.jit(lambda m, t, s, cc: m(t, s, cc).logits)
   parts = {
-      "layer matmuls (7 per layer)": (jax.jit(matmuls), (layers, x)),
+      "layer matmuls (4 per layer)": (jax.jit(matmuls), (layers, x)),
       "attention over the cache": (jax.jit(attention), (cache.k, cache.v, q)),
-      "output head (tied embedding)": (jax.jit(head), (x, model.params["embed"])),
+      "output head ([E, V] copy)": (jax.jit(head), (x[None], model.params["lm_head"])),
       "cache writes (2 per layer)": (jax.jit(writes), (cache.k, cache.v, block, starts)),
       "whole step": (full, (model, jnp.ones((1, 1), jnp.int32), starts, cache)),
   }
@@ -206,16 +211,19 @@ def main():
   print("bandwidth", record["bandwidth"], flush=True)
 
   stacked = load_model(args).stacked()
-  unstacked = stacked.for_platform("cpu")  # the CPU layout: per-layer weights, [E, V] output copy
+  unstacked = stacked.for_platform("cpu")  # the CPU layout: per-layer fused weights, [E, V] copy
+  unfused = stacked.unstacked().with_output_copy()  # per-layer, seven projections per layer
   nbytes = weight_bytes(stacked)
   floor = nbytes / (record["bandwidth"]["best_gb_per_s"] * 1e9)
   record["model"] = {"name": "SmolLM2-135M-Instruct", "dtype": "float32", "weight_bytes": nbytes,
                      "floor_ms_per_token": 1e3 * floor}
   runners = {}
   tokens = {}
-  for label, model in (("stacked", stacked), ("unstacked", unstacked)):
+  for label, model in (("stacked", stacked), ("unstacked_unfused", unfused),
+                       ("unstacked", unstacked)):
     runners[label], tokens[label] = generate_per_token(model, args.reps, args.n1, args.n2)
-  record["greedy_tokens_identical"] = bool(np.array_equal(tokens["stacked"], tokens["unstacked"]))
+  record["greedy_tokens_identical"] = all(bool(np.array_equal(tokens["stacked"], t))
+                                          for t in tokens.values())
   if not args.skip_transformers:
     torch_model = transformers_model(args, threads)
     long_run, short_run = (transformers_runner(torch_model, n) for n in (args.n2, args.n1))
@@ -256,7 +264,9 @@ def plot(record):
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
   per_token = record["generate_ms_per_token"]
   floor = record["model"]["floor_ms_per_token"]
-  axes[0].bar(list(per_token), list(per_token.values()), color=["C0", "C1", "C2"][:len(per_token)])
+  axes[0].bar(list(per_token), list(per_token.values()),
+              color=["C0", "C1", "C2", "C3"][:len(per_token)])
+  axes[0].tick_params(axis="x", labelsize=7)
   axes[0].axhline(floor, color="k", ls="--", label=f"read floor {floor:.1f} ms")
   axes[0].axhline(1.3 * floor, color="k", ls=":", label="1.3 x floor")
   axes[0].set_ylabel("ms per generated token (batch 1)")

@@ -202,12 +202,15 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
   the stacked `lax.scan` computes: same logits, taps and cached keys, prefill and steps."""
   stacked = _model(name)
   unstacked = stacked.unstacked()
+  fused = unstacked.with_fused_projections()  # CPU: wqkv, w_gate_up, w_down_t per layer
   assert stacked.is_stacked and not unstacked.is_stacked
+  assert {"wqkv", "w_gate_up", "w_down_t"} <= set(fused.params["layers"][0])
+  assert not {"wq", "wk", "wv", "w_gate", "w_up", "w_down"} & set(fused.params["layers"][0])
   assert unstacked.init_cache(2, 16).per_layer and not stacked.init_cache(2, 16).per_layer
   tokens = _tokens(2, 10, stacked.vocab_size, seed=11)
   step = jax.jit(forward, static_argnames="taps")
   outs = {}
-  for label, m in (("stacked", stacked), ("unstacked", unstacked)):
+  for label, m in (("stacked", stacked), ("unstacked", unstacked), ("fused", fused)):
     out = step(m, tokens[:, :6], jnp.zeros(2, jnp.int32), m.init_cache(2, 16), taps=(0, 1, 2))
     logits = [out.logits]
     for i in range(6, 10):  # single-token steps continue each layout's own cache
@@ -217,12 +220,14 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
     outs[label] = (jnp.concatenate(logits, axis=1), out.taps, cache.k, cache.v)
   # XLA fuses the unrolled layers' elementwise ops differently from the scan body (e.g. tanh
   # soft-capping, GeGLU), so the last bits may differ; the dots see the same operands.
-  for a, b in zip(outs["stacked"], outs["unstacked"]):
-    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-  # Round trip and mixed layouts (a cache in the other layout is converted, not rejected).
-  back = unstacked.stacked()
-  for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(stacked.params)):
-    np.testing.assert_array_equal(a, b)
+  for other in ("unstacked", "fused"):
+    for a, b in zip(outs["stacked"], outs[other]):
+      np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  # Round trips and mixed layouts (a cache in the other layout is converted, not rejected).
+  for back in (unstacked.stacked(), fused.stacked(), fused.without_fused_projections().stacked()):
+    assert jax.tree.structure(back.params) == jax.tree.structure(stacked.params)
+    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(stacked.params)):
+      np.testing.assert_array_equal(a, b)
   mixed = forward(unstacked, tokens[:, :6], jnp.zeros(2, jnp.int32), stacked.init_cache(2, 16))
   assert not mixed.cache.per_layer
   np.testing.assert_allclose(mixed.logits, outs["stacked"][0][:, :6], atol=1e-5, rtol=1e-5)
@@ -239,6 +244,8 @@ def test_unstacked_generate_and_decode_give_the_stacked_tokens():
   plain = sj.generate(target, prompts, key, max_new_tokens=12)
   plain_u = sj.generate(target.unstacked(), prompts, key, max_new_tokens=12)
   np.testing.assert_array_equal(plain.tokens, plain_u.tokens)
+  plain_cpu = sj.generate(target.for_platform("cpu"), prompts, key, max_new_tokens=12)
+  np.testing.assert_array_equal(plain.tokens, plain_cpu.tokens)
   spec = sj.decode(target, draft, prompts, key, max_new_tokens=12, num_draft=3)
   spec_u = sj.decode(target.unstacked(), draft.unstacked(), prompts, key, max_new_tokens=12,
                      num_draft=3)
@@ -249,6 +256,9 @@ def test_unstacked_generate_and_decode_give_the_stacked_tokens():
 def test_for_platform_picks_the_layout():
   model = _model("llama")
   assert not model.for_platform("cpu").is_stacked
+  assert "wqkv" in model.for_platform("cpu").params["layers"][0]
+  with pytest.raises(ValueError, match="unstacked"):
+    model.with_fused_projections()
   assert model.unstacked().for_platform("tpu").is_stacked
   assert model.for_platform("gpu").is_stacked
 

@@ -79,7 +79,7 @@ def hf_tensors(model: Model) -> dict[str, np.ndarray]:
   """`{Hugging Face tensor name: array}` for a Llama-architecture model (layouts as PyTorch's)."""
   config = model.config
   llama_config_dict(config)  # validates the architecture
-  params = model.params
+  params = model.stacked().without_output_copy().params
 
   def host(x) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x))

@@ -85,6 +85,7 @@ def save(model: Model, path: str | os.PathLike, *, overwrite: bool = False) -> p
   """
   if not isinstance(model, Model):
     raise ValueError(f"save expects a specjax.Model, got {type(model).__name__}")
+  model = model.stacked().without_output_copy()  # one on-disk layout, whatever the platform's
   path = pathlib.Path(path).absolute()
   if path.exists():
     if not overwrite:

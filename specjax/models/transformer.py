@@ -16,6 +16,8 @@ arrays, one `lax.scan`, a `[L, B, KVH, S, D]` cache): one compiled layer body an
 to shard, right for TPU/GPU; and *unstacked* (`model.unstacked()`: a tuple of per-layer dicts, an
 unrolled loop, a tuple of per-layer `[B, KVH, S, D]` cache buffers updated in place): on XLA:CPU
 the scan copies every layer's weights out of the stacked arrays on every step, the loop does not.
+On CPU the unstacked layers also fuse their projections (`with_fused_projections`: one q/k/v and
+one gate/up matrix per layer), since a batch-1 step is a chain of small matrix-vector products.
 `model.for_platform()` picks one once, at load.
 """
 
@@ -32,7 +34,12 @@ import jax.numpy as jnp
 from specjax.cache import KVCache, write_block, write_stacked_block
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
-from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.config import ModelConfig
+from specjax.models.layers import (_mlp_activation, _softcap, apply_rope, attention, rms_norm,
+                                   rope_inv_freq, rope_tables)
+
+__all__ = ["ForwardOutput", "Model", "apply_rope", "attention", "check_taps", "forward",
+           "init_params", "rms_norm", "rope_inv_freq", "rope_tables"]
 
 
 class ForwardOutput(NamedTuple):
@@ -109,7 +116,7 @@ class Model:
     `lax.scan` over layers: one compiled layer body, and a `layers` axis to shard)."""
     if self.is_stacked:
       return self
-    layers = self.params["layers"]
+    layers = self.without_fused_projections().params["layers"]
     stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
     return Model(dict(self.params, layers=stacked), self.config)
 
@@ -120,8 +127,27 @@ class Model:
     and no copy."""
     platform = platform or jax.default_backend()
     if platform == "cpu":
-      return self.unstacked().with_output_copy()
+      return self.unstacked().with_fused_projections().with_output_copy()
     return self.stacked().without_output_copy()
+
+  def with_fused_projections(self) -> "Model":
+    """An unstacked model whose per-layer query/key/value projections are one `[E, (H + 2 KVH) D]`
+    matrix (`wqkv`, biases `bqkv`) and whose gate/up projections are one `[E, 2 F]` matrix
+    (`w_gate_up`), and keeps the down projection as `[E, F]` (`w_down_t`). At batch 1 a step is a
+    chain of small matrix-vector products; on XLA:CPU four larger ones per layer read the weights
+    about 10% faster than seven, and `[1, F] x [E, F]^T` reads `w_down` faster than
+    `[1, F] x [F, E]`. Same math; `stacked()` splits them again."""
+    if self.is_stacked:
+      raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
+    layers = tuple(_fuse_layer(lp) for lp in self.params["layers"])
+    return Model(dict(self.params, layers=layers), self.config)
+
+  def without_fused_projections(self) -> "Model":
+    """Splits fused projections (see `with_fused_projections`) back into their named parts."""
+    if self.is_stacked:
+      return self
+    layers = tuple(_split_layer(lp, self.config) for lp in self.params["layers"])
+    return Model(dict(self.params, layers=layers), self.config)
 
   def with_output_copy(self) -> "Model":
     """A tied model with `params["lm_head"] = embed.T` materialised (same logits up to float32
@@ -142,6 +168,36 @@ class Model:
     """The same model with floating-point weights cast to `dtype`."""
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return Model(jax.tree.map(cast, self.params), self.config)
+
+
+_FUSED = (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
+          ("w_gate_up", ("w_gate", "w_up")))
+
+
+def _fuse_layer(lp: dict) -> dict:
+  out = dict(lp)
+  for fused, parts in _FUSED:
+    if all(name in lp for name in parts):
+      out[fused] = jnp.concatenate([lp[name] for name in parts], axis=-1)
+      for name in parts:
+        del out[name]
+  if "w_down" in out:
+    out["w_down_t"] = jnp.asarray(out.pop("w_down")).T.copy()
+  return out
+
+
+def _split_layer(lp: dict, c: ModelConfig) -> dict:
+  out = dict(lp)
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  sizes = {"wqkv": (q, kv, kv), "bqkv": (q, kv, kv), "w_gate_up": (c.mlp_dim, c.mlp_dim)}
+  for fused, parts in _FUSED:
+    if fused in lp:
+      w = out.pop(fused)
+      offsets = [sum(sizes[fused][:i]) for i in range(1, len(parts))]
+      out.update(zip(parts, jnp.split(w, offsets, axis=-1)))
+  if "w_down_t" in out:
+    out["w_down"] = out.pop("w_down_t").T.copy()
+  return out
 
 
 def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model:
@@ -183,94 +239,6 @@ def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model
   if not c.tie_embeddings:
     params["lm_head"] = dense((e, c.vocab_size), e)
   return Model(params, config)
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-  """Inverse frequencies, `[head_dim // 2]` float32, with optional Llama 3.1 / linear scaling."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  if scaling is None:
-    return inv_freq
-  if scaling.kind == "linear":
-    return inv_freq / scaling.factor
-  low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
-  high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
-  wavelen = 2 * jnp.pi / inv_freq
-  smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
-            / (scaling.high_freq_factor - scaling.low_freq_factor))
-  smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
-  return jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor,
-                   jnp.where(wavelen < high_wavelen, inv_freq, smoothed))
-
-
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """`sin`, `cos` of shape `[B, T, 1, D]` in the rotate-half layout (as Hugging Face Llama)."""
-  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  return jnp.sin(angles), jnp.cos(angles)
-
-
-def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
-  x32 = x.astype(jnp.float32)
-  half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-  return (x32 * cos + rotated * sin).astype(x.dtype)
-
-
-def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
-  return x if cap is None else cap * jnp.tanh(x / cap)
-
-
-def attention(q, segments, q_pos, window, config: ModelConfig):
-  """Grouped-query attention over one or more key/value segments, with causal and sliding-window
-  masking. One softmax spans all segments; only the (small) scores are concatenated, never the
-  keys, so attending over a long cache plus a new block copies neither.
-
-  Args:
-    q: `[B, T, H, D]` queries.
-    segments: a sequence of `(keys [B, KVH, S, D], values [B, KVH, S, D], k_pos [B, S],
-      valid [B, T, S] bool or None)` in the cache's layout; a key is visible to a query when it is
-      valid, not after the query's position and inside the window.
-    q_pos: `[B, T]` absolute position of each query.
-    window: scalar int, 0 for global attention.
-    config: the model config.
-
-  Returns:
-    `[B, T, H * D]`.
-  """
-  b, t, h, d = q.shape
-  kvh = segments[0][0].shape[1]
-  q = q.reshape(b, t, kvh, h // kvh, d)
-  all_scores = []
-  for keys, _, k_pos, valid in segments:
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
-                        preferred_element_type=jnp.float32) * config.attention_scale
-    scores = _softcap(scores, config.attn_logit_softcap)
-    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
-    visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
-    if valid is not None:
-      visible &= valid
-    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
-  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
-  out = 0.0
-  offset = 0
-  for _, values, k_pos, _ in segments:
-    size = k_pos.shape[1]
-    part = probs[..., offset:offset + size].astype(values.dtype)
-    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
-    # a transposed value slab per layer; the small result is transposed instead.
-    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, values, preferred_element_type=jnp.float32)
-    offset += size
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
-
-
-def _mlp_activation(x, kind):
-  return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
 
 
 def check_taps(taps, num_layers: int) -> tuple[int, ...]:
@@ -349,9 +317,17 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
 
   def block(x, lp, window, layer_k, layer_v):
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
-    q = project(h, lp["wq"], lp.get("bq")).reshape(b, t, c.num_heads, c.head_dim)
-    k = project(h, lp["wk"], lp.get("bk")).reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = project(h, lp["wv"], lp.get("bv")).reshape(b, t, c.num_kv_heads, c.head_dim)
+    if "wqkv" in lp:  # fused projections (with_fused_projections)
+      n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+      qkv = project(h, lp["wqkv"], lp.get("bqkv"))
+      q, k, v = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
+    else:
+      q = project(h, lp["wq"], lp.get("bq"))
+      k = project(h, lp["wk"], lp.get("bk"))
+      v = project(h, lp["wv"], lp.get("bv"))
+    q = q.reshape(b, t, c.num_heads, c.head_dim)
+    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     if c.qk_norm:
       q = rms_norm(q, lp["q_norm"], c.norm_eps, c.norm_offset)
       k = rms_norm(k, lp["k_norm"], c.norm_eps, c.norm_offset)
@@ -369,9 +345,17 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
-    gate = _mlp_activation(jnp.einsum("bte,ef->btf", h, lp["w_gate"]), c.activation)
-    hidden = constrain(gate * jnp.einsum("bte,ef->btf", h, lp["w_up"]), MLP_AXES)
-    m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
+    if "w_gate_up" in lp:
+      gate_up = jnp.einsum("bte,ef->btf", h, lp["w_gate_up"])
+      gate, up = gate_up[..., :c.mlp_dim], gate_up[..., c.mlp_dim:]
+    else:
+      gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
+      up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+    hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
+    if "w_down_t" in lp:  # stored [E, F] (with_fused_projections)
+      m = jnp.einsum("btf,ef->bte", hidden, lp["w_down_t"])
+    else:
+      m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
     return constrain(x + m, RESIDUAL_AXES), k, v, attn

@@ -1,0 +1,98 @@
+"""The decoder's layer math: RMSNorm, rotary embeddings (with Llama 3.1 / linear scaling),
+grouped-query attention over cache segments with causal and sliding-window masks, and the MLP
+activation. Pure functions of arrays, shared by the target forward and the draft heads."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.config import ModelConfig, RopeScaling
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+  """Inverse frequencies, `[head_dim // 2]` float32, with optional Llama 3.1 / linear scaling."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  if scaling.kind == "linear":
+    return inv_freq / scaling.factor
+  low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+  wavelen = 2 * jnp.pi / inv_freq
+  smooth = ((scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  return jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor,
+                   jnp.where(wavelen < high_wavelen, inv_freq, smoothed))
+
+
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`sin`, `cos` of shape `[B, T, 1, D]` in the rotate-half layout (as Hugging Face Llama)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  return jnp.sin(angles), jnp.cos(angles)
+
+
+def apply_rope(x: jax.Array, sin: jax.Array, cos: jax.Array) -> jax.Array:
+  x32 = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+  return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
+  return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def attention(q, segments, q_pos, window, config: ModelConfig):
+  """Grouped-query attention over one or more key/value segments, with causal and sliding-window
+  masking. One softmax spans all segments; only the (small) scores are concatenated, never the
+  keys, so attending over a long cache plus a new block copies neither.
+
+  Args:
+    q: `[B, T, H, D]` queries.
+    segments: a sequence of `(keys [B, KVH, S, D], values [B, KVH, S, D], k_pos [B, S],
+      valid [B, T, S] bool or None)` in the cache's layout; a key is visible to a query when it is
+      valid, not after the query's position and inside the window.
+    q_pos: `[B, T]` absolute position of each query.
+    window: scalar int, 0 for global attention.
+    config: the model config.
+
+  Returns:
+    `[B, T, H * D]`.
+  """
+  b, t, h, d = q.shape
+  kvh = segments[0][0].shape[1]
+  q = q.reshape(b, t, kvh, h // kvh, d)
+  all_scores = []
+  for keys, _, k_pos, valid in segments:
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
+                        preferred_element_type=jnp.float32) * config.attention_scale
+    scores = _softcap(scores, config.attn_logit_softcap)
+    visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
+    visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
+    if valid is not None:
+      visible &= valid
+    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
+  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
+  out = 0.0
+  offset = 0
+  for _, values, k_pos, _ in segments:
+    size = k_pos.shape[1]
+    part = probs[..., offset:offset + size].astype(values.dtype)
+    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
+    # a transposed value slab per layer; the small result is transposed instead.
+    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, values, preferred_element_type=jnp.float32)
+    offset += size
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
+
+
+def _mlp_activation(x, kind):
+  return jax.nn.silu(x) if kind == "silu" else jax.nn.gelu(x, approximate=True)
