@@ -37,8 +37,8 @@ from specjax.generate import generate
 from specjax.sampling import GREEDY, Sampling
 from specjax.state import prefill
 
-__all__ = ["AcceptanceProfile", "AutoChoice", "Calibration", "CostTable", "PROFILE_FILE",
-           "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
+__all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
+           "PROFILE_FILE", "adaptive_plan", "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
            "load_calibration", "measure_costs", "resolve_calibration"]
 
 FORMAT = 1
@@ -247,6 +247,51 @@ def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
   widths = choose_widths(costs, best) if confidence_stop else (best + 1,)
   return AutoChoice(best, widths, expected_tokens(profile.alpha, best), round_ms,
                     scores[best - 1] * costs.generate_step_ms, tuple(scores))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptivePlan:
+  """What `num_draft="adaptive"` compiles (`adaptive_plan`; see `specjax.adaptive`).
+
+  Attributes:
+    max_draft: `K`, the longest chain a row may draft.
+    widths: the compiled verify widths.
+    round_ms: `K + 1` predicted round costs for `k = 0 .. K` drafts: the verify forward at the
+      smallest compiled width holding `k + 1` positions, plus `k + 1` draft-step costs (the
+      drafter's `k` steps and its catch-up on the verified tokens).
+    prior: `K` acceptances a row starts from: the profile's, each shrunk towards the pooled
+      acceptance by `PRIOR_SHRINK` rounds (deep positions are measured on few rounds).
+  """
+
+  max_draft: int
+  widths: tuple[int, ...]
+  round_ms: tuple[float, ...]
+  prior: tuple[float, ...]
+
+
+PRIOR_SHRINK = 10.0
+MAX_ADAPTIVE_DRAFT = 8
+
+
+def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
+                  max_draft: int | None = None) -> AdaptivePlan:
+  """The static part of per-row adaptive length: `K`, the widths, the round costs, the prior."""
+  limit = min(costs.max_width - 1, len(profile.alpha), MAX_ADAPTIVE_DRAFT)
+  if max_draft is not None:
+    limit = min(limit, max_draft)
+  if limit < 1:
+    raise ValueError(f"the cost table (widths 1..{costs.max_width}) and the profile "
+                     f"({len(profile.alpha)} positions) cover no num_draft >= 1")
+  alpha = np.asarray(profile.alpha[:limit], np.float64)
+  reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
+  pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))
+  prior = (alpha * reached + PRIOR_SHRINK * pooled) / (reached + PRIOR_SHRINK)
+  widths = choose_widths(costs, limit)
+  round_ms = []
+  for k in range(limit + 1):
+    width = min(w for w in widths if w >= k + 1)
+    round_ms.append(costs.verify_cost(width) + (k + 1) * costs.draft_step_ms)
+  return AdaptivePlan(limit, widths, tuple(round_ms), tuple(float(a) for a in prior))
 
 
 def load_calibration(directory, backend: str | None = None) -> Calibration:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import costs, validation
+from specjax.adaptive import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
@@ -52,18 +53,28 @@ class DecodeArguments(NamedTuple):
 
 
 def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
-                      calibration=None) -> tuple[int, tuple[int, ...]]:
-  """`(k, verify widths)` from `decode`'s `num_draft`, `verify_widths` and `calibration`.
+                      calibration=None) -> tuple[Any, int, tuple[int, ...]]:
+  """`(drafter, k, verify widths)` from `decode`'s `num_draft`, `verify_widths`, `calibration`.
 
   `num_draft="auto"` picks `k` (and, for a drafter with a confidence stop, the widths) from the
   measured cost table and acceptance profile (`specjax.costs.choose_num_draft`), on the host.
+  `num_draft="adaptive"` wraps the drafter in a `specjax.adaptive.AdaptiveDrafter` that picks
+  each row's `k` every round on device, up to `K` (`specjax.costs.adaptive_plan`).
 
   Raises:
-    ValueError: a bad count or width, "auto" without a calibration, a calibration without "auto".
+    ValueError: a bad count or width, "auto"/"adaptive" without a calibration, a calibration
+      without them.
   """
+  if num_draft == "adaptive":
+    measured = costs.resolve_calibration(calibration)
+    plan = costs.adaptive_plan(measured.costs, measured.profile,
+                               max_draft=getattr(drafter, "max_draft", None))
+    drafter = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior)
+    widths = plan.widths if verify_widths is None else verify_widths
+    return drafter, plan.max_draft, check_verify_widths(widths, plan.max_draft)
   if isinstance(num_draft, str):
     if num_draft != "auto":
-      raise ValueError(f"num_draft must be an int >= 1 or 'auto', got {num_draft!r}")
+      raise ValueError(f"num_draft must be an int >= 1, 'auto' or 'adaptive', got {num_draft!r}")
     stop = getattr(drafter, "confidence", None) is not None
     measured = costs.resolve_calibration(calibration)
     choice = costs.choose_num_draft(measured.costs, measured.profile,
@@ -72,9 +83,9 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
     num_draft = choice.num_draft
     verify_widths = choice.widths if verify_widths is None else verify_widths
   elif calibration is not None:
-    raise ValueError("calibration= is read only with num_draft='auto'")
+    raise ValueError("calibration= is read only with num_draft='auto' or 'adaptive'")
   num_draft = validation.check_count(num_draft, "num_draft")
-  return num_draft, check_verify_widths(verify_widths, num_draft)
+  return drafter, num_draft, check_verify_widths(verify_widths, num_draft)
 
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
@@ -88,8 +99,8 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   validation.check_model(target, "target")
   drafter = as_drafter(draft)
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-  num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths,
-                                        calibration=calibration)
+  drafter, num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths,
+                                                 calibration=calibration)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
@@ -129,7 +140,10 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     max_new_tokens: new tokens per row at most.
     num_draft: draft tokens per round (`k`), or "auto": the `k` that maximises expected tokens
       per unit time under the measured `calibration` (`specjax.costs.choose_num_draft`), chosen
-      on the host before compilation.
+      on the host before compilation; or "adaptive": every round each row drafts its own `k` in
+      `0 .. K` (0 = a plain target step), the one that maximises its expected tokens per unit
+      time under the calibration's costs and the row's own running acceptance
+      (`specjax.adaptive`), chosen on device.
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
@@ -145,7 +159,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
       None = `k + 1` only (with "auto": the widths `choose_num_draft` picks).
-    calibration: with `num_draft="auto"`, a directory holding `cost_table_<backend>.json` and
+    calibration: with `num_draft="auto"` or `"adaptive"`, a directory holding `cost_table_<backend>.json` and
       `acceptance_profile.json` (`specjax calibrate --out DIR`), or a `specjax.costs.Calibration`.
       Missing: a ValueError (no unmeasured default).
 

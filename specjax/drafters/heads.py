@@ -151,7 +151,7 @@ class EagleDrafter:
     """Draft-vocabulary logits `[..., N]` -> `[..., V]` (`-inf` outside the draft vocabulary)."""
     return eagle.to_target_logits(self.head, logits)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     del sequence
     draft = lambda logits, positions: draft_tokens(logits, self.head.draft_ids, self.full_logits,
                                                    sampling, seeds, positions)
@@ -166,7 +166,7 @@ class EagleDrafter:
 
     (cache, _), proposal = draft_chain(step, (state.cache, state.hidden),
                                        (first, first_logits, state.logits), num_draft,
-                                       confidence=self.confidence)
+                                       confidence=self.confidence, limits=limits)
     # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
     state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
     return state, proposal
@@ -237,7 +237,7 @@ class MedusaDrafter:
   def full_logits(self, logits: jax.Array) -> jax.Array:
     return medusa.to_target_logits(self.heads, logits)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     del sequence
     if num_draft > self.num_heads:
       raise ValueError(f"num_draft ({num_draft}) exceeds the number of Medusa heads "
@@ -249,6 +249,8 @@ class MedusaDrafter:
                                 seeds[:, None], positions)
     num_drafted = (None if self.confidence is None
                    else confident_count(top_probability(logits), self.confidence))
+    if limits is not None:  # all k come from one forward: a limit only trims the proposal
+      num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
     return state, Proposal(tokens, full, num_drafted)
 
   def observe(self, state, scored, block, emitted, count, lengths):

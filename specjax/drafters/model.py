@@ -32,7 +32,8 @@ __all__ = ["ModelDrafter", "draft_chain"]
 
 
 def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
-                confidence: float | None) -> tuple[Any, Proposal]:
+                confidence: float | None, limits: jax.Array | None = None
+                ) -> tuple[Any, Proposal]:
   """Drafts `num_draft` tokens per row: `first`, then `num_draft - 1` calls of `step`.
 
   Args:
@@ -46,13 +47,16 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
     confidence: None = every row drafts `k` (a `lax.scan`); a threshold in (0, 1] = the
       confidence stop (see the module docstring; a `lax.while_loop` that ends when every row
       has stopped).
+    limits: None, or `[B]` int32: row `b` drafts at most `limits[b]` tokens (0 = none; chosen
+      before the round from past rounds only, e.g. `specjax.adaptive`); with a stop, the loop
+      ends when every row has stopped.
 
   Returns:
     `(carry after the last step run, Proposal(tokens [B, k], logits [B, k, V] or None,
     num_drafted [B] or None))`.
   """
   token, logits, raw = first
-  if confidence is None:
+  if confidence is None and limits is None:
     def scan_step(state, i):
       carry, token = state
       carry, (token, logits, _) = step(carry, i, token)
@@ -71,7 +75,11 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
   if logits is not None:
     all_logits = jnp.zeros((batch, num_draft) + logits.shape[1:], logits.dtype)
     all_logits = all_logits.at[:, 0].set(logits)
-  alive = top_probability(raw) >= confidence  # [B] still drafting
+  def confident(raw):
+    return True if confidence is None else top_probability(raw) >= confidence
+
+  limits = jnp.full((batch,), num_draft, jnp.int32) if limits is None else limits
+  alive = (limits > 0) & confident(raw)  # [B] still drafting
   count = alive.astype(jnp.int32)
 
   def cond(state):
@@ -84,7 +92,7 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
     tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, i, axis=1)
     if all_logits is not None:
       all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
-    alive = alive & (top_probability(raw) >= confidence)
+    alive = alive & (i < limits) & confident(raw)
     return i + 1, carry, token, tokens, all_logits, alive, count + alive.astype(jnp.int32)
 
   _, carry, _, tokens, all_logits, _, count = jax.lax.while_loop(
@@ -136,7 +144,7 @@ class ModelDrafter:
     cache = self.model(tokens, jnp.zeros((batch,), jnp.int32), cache).cache
     return cache.with_lengths(lengths - 1)  # the last prompt token is fed with the first draft
 
-  def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     # Valid draft cache: what it has seen that is still in the sequence (rollback). After a
     # confidence stop the cache may hold more than that; `start` cuts it back.
     start = jnp.minimum(cache.lengths, lengths - 1)  # lengths - 2 or lengths - 1
@@ -155,7 +163,7 @@ class ModelDrafter:
       return out.cache, (next_token, keep(next_logits), next_logits)
 
     return draft_chain(step, cache, (first, keep(logits), logits), num_draft,
-                       confidence=self.confidence)
+                       confidence=self.confidence, limits=limits)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths

@@ -40,11 +40,11 @@ class NGramDrafter:
     del tokens, lengths, buffer_len, prefill
     return ()
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     del sampling, seeds
     proposals = jax.vmap(lambda row, length: self._lookup(row, length, num_draft))(sequence,
                                                                                    lengths)
-    return state, Proposal(proposals, None)
+    return state, Proposal(proposals, None, limits)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths

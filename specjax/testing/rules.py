@@ -17,16 +17,18 @@ __all__ = ["BROKEN_RULES", "rule_warping_only_p", "rule_without_residual"]
 
 
 def rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
-                          positions):
+                          positions, num_drafted=None):
   """On rejection, samples the correction from p instead of normalize(max(p - q, 0))."""
+  extra = {} if num_drafted is None else dict(num_drafted=num_drafted)
   result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                            seeds=seeds, positions=positions)
+                            seeds=seeds, positions=positions, **extra)
   if sampling.greedy:  # greedy has no residual to skip
     return result
   n = result.num_accepted
   p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
   from_p = sample_race(warp_logits(p_at_n, sampling), seeds, positions + n, PURPOSE_RESIDUAL)
-  final = jnp.where(n < draft_tokens.shape[1], from_p,
+  proposed = draft_tokens.shape[1] if num_drafted is None else num_drafted
+  final = jnp.where(n < proposed, from_p,
                     jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])
   return VerifyResult(n, result.tokens.at[jnp.arange(len(n)), n].set(final))
 

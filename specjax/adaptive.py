@@ -1,0 +1,163 @@
+"""Per-row adaptive draft length: `specjax.decode(..., num_draft="adaptive", calibration=DIR)`.
+
+`num_draft="auto"` picks one `k` for every prompt before compiling, from an acceptance profile
+averaged over many prompts. But acceptance differs by an order of magnitude between prompts (a
+head that writes code well may rarely guess a translation), so the `k` that is best on average is
+too long for some rows and too short for others. `AdaptiveDrafter` wraps a drafter and, at the
+start of every round, gives each row its own limit `k_b` in `0 .. K`: the one that maximises
+expected tokens per millisecond,
+
+    E[tokens | k] / round_ms[k],   E[tokens | k] = 1 + sum_{j <= k} prod_{i <= j} alpha_{b,i},
+
+where `round_ms[k]` comes from the backend's cost table (the verify forward at the compiled width
+that holds `k + 1` positions, plus the drafter's steps) and `alpha_{b,j}` is the row's own running
+acceptance at draft position `j`: decayed counts of the rounds in which draft `j` was reached and
+accepted, shrunk towards the calibration profile (`prior_weight` pseudo-rounds). `k_b = 0` runs a
+plain target step (verify width 1) when drafting does not pay for that row; the row still learns
+whether its first draft would have matched (the drafter makes it anyway), so it starts drafting
+again when it would pay.
+
+Exactness: `k_b` is a function of tokens emitted in earlier rounds only, never of this round's
+target logits or random numbers, so it is independent of the verify's randomness at every slot of
+this round; given everything before slot `j`, the verify emits there a ratio-test outcome for a
+draft from `q_j` or a direct sample from `p_j`, both distributed as `p_j` (the same argument as
+the confidence stop in `specjax.drafters.model`). Greedy stays token-identical to `generate`.
+Everything runs on device inside the decode loop: no host sync, fixed shapes, the verify width
+picked by `lax.switch` among the compiled widths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.state import Proposal
+
+__all__ = ["AdaptiveDrafter", "AdaptiveState"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdaptiveState:
+  """An `AdaptiveDrafter`'s state.
+
+  Attributes:
+    inner: the wrapped drafter's state.
+    accepted: `[B, K]` float32 decayed count of rounds in which draft `j` was accepted.
+    reached: `[B, K]` float32 decayed count of rounds in which draft `j` was tested (proposed,
+      and every draft before it accepted).
+    planned: `[B]` int32 drafts the row proposed this round.
+    first: `[B]` int32 the row's first draft this round (made even when not proposed).
+  """
+
+  inner: Any
+  accepted: jax.Array
+  reached: jax.Array
+  planned: jax.Array
+  first: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdaptiveDrafter:
+  """A drafter whose rows each draft their own number of tokens per round (module docstring).
+
+  Attributes:
+    drafter: the wrapped `Drafter`; its `propose` takes `limits=` (every built-in one does).
+    max_draft: `K`, the longest chain a row may draft (the loop's static `num_draft`).
+    round_ms: `K + 1` costs in milliseconds of a round in which a row drafts `k = 0 .. K`.
+    prior: `K` acceptance probabilities `alpha_j` (the calibration profile) a row starts from.
+    prior_weight: pseudo-rounds of the prior in each position's estimate.
+    decay: each observation of a position multiplies its earlier counts by this (recent rounds
+      weigh more: a row's acceptance changes as its text moves between, e.g., prose and code).
+  """
+
+  drafter: Any
+  max_draft: int = dataclasses.field(metadata=dict(static=True))
+  round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
+  prior: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
+  prior_weight: float = dataclasses.field(default=2.0, metadata=dict(static=True))
+  decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))
+
+  def __post_init__(self):
+    k = self.max_draft
+    if isinstance(self.drafter, AdaptiveDrafter):
+      raise ValueError("the drafter is already adaptive")
+    if len(self.round_ms) != k + 1 or len(self.prior) != k:
+      raise ValueError(f"need {k + 1} round costs and {k} prior acceptances for max_draft={k}, "
+                       f"got {len(self.round_ms)} and {len(self.prior)}")
+    if not all(c > 0 for c in self.round_ms) or not all(0 <= a <= 1 for a in self.prior):
+      raise ValueError(f"round costs must be positive and acceptances in [0, 1], got "
+                       f"{self.round_ms} and {self.prior}")
+    if not (self.prior_weight > 0 and 0 < self.decay <= 1):
+      raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
+                       f"and {self.decay}")
+
+  @property
+  def vocab_size(self):
+    return self.drafter.vocab_size
+
+  @property
+  def taps(self):
+    return self.drafter.taps
+
+  @property
+  def needs_hidden(self):
+    return self.drafter.needs_hidden
+
+  def __getattr__(self, name):  # max_len, confidence, full_logits, ... of the wrapped drafter
+    if name.startswith("__") or name == "drafter":
+      raise AttributeError(name)
+    return getattr(self.drafter, name)
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    return self.drafter.forwards_per_round(num_draft)
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    batch = tokens.shape[0]
+    zeros = jnp.zeros((batch, self.max_draft), jnp.float32)
+    ints = jnp.zeros((batch,), jnp.int32)
+    return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
+                         ints, ints)
+
+  def limits(self, state: AdaptiveState) -> jax.Array:
+    """`[B]` int32: each row's `k` for this round (first maximum of tokens per millisecond)."""
+    weight = self.prior_weight
+    alpha = (state.accepted + weight * jnp.asarray(self.prior)) / (state.reached + weight)
+    expected = 1.0 + jnp.concatenate(
+        [jnp.zeros_like(alpha[:, :1]), jnp.cumsum(jnp.cumprod(alpha, axis=1), axis=1)], axis=1)
+    rate = expected / jnp.asarray(self.round_ms, jnp.float32)  # [B, K + 1]
+    return jnp.argmax(rate, axis=1).astype(jnp.int32)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    if num_draft != self.max_draft:
+      raise ValueError(f"an AdaptiveDrafter drafts up to max_draft={self.max_draft}, "
+                       f"not num_draft={num_draft}")
+    limits = self.limits(state)
+    inner, proposal = self.drafter.propose(state.inner, sequence, lengths, num_draft=num_draft,
+                                           sampling=sampling, seeds=seeds, limits=limits)
+    planned = limits if proposal.num_drafted is None else proposal.num_drafted
+    planned = jnp.minimum(planned.astype(jnp.int32), limits)
+    state = dataclasses.replace(state, inner=inner, planned=planned,
+                                first=proposal.tokens[:, 0].astype(jnp.int32))
+    return state, Proposal(proposal.tokens, proposal.logits, planned)
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    inner = self.drafter.observe(state.inner, scored, block, emitted, count, lengths)
+    live = count > 0
+    accepted = (count - 1)[:, None]  # drafts kept (fewer where EOS or the length limit cut)
+    j = jnp.arange(self.max_draft, dtype=jnp.int32)[None]  # draft j + 1
+    tested = (j < state.planned[:, None]) & (j <= accepted)
+    hit = tested & (j < accepted)
+    # A row that proposed nothing still made its first draft: did the target's token match it?
+    unproposed = (state.planned == 0)[:, None] & (j == 0)
+    tested = (tested | unproposed) & live[:, None]
+    hit = (hit | (unproposed & (emitted[:, :1] == state.first[:, None]))) & tested
+    decay = jnp.where(tested, self.decay, 1.0)
+    return dataclasses.replace(
+        state, inner=inner,
+        accepted=state.accepted * decay + hit.astype(jnp.float32),
+        reached=state.reached * decay + tested.astype(jnp.float32))

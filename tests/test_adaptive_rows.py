@@ -1,0 +1,179 @@
+"""Per-row adaptive draft length (`num_draft="adaptive"`, `specjax.adaptive.AdaptiveDrafter`).
+
+* The row's choice: with a drafter that always agrees with the target (the target itself) rows
+  draft the full `K` every round after the first; with one that almost never agrees they settle
+  at 0 drafts (plain target steps) and still decode; the choice is the first maximum of the
+  expected tokens per millisecond, checked against a hand-worked case.
+* Greedy with `num_draft="adaptive"` equals `sj.generate` on a ragged batch, for a draft model,
+  the n-gram drafter and an EAGLE-3 head, in one jitted program (one top-level while loop, no
+  callbacks).
+* Exactness of sampled decoding with a prior and costs that make rows switch between 0, 1 and 2
+  drafts from round to round: the pooled chi-square harness of tests/test_exactness.py
+  (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0 and 0.7 with top-k; the same run through a
+  deliberately broken rule (no residual) fails (p < 1e-6), so the test can fail.
+* Bad plans raise a ValueError before anything is compiled.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax import costs
+from specjax.adaptive import AdaptiveDrafter
+from specjax.costs import AcceptanceProfile, Calibration, CostTable
+from specjax.models import tiny_config
+from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
+                            chi_square_pvalue, exact_joint)
+
+VOCAB = 64
+
+
+def _calibration(verify_ms, alpha, draft_step_ms=1.0):
+  table = CostTable(verify_ms=tuple(verify_ms), draft_step_ms=draft_step_ms,
+                    generate_step_ms=verify_ms[0], backend=jax.default_backend(),
+                    device_kind="hand-written", jax_version=jax.__version__, batch=1, context=16,
+                    date="2026-01-01")
+  profile = AcceptanceProfile(tuple(alpha), {"temperature": 0.0, "top_k": None, "top_p": None},
+                              rounds=1000, prompts=4, date="2026-01-01")
+  return Calibration(table, profile)
+
+
+# A TPU-like table: one verify width costs about as much as another, so a row that is accepted
+# drafts long; a row that is not pays for nothing but verify(2) > verify(1).
+FLAT = _calibration([10.0, 12.0, 12.0, 12.5, 13.0], [0.6, 0.6, 0.6, 0.6])
+
+
+@pytest.fixture(scope="module")
+def target():
+  return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=4), jax.random.key(30))
+
+
+@pytest.fixture(scope="module")
+def ragged():
+  rng = np.random.default_rng(31)
+  tokens = jnp.asarray(rng.integers(0, VOCAB, size=(3, 8)), jnp.int32)
+  return tokens, jnp.array([8, 2, 5], jnp.int32)
+
+
+def test_plan_and_first_choice_hand_worked():
+  plan = costs.adaptive_plan(FLAT.costs, FLAT.profile)
+  assert plan.max_draft == 4
+  # Widths: 5 (13.0), then 1 (10.0 <= 0.9 * 13.0); 2..4 are not 10% cheaper than 5.
+  assert plan.widths == (1, 5)
+  # round_ms[k] = verify(smallest width >= k + 1) + (k + 1) * draft_step.
+  assert plan.round_ms == (11.0, 15.0, 16.0, 17.0, 18.0)
+  # Every position was measured on enough rounds that the prior stays near 0.6.
+  np.testing.assert_allclose(plan.prior, 0.6, atol=1e-9)
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), plan.max_draft, plan.round_ms, plan.prior)
+  state = drafter.init(jnp.zeros((3, 4), jnp.int32), jnp.full(3, 4, jnp.int32), 16, None)
+  # Row 0: no history (prior 0.6 everywhere). E = 1, 1.6, 1.96, 2.176, 2.3056 tokens;
+  # per ms 0.0909, 0.1067, 0.1225, 0.1280, 0.1281: k = 4.
+  # Row 1: position 1 rejected in 5 recent rounds: alpha_1 = 1.2 / 7 = 0.171: k = 0.
+  # Row 2: position 1 accepted 5 of 5, position 2 rejected 5 of 5: alpha = (6.2 / 7 = 0.886,
+  # 0.171, 0.6, 0.6): E = 1, 1.886, 2.038, 2.129, 2.183 over 11, 15, 16, 17, 18 ms:
+  # 0.0909, 0.1257, 0.1273, 0.1252, 0.1213 per ms: k = 2.
+  accepted = jnp.array([[0, 0, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]], jnp.float32)
+  reached = jnp.array([[0, 0, 0, 0], [5, 0, 0, 0], [5, 5, 0, 0]], jnp.float32)
+  state = dataclasses.replace(state, accepted=accepted, reached=reached)
+  np.testing.assert_array_equal(drafter.limits(state), [4, 0, 2])
+
+
+def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20):
+  decode = lambda t, l: sj.decode(target, drafter, t, jax.random.key(0), lengths=l,
+                                  max_new_tokens=max_new, num_draft="adaptive",
+                                  calibration=calibration)
+  jaxpr = jax.make_jaxpr(decode)(tokens, lengths)
+  assert "callback" not in str(jaxpr)
+  calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
+  body = calls[0].params["jaxpr"].jaxpr.eqns
+  assert len([e for e in body if e.primitive.name == "while"]) == 1  # the round loop
+  out = decode(tokens, lengths)
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=max_new)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
+  return out.stats.summary()
+
+
+def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_nothing(
+    target, ragged):
+  tokens, lengths = ragged
+  perfect = _greedy_equals_generate(target, sj.ModelDrafter(target), tokens, lengths, FLAT)
+  # Round 1 drafts 4 from the prior; then every row's estimate only rises: 4 every round.
+  assert perfect["drafted"] == 4 * perfect["rounds"]
+  assert perfect["accepted"] == perfect["drafted"]
+  stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
+  poor = _greedy_equals_generate(target, sj.ModelDrafter(stranger), tokens, lengths, FLAT,
+                                 max_new=48)
+  assert poor["accepted"] <= 0.2 * poor["drafted"]  # it rarely agrees (about 1 in 64)...
+  # ...so after three or four rejected rounds per row (about 10 drafts each) the rows stop
+  # drafting: most of the 48 rounds per row are plain target steps.
+  assert poor["drafted"] < 0.4 * poor["rounds"]
+
+
+def test_greedy_ngram_and_eagle_equal_generate(target, ragged):
+  from specjax.drafters import eagle
+  tokens, lengths = ragged
+  tokens = tokens.at[:, 4:].set(tokens[:, :4])  # repeats for the n-gram drafter to find
+  _greedy_equals_generate(target, sj.NGramDrafter(max_ngram=2), tokens, lengths, FLAT)
+  config = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=32)
+  head = eagle.init_head(config, target, jax.random.key(32), list(range(0, VOCAB, 2)))
+  summary = _greedy_equals_generate(target, sj.EagleDrafter(head, target.params["embed"]),
+                                    tokens, lengths, FLAT)
+  assert summary["drafted"] > 0
+
+
+@pytest.mark.parametrize("name, power", [("t1", False), ("t1", True),
+                                         pytest.param("t0.7_topk3", False,
+                                                      marks=pytest.mark.slow)])
+def test_sampled_adaptive_decode_matches_target_distribution(name, power):
+  from test_exactness import VOCAB as GOF_VOCAB
+  sampling = SETTINGS[name]
+  gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
+  draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
+  # Costs and a prior under which one observation moves a row between 0 and 2 drafts: from the
+  # prior (0.5, 0.5) a row drafts 2 (1.75 tokens / 1.5 ms beats 1.5 / 1.4 and 1 / 1.0); after a
+  # rejection at position 1 (alpha_1 = 0.25) it drafts 0, and back to 2 once its unproposed
+  # first draft matches the target's token.
+  drafter = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5),
+                            prior_weight=1.0, decay=1.0)
+  tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
+  impl = DRAFT_MODEL_BROKEN[name] if power else "auto"
+  out = sj.decode(gof_target, drafter, tokens, jax.random.key(3), max_new_tokens=NEW,
+                  num_draft=2, sampling=sampling, verify_impl=impl)
+  assert np.all(np.asarray(out.num_tokens) == NEW)
+  rounds = np.asarray(out.stats.rounds)
+  drafted = np.asarray(out.stats.drafted)
+  # The adaptation is exercised: rows draft 2 in their first round, and some later rounds draft
+  # fewer (0 or 1), so rows end with different totals per round.
+  assert np.all(drafted >= 2) and np.any(drafted < 2 * rounds)
+  pvalue = chi_square_pvalue(np.asarray(out.tokens), exact_joint(gof_target, sampling))
+  if power:
+    assert pvalue < POWER_ALPHA
+  else:
+    assert pvalue > ALPHA
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(round_ms=(1.0, 2.0)), "round costs"),
+    (dict(prior=(0.5, 1.5)), "acceptances in"),
+    (dict(round_ms=(1.0, 0.0, 2.0)), "positive"),
+    (dict(decay=0.0), "decay"),
+])
+def test_bad_plans_raise(kwargs, message):
+  args = dict(max_draft=2, round_ms=(1.0, 1.4, 1.5), prior=(0.5, 0.5))
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    AdaptiveDrafter(sj.NGramDrafter(), **args)
+
+
+def test_adaptive_needs_a_calibration(target, ragged):
+  tokens, lengths = ragged
+  with pytest.raises(ValueError, match="calibrat"):
+    sj.decode(target, sj.NGramDrafter(), tokens, jax.random.key(0), num_draft="adaptive")
+  with pytest.raises(ValueError, match="already adaptive"):
+    AdaptiveDrafter(AdaptiveDrafter(sj.NGramDrafter(), 1, (1.0, 2.0), (0.5,)), 1, (1.0, 2.0),
+                    (0.5,))
