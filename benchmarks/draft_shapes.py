@@ -8,9 +8,11 @@ bursts on a shared host hit every configuration alike):
 
 * plain `specjax.generate` (the baseline of every speedup);
 * chains with fixed `k` (`--ks`);
-* the adaptive chain: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`) and
-  the verify widths the cost table keeps (`specjax.costs.choose_widths`), chosen on device;
-* `num_draft="auto"`: the `k` the measured cost table and acceptance profile pick;
+* the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`)
+  and the verify widths the cost table keeps (`specjax.costs.choose_widths`), chosen on device;
+* `num_draft="auto"`: the one `k` the measured cost table and acceptance profile pick;
+* `num_draft="adaptive"`: each row's own `k` in `0 .. K` every round, from the cost table and
+  its running acceptance (`specjax.adaptive`), next to the best fixed `k` of each category;
 * trees: EAGLE-2 dynamic trees and a static tree from the head (`--trees`).
 
 The cost table and the acceptance profile are measured first, on this backend, with prompts from
@@ -113,10 +115,13 @@ def main(argv=None):
   for k in ks:
     configs[f"chain k={k}"] = (lambda k: lambda t, n: sj.decode(
         target, drafter, t, rng, lengths=n, num_draft=k, **common))(k)
-  configs[f"adaptive k={max(ks)} c={args.confidence:g}"] = lambda t, n: sj.decode(
+  configs[f"stop k={max(ks)} c={args.confidence:g}"] = lambda t, n: sj.decode(
       target, stopping, t, rng, lengths=n, num_draft=max(ks), verify_widths=widths, **common)
   configs[f"auto (k={auto.num_draft})"] = lambda t, n: sj.decode(
       target, drafter, t, rng, lengths=n, num_draft="auto", calibration=calib_dir, **common)
+  plan = costs.adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
+  configs[f"adaptive (K={plan.max_draft})"] = lambda t, n: sj.decode(
+      target, drafter, t, rng, lengths=n, num_draft="adaptive", calibration=calib_dir, **common)
   for name in [t for t in args.trees.split(",") if t]:
     spec = TreeSpec(**TREES[name])
     configs[f"tree {name}"] = (lambda spec: lambda t, n: sj.decode(
@@ -144,6 +149,7 @@ def main(argv=None):
       if name != "generate":
         stats = out.stats
         entry["rounds"] = int(stats.rounds[0])
+        entry["drafted"] = int(stats.drafted[0])
         entry["identical"] = entry["ids"] == records["generate"][i]["ids"]
       records[name].append(entry)
     print(json.dumps({"prompt": i, "category": categories[i], **{
@@ -163,10 +169,15 @@ def main(argv=None):
                                                                            for e in chosen)}
       if name != "generate":
         item["tau"] = tokens / max(sum(e["rounds"] for e in chosen), 1)
+        item["drafts_per_round"] = (sum(e.get("drafted", 0) for e in chosen)
+                                    / max(sum(e["rounds"] for e in chosen), 1))
         item["identical_to_generate"] = all(e["identical"] for e in chosen)
       summary[name][cat] = item
   fixed = [n for n in records if n.startswith("chain")]
   best_fixed = {cat: max(fixed, key=lambda n: summary[n][cat]["tokens_per_s"]) for cat in cats}
+  versus_best = {name: {cat: summary[name][cat]["tokens_per_s"]
+                        / summary[best_fixed[cat]][cat]["tokens_per_s"] for cat in cats}
+                 for name in records if name != "generate" and not name.startswith("chain")}
   result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> float32), CPU layout",
             "head": head_name, "device": str(jax.devices()[0]), "batch": 1,
             "max_new_tokens": args.max_new_tokens, "per_category": args.per_category,
@@ -176,7 +187,10 @@ def main(argv=None):
                             "generate_step_ms": table.generate_step_ms,
                             "auto_k": auto.num_draft, "auto_predicted_speedup": auto.speedup,
                             "adaptive_widths": list(widths)},
+            "adaptive_plan": {"max_draft": plan.max_draft, "widths": list(plan.widths),
+                              "round_ms": list(plan.round_ms), "prior": list(plan.prior)},
             "summary": summary, "best_fixed_chain_per_category": best_fixed,
+            "speed_vs_best_fixed_chain": versus_best,
             "records": records, "wall_s": time.perf_counter() - began}
   out_dir = pathlib.Path(args.out)
   out_dir.mkdir(parents=True, exist_ok=True)
@@ -185,6 +199,8 @@ def main(argv=None):
     line = " | ".join(f"{cat} {summary[name][cat].get('tau', 1):.2f}/"
                       f"{summary[name][cat]['speedup_vs_generate']:.2f}x" for cat in cats)
     print(f"{name:28s} {line}")
+  for name, ratios in versus_best.items():
+    print(f"{name:28s} vs best fixed k: " + " | ".join(f"{c} {r:.2f}" for c, r in ratios.items()))
   try:
     import matplotlib
     matplotlib.use("Agg")

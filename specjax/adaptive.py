@@ -12,7 +12,9 @@ expected tokens per millisecond,
 where `round_ms[k]` comes from the backend's cost table (the verify forward at the compiled width
 that holds `k + 1` positions, plus the drafter's steps) and `alpha_{b,j}` is the row's own running
 acceptance at draft position `j`: decayed counts of the rounds in which draft `j` was reached and
-accepted, shrunk towards the calibration profile (`prior_weight` pseudo-rounds). `k_b = 0` runs a
+accepted, shrunk (`prior_weight` pseudo-rounds) towards the calibration profile shifted by the
+row's pooled odds ratio (a row accepted more often than the profile expects at the positions it
+tested is expected to do better at deeper positions too; `AdaptiveDrafter.alpha`). `k_b = 0` runs a
 plain target step (verify width 1) when drafting does not pay for that row; the row still learns
 whether its first draft would have matched (the drafter makes it anyway), so it starts drafting
 again when it would pay.
@@ -123,10 +125,30 @@ class AdaptiveDrafter:
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
                          ints, ints)
 
+  def alpha(self, state: AdaptiveState) -> jax.Array:
+    """`[B, K]` each row's acceptance estimate per position.
+
+    Two levels of shrinkage. The row's pooled odds ratio against the prior (its accepted drafts
+    over all tested positions vs what the prior expects of those same tests) lifts or lowers the
+    prior at every position, so a row that is accepted at position 1 is expected to do better
+    at positions it has not yet reached, too; each position's own counts then pull its estimate
+    from that row-level guess towards what the position itself showed.
+    """
+    weight = self.prior_weight
+    prior = jnp.clip(jnp.asarray(self.prior, jnp.float32), 0.01, 0.99)
+    pooled = jnp.mean(prior)
+    seen = jnp.sum(state.accepted, axis=1) + weight * pooled
+    expected = jnp.sum(state.reached * prior, axis=1) + weight * pooled
+    tested = jnp.sum(state.reached, axis=1) + weight
+    log_odds = lambda a: jnp.log(a) - jnp.log1p(-a)
+    shift = (log_odds(jnp.clip(seen / tested, 0.01, 0.99))
+             - log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
+    row_prior = jax.nn.sigmoid(log_odds(prior)[None] + shift[:, None])  # [B, K]
+    return (state.accepted + weight * row_prior) / (state.reached + weight)
+
   def limits(self, state: AdaptiveState) -> jax.Array:
     """`[B]` int32: each row's `k` for this round (first maximum of tokens per millisecond)."""
-    weight = self.prior_weight
-    alpha = (state.accepted + weight * jnp.asarray(self.prior)) / (state.reached + weight)
+    alpha = self.alpha(state)
     expected = 1.0 + jnp.concatenate(
         [jnp.zeros_like(alpha[:, :1]), jnp.cumsum(jnp.cumprod(alpha, axis=1), axis=1)], axis=1)
     rate = expected / jnp.asarray(self.round_ms, jnp.float32)  # [B, K + 1]

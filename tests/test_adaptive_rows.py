@@ -69,17 +69,28 @@ def test_plan_and_first_choice_hand_worked():
   # Every position was measured on enough rounds that the prior stays near 0.6.
   np.testing.assert_allclose(plan.prior, 0.6, atol=1e-9)
   drafter = AdaptiveDrafter(sj.NGramDrafter(), plan.max_draft, plan.round_ms, plan.prior)
-  state = drafter.init(jnp.zeros((3, 4), jnp.int32), jnp.full(3, 4, jnp.int32), 16, None)
-  # Row 0: no history (prior 0.6 everywhere). E = 1, 1.6, 1.96, 2.176, 2.3056 tokens;
-  # per ms 0.0909, 0.1067, 0.1225, 0.1280, 0.1281: k = 4.
-  # Row 1: position 1 rejected in 5 recent rounds: alpha_1 = 1.2 / 7 = 0.171: k = 0.
-  # Row 2: position 1 accepted 5 of 5, position 2 rejected 5 of 5: alpha = (6.2 / 7 = 0.886,
-  # 0.171, 0.6, 0.6): E = 1, 1.886, 2.038, 2.129, 2.183 over 11, 15, 16, 17, 18 ms:
-  # 0.0909, 0.1257, 0.1273, 0.1252, 0.1213 per ms: k = 2.
-  accepted = jnp.array([[0, 0, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0]], jnp.float32)
-  reached = jnp.array([[0, 0, 0, 0], [5, 0, 0, 0], [5, 5, 0, 0]], jnp.float32)
+  state = drafter.init(jnp.zeros((4, 4), jnp.int32), jnp.full(4, 4, jnp.int32), 16, None)
+  # Row 0: no history: the prior 0.6 everywhere. E = 1, 1.6, 1.96, 2.176, 2.3056 tokens over
+  # 11, 15, 16, 17, 18 ms: 0.0909, 0.1067, 0.1225, 0.1280, 0.1281 per ms: k = 4.
+  # Row 1: position 1 rejected in 5 recent rounds: its pooled odds fall far below the prior's
+  # and its alpha_1 is 0.05: k = 0.
+  # Row 2: position 1 accepted 5 of 5, position 2 rejected 5 of 5: alpha about (0.86, 0.15,
+  # 0.52, 0.52): k = 2, the deeper drafts rarely reached.
+  # Row 3: position 1 accepted 5 of 5 and nothing deeper tested: the row's odds lift the prior
+  # at the untested positions too (about 0.83 each), and it drafts all 4.
+  accepted = jnp.array([[0, 0, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0], [5, 0, 0, 0]], jnp.float32)
+  reached = jnp.array([[0, 0, 0, 0], [5, 0, 0, 0], [5, 5, 0, 0], [5, 0, 0, 0]], jnp.float32)
   state = dataclasses.replace(state, accepted=accepted, reached=reached)
-  np.testing.assert_array_equal(drafter.limits(state), [4, 0, 2])
+  np.testing.assert_array_equal(drafter.limits(state), [4, 0, 2, 4])
+  # The estimate, written out here in numpy from the documented formula.
+  acc, rea, prior, w = np.asarray(accepted), np.asarray(reached), np.full(4, 0.6), 2.0
+  logit = lambda a: np.log(a / (1 - a))
+  observed = (acc.sum(1) + w * 0.6) / (rea.sum(1) + w)
+  expected = ((rea * prior).sum(1) + w * 0.6) / (rea.sum(1) + w)
+  row_prior = 1 / (1 + np.exp(-(logit(prior)[None] + (logit(observed) - logit(expected))[:, None])))
+  alpha = (acc + w * row_prior) / (rea + w)
+  np.testing.assert_allclose(drafter.alpha(state), alpha, rtol=1e-5)
+  assert alpha[3, 1:].min() > 0.8 and alpha[1, 0] < 0.06
 
 
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20):
