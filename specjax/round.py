@@ -23,6 +23,7 @@ no key and no round counter: a row's tokens depend on its own seed and prompt on
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,36 +79,45 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
 
 
-def _pad_positions(scored, width: int):
-  """A `ForwardOutput` over `w` positions, zero-padded to `width` (logits, hidden, taps)."""
-  def pad(x, axis):
-    if x is None or x.shape[axis] == width:
-      return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, width - x.shape[axis])
-    return jnp.pad(x, widths)
-  return scored._replace(logits=pad(scored.logits, 1), hidden=pad(scored.hidden, 1),
-                         taps=pad(scored.taps, 2))
+def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, block, num_drafted,
+                     width: int, *, sampling: Sampling, impl):
+  """The target's forward over the first `width` positions of `block [B, k + 1]`, the rule, the
+  kept counts and the drafter's `observe`, all at that width; tokens padded back to `k + 1`.
 
-
-def _score(target, drafter, block, state, needed, widths):
-  """The target's forward over `block [B, k+1]` at each row's offset, at the smallest width of
-  `widths` that is >= `needed` (a traced scalar), zero-padded back to `k + 1` positions."""
+  Every live row needs at most `width` positions (`num_drafted + 1 <= width`), so this is the
+  full-width result: the rule keys its random numbers by position, the forward is causal, and
+  the drafter observes only what the row keeps. Running the drafter's catch-up at the same width
+  keeps rounds that draft little cheap (a round with no drafts is a plain target step plus the
+  drafter's catch-up on one token).
+  """
+  k = proposal.tokens.shape[1]
+  lengths = state.lengths
   kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
   if drafter.taps:
     kwargs["taps"] = tuple(drafter.taps)
-  starts = state.lengths - 1
-  full = block.shape[1]
+  narrow = block[:, :width]
+  scored = target(narrow, lengths - 1, state.target_cache, **kwargs)
+  drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
+  logits, slots = scored.logits, max(width - 1, 1)
+  if width == 1:  # no drafts: the rule with one unproposed slot gives the bonus from p
+    logits = jnp.concatenate([logits, logits], axis=1)
+    drafted = jnp.zeros_like(lengths)
+  draft_logits = None if proposal.logits is None else proposal.logits[:, :slots]
+  result = verify_tokens(logits, draft_logits, proposal.tokens[:, :slots], sampling=sampling,
+                         seeds=state.seeds, positions=lengths, num_drafted=drafted, impl=impl)
+  result = result._replace(tokens=result.tokens[:, :width])
+  accepted = result.num_accepted
 
-  def branch(width):
-    def forward(block, cache):
-      return _pad_positions(target(block[:, :width], starts, cache, **kwargs), full)
-    return forward
-
-  if widths is None or len(widths) == 1 or needed is None:
-    return target(block, starts, state.target_cache, **kwargs)
-  index = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
-  return jax.lax.switch(index, [branch(w) for w in widths], block, state.target_cache)
+  # How many of the candidate tokens each row keeps: up to the correction, cut at EOS
+  # (inclusive) and at the row's limit.
+  index = jnp.arange(width, dtype=jnp.int32)
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
+  count = jnp.where(~state.done, count, 0)
+  draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
+  tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
+  return tokens, accepted, count, first_eos < count, scored.cache, draft_state
 
 
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
@@ -123,9 +133,9 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     proposal: the round's drafts from `draft_step`.
     sampling: the sampling settings (identical to the drafter's).
     impl: which verify implementation to run (see `specjax.dispatch.verify_tokens`).
-    widths: sorted compiled verify widths ending in `k + 1` (`check_verify_widths`); the forward
-      runs at the smallest that holds every live row's `num_drafted + 1`. None or a proposal
-      without `num_drafted`: always `k + 1`.
+    widths: sorted compiled verify widths ending in `k + 1` (`check_verify_widths`); the forward,
+      the rule and the drafter's `observe` run at the smallest that holds every live row's
+      `num_drafted + 1`. None or a proposal without `num_drafted`: always `k + 1`.
 
   Returns:
     The advanced state. Rows already done are left unchanged.
@@ -138,30 +148,24 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     num_drafted = jnp.clip(num_drafted.astype(jnp.int32), 0, k)
   last = gather_tokens(state.tokens, lengths - 1, 1)
   block = jnp.concatenate([last, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, k+1]
-  needed = None if num_drafted is None else jnp.max(jnp.where(live, num_drafted + 1, 1))
-  scored = _score(target, drafter, block, state, needed, widths)
-  result = verify_tokens(scored.logits, proposal.logits, proposal.tokens, sampling=sampling,
-                         seeds=state.seeds, positions=lengths, num_drafted=num_drafted,
-                         impl=impl)
-  accepted = result.num_accepted
-
-  # How many of the k+1 candidate tokens each row keeps: up to the correction, cut at EOS
-  # (inclusive) and at the row's limit.
-  index = jnp.arange(k + 1, dtype=jnp.int32)
-  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
-  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
-  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
-  count = jnp.where(live, count, 0)
+  run = functools.partial(_verify_at_width, target, drafter, state, proposal, block, num_drafted,
+                          sampling=sampling, impl=impl)
+  if widths is None or len(widths) == 1 or num_drafted is None:
+    out = run(k + 1)
+  else:  # the smallest compiled width that holds every live row's drafts plus one
+    needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
+    branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
+    out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
+  emitted, accepted, count, hit_eos, target_cache, draft_state = out
   new_lengths = lengths + count
 
   def write(row, new, start):
     return jax.lax.dynamic_update_slice(row, new, (start,))
 
-  tokens = jax.vmap(write)(state.tokens, result.tokens, lengths)  # past new_lengths is scratch
-  hit_eos = live & (first_eos < count)
-  done = state.done | hit_eos | (new_lengths >= state.limits)
-  target_cache = scored.cache.with_lengths(new_lengths - 1)
-  draft_state = drafter.observe(state.draft_state, scored, block, result.tokens, count, lengths)
+  tokens = jax.vmap(write)(state.tokens, emitted, lengths)  # past new_lengths is scratch
+  done = state.done | (live & hit_eos) | (new_lengths >= state.limits)
+  target_cache = target_cache.with_lengths(new_lengths - 1)
+  index = jnp.arange(k + 1, dtype=jnp.int32)
 
   live_i = live.astype(jnp.int32)
   drafted = k if num_drafted is None else num_drafted
