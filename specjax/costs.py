@@ -38,7 +38,7 @@ from specjax.sampling import GREEDY, Sampling
 from specjax.state import prefill
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
-           "PROFILE_FILE", "adaptive_plan", "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
+           "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
            "load_calibration", "measure_costs", "resolve_calibration"]
 
 FORMAT = 1
@@ -255,7 +255,7 @@ class AdaptivePlan:
 
   Attributes:
     max_draft: `K`, the longest chain a row may draft.
-    widths: the compiled verify widths.
+    widths: the compiled verify widths (`adaptive_widths`).
     round_ms: `K + 1` predicted round costs for `k = 0 .. K` drafts: the verify forward at the
       smallest compiled width holding `k + 1` positions, plus `k + 1` draft-step costs (the
       drafter's `k` steps and its catch-up on the verified tokens).
@@ -271,6 +271,20 @@ class AdaptivePlan:
 
 PRIOR_SHRINK = 10.0
 MAX_ADAPTIVE_DRAFT = 8
+ADAPTIVE_SAVING = 0.03  # rows pick their own k, so a width 3% cheaper than the next is worth it
+MAX_ADAPTIVE_WIDTHS = 5
+
+
+def adaptive_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
+  """Verify widths for per-row adaptive length: always 1 (a plain target step) and `K + 1`; in
+  between, walking down from `K + 1`, each width at least `ADAPTIVE_SAVING` cheaper than the last
+  kept one (the cheapest-to-reach first), at most `MAX_ADAPTIVE_WIDTHS` in all."""
+  kept = [num_draft + 1]
+  for width in range(num_draft, 1, -1):
+    if costs.verify_cost(width) <= (1.0 - ADAPTIVE_SAVING) * costs.verify_cost(kept[-1]):
+      kept.append(width)
+  middle = kept[1:][:MAX_ADAPTIVE_WIDTHS - 2]
+  return tuple(sorted({1, num_draft + 1, *middle}))
 
 
 def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
@@ -286,7 +300,7 @@ def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
   reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
   pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))
   prior = (alpha * reached + PRIOR_SHRINK * pooled) / (reached + PRIOR_SHRINK)
-  widths = choose_widths(costs, limit)
+  widths = adaptive_widths(costs, limit)
   round_ms = []
   for k in range(limit + 1):
     width = min(w for w in widths if w >= k + 1)
