@@ -201,24 +201,13 @@ def main(argv=None):
     print(f"{name:28s} {line}")
   for name, ratios in versus_best.items():
     print(f"{name:28s} vs best fixed k: " + " | ".join(f"{c} {r:.2f}" for c, r in ratios.items()))
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    names = [n for n in records if n != "generate"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    axes[0].bar(names, [summary[n]["all"]["tau"] for n in names])
-    axes[0].set_ylabel("tokens per round (tau)")
-    axes[1].bar(names, [summary[n]["all"]["speedup_vs_generate"] for n in names])
-    axes[1].axhline(1.0, color="k", lw=0.5)
-    axes[1].set_ylabel("wall speedup vs generate (batch 1)")
-    for ax in axes:
-      ax.tick_params(axis="x", rotation=60)
-    fig.suptitle("SmolLM2-135M + EAGLE-3 head, greedy, held-out chat prompts, 2-core CPU")
-    fig.tight_layout()
-    fig.savefig(out_dir / "draft_shapes.png", dpi=100)
-  except ImportError:
-    pass
+  from benchmarks.plots import plot_tau_and_speedup
+  names = [n for n in records if n != "generate"]
+  plot_tau_and_speedup(
+      names, [summary[n]["all"]["tau"] for n in names],
+      [summary[n]["all"]["speedup_vs_generate"] for n in names], out_dir / "draft_shapes.png",
+      title="SmolLM2-135M + EAGLE-3 head, greedy, held-out chat prompts, 2-core CPU",
+      speedup_label="wall speedup vs generate (batch 1)", figsize=(12, 4.5), rotation=60)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,32 @@ def plot_records(records: list[dict], out: pathlib.Path, stem: str) -> list[str]
   return written
 
 
+def plot_tau_and_speedup(names: list[str], taus: list[float], speedups: list[float],
+                         path: pathlib.Path, *, title: str,
+                         speedup_label: str = "wall speedup vs generate",
+                         figsize=(10, 4), rotation: int = 45) -> None:
+  """Two bar charts side by side, one bar per configuration: tau and wall speedup over
+  `generate` (a line at 1). Does nothing without matplotlib."""
+  try:
+    import matplotlib
+  except ImportError:
+    return
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=figsize)
+  axes[0].bar(names, taus)
+  axes[0].set_ylabel("tokens per round (tau)")
+  axes[1].bar(names, speedups)
+  axes[1].axhline(1.0, color="k", lw=0.5)
+  axes[1].set_ylabel(speedup_label)
+  for ax in axes:
+    ax.tick_params(axis="x", rotation=rotation)
+  fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
 def plot_real(result: dict, out: pathlib.Path, stem: str) -> list[str]:
   """Speedup per category (bars) with the bound (markers), and the peer's tokens/s."""
   import matplotlib

@@ -96,24 +96,12 @@ def main(argv=None):
     print(json.dumps(entry), flush=True)
   RESULTS.mkdir(exist_ok=True)
   (RESULTS / "trees.json").write_text(json.dumps(results, indent=1))
-  try:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = [c["name"] for c in results["configs"]]
-    axes[0].bar(names, [c["tau"] for c in results["configs"]])
-    axes[0].set_ylabel("tokens per round (tau)")
-    axes[1].bar(names, [c["speedup_vs_generate"] for c in results["configs"]])
-    axes[1].axhline(1.0, color="k", lw=0.5)
-    axes[1].set_ylabel("wall speedup vs generate")
-    for ax in axes:
-      ax.tick_params(axis="x", rotation=45)
-    fig.suptitle("SmolLM2-135M, n-gram drafting, greedy, held-out chat prompts (CPU)")
-    fig.tight_layout()
-    fig.savefig(RESULTS / "trees.png", dpi=100)
-  except ImportError:
-    pass
+  from benchmarks.plots import plot_tau_and_speedup
+  configs = results["configs"]
+  plot_tau_and_speedup(
+      [c["name"] for c in configs], [c["tau"] for c in configs],
+      [c["speedup_vs_generate"] for c in configs], RESULTS / "trees.png",
+      title="SmolLM2-135M, n-gram drafting, greedy, held-out chat prompts (CPU)")
 
 
 if __name__ == "__main__":

@@ -38,8 +38,9 @@ from specjax.sampling import GREEDY, Sampling
 from specjax.state import prefill
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
-           "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "choose_num_draft", "choose_widths", "cost_table_file", "expected_tokens",
-           "load_calibration", "measure_costs", "resolve_calibration"]
+           "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "choose_num_draft",
+           "choose_widths", "cost_table_file", "expected_tokens", "load_calibration",
+           "measure_costs", "resolve_calibration"]
 
 FORMAT = 1
 PROFILE_FILE = "acceptance_profile.json"
@@ -205,17 +206,34 @@ def expected_tokens(alpha, num_draft: int) -> float:
   return total
 
 
+def _cheaper_widths(costs: CostTable, num_draft: int, saving: float, lowest: int) -> list[int]:
+  """Walking down from `k + 1` to `lowest`: `k + 1`, then every width whose forward is at least
+  `saving` cheaper than the last one kept (largest first)."""
+  kept = [num_draft + 1]
+  for width in range(num_draft, lowest - 1, -1):
+    if costs.verify_cost(width) <= (1.0 - saving) * costs.verify_cost(kept[-1]):
+      kept.append(width)
+  return kept
+
+
+def _draft_limit(costs: CostTable, profile: AcceptanceProfile, max_draft: int | None,
+                 cap: int | None = None) -> int:
+  """The largest `k` both the cost table and the profile cover (and `max_draft`, `cap` allow)."""
+  limit = min(costs.max_width - 1, len(profile.alpha))
+  for bound in (max_draft, cap):
+    if bound is not None:
+      limit = min(limit, bound)
+  if limit < 1:
+    raise ValueError(f"the cost table (widths 1..{costs.max_width}) and the profile "
+                     f"({len(profile.alpha)} positions) cover no num_draft >= 1")
+  return limit
+
+
 def choose_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
   """Verify widths worth compiling for `k` drafts under a confidence stop: walking down from
   `k + 1`, a width is kept when its forward is at least `WIDTH_SAVING` cheaper than the last kept
   one (at most `MAX_AUTO_WIDTHS`)."""
-  kept = [num_draft + 1]
-  for width in range(num_draft, 0, -1):
-    if len(kept) == MAX_AUTO_WIDTHS:
-      break
-    if costs.verify_cost(width) <= (1.0 - WIDTH_SAVING) * costs.verify_cost(kept[-1]):
-      kept.append(width)
-  return tuple(sorted(kept))
+  return tuple(sorted(_cheaper_widths(costs, num_draft, WIDTH_SAVING, 1)[:MAX_AUTO_WIDTHS]))
 
 
 def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
@@ -232,12 +250,7 @@ def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
   Returns:
     An `AutoChoice`; ties go to the smaller `k`.
   """
-  limit = min(costs.max_width - 1, len(profile.alpha))
-  if max_draft is not None:
-    limit = min(limit, max_draft)
-  if limit < 1:
-    raise ValueError(f"the cost table (widths 1..{costs.max_width}) and the profile "
-                     f"({len(profile.alpha)} positions) cover no num_draft >= 1")
+  limit = _draft_limit(costs, profile, max_draft)
   scores = []
   for k in range(1, limit + 1):
     scores.append(expected_tokens(profile.alpha, k)
@@ -279,23 +292,14 @@ def adaptive_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
   """Verify widths for per-row adaptive length: always 1 (a plain target step) and `K + 1`; in
   between, walking down from `K + 1`, each width at least `ADAPTIVE_SAVING` cheaper than the last
   kept one (the cheapest-to-reach first), at most `MAX_ADAPTIVE_WIDTHS` in all."""
-  kept = [num_draft + 1]
-  for width in range(num_draft, 1, -1):
-    if costs.verify_cost(width) <= (1.0 - ADAPTIVE_SAVING) * costs.verify_cost(kept[-1]):
-      kept.append(width)
-  middle = kept[1:][:MAX_ADAPTIVE_WIDTHS - 2]
-  return tuple(sorted({1, num_draft + 1, *middle}))
+  kept = _cheaper_widths(costs, num_draft, ADAPTIVE_SAVING, 2)[:MAX_ADAPTIVE_WIDTHS - 1]
+  return tuple(sorted({1, *kept}))
 
 
 def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
                   max_draft: int | None = None) -> AdaptivePlan:
   """The static part of per-row adaptive length: `K`, the widths, the round costs, the prior."""
-  limit = min(costs.max_width - 1, len(profile.alpha), MAX_ADAPTIVE_DRAFT)
-  if max_draft is not None:
-    limit = min(limit, max_draft)
-  if limit < 1:
-    raise ValueError(f"the cost table (widths 1..{costs.max_width}) and the profile "
-                     f"({len(profile.alpha)} positions) cover no num_draft >= 1")
+  limit = _draft_limit(costs, profile, max_draft, MAX_ADAPTIVE_DRAFT)
   alpha = np.asarray(profile.alpha[:limit], np.float64)
   reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
   pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))
