@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sampling import (PURPOSE_ACCEPT, PURPOSE_RESIDUAL, JnpReductions, Sampling,
-                              VerifyResult, gumbel, leading_true, uniform, warp_logits)
+                              VerifyResult, first_argmax, gumbel, leading_true, uniform, warp_logits)
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -64,10 +64,10 @@ class LocalVocab(JnpReductions):
     return jnp.arange(x.shape[-1], dtype=jnp.int32)
 
   def argmax(self, x):
-    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    return first_argmax(x)
 
   def max_and_argmax(self, x):
-    return jnp.max(x, axis=-1), self.argmax(x)
+    return jnp.max(x, axis=-1), first_argmax(x)
 
   def gather_at(self, x, ids):
     return jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0]

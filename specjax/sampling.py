@@ -265,6 +265,20 @@ def radix_threshold(low: jax.Array, top: jax.Array, holds_at) -> jax.Array:
   return key_to_float(base)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+  """`[..., V] -> [...]` int32 index of the first maximum over the last axis: `jnp.argmax`'s
+  answer (a NaN counts as the maximum, the first one wins), as a max and a min-reduction. XLA:CPU
+  runs `jnp.argmax`'s paired-value reduction over a 49k vocabulary 2-3x slower (1 row: 0.25 vs
+  0.12 ms; 5 rows: 0.69 vs 0.23 ms), which every greedy step and verify round pays."""
+  vocab = x.shape[-1]
+  best = jnp.max(x, axis=-1, keepdims=True)  # (XLA:CPU's max does not always propagate NaN)
+  ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  # One min-reduction: a NaN's key is its id, a maximum's its id + V, anything else 2 V.
+  key = jnp.where(jnp.isnan(x), ids, jnp.where(x == best, ids + vocab, 2 * vocab))
+  first = jnp.min(key, axis=-1)
+  return jnp.where(first >= vocab, first - vocab, first)
+
+
 class JnpReductions:
   """Reductions over the last (vocabulary) axis with jnp: a whole vocabulary on one device."""
 
@@ -335,7 +349,7 @@ def warp_logits(logits: jax.Array, sampling: Sampling, ops=_LOCAL) -> jax.Array:
 def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
   """The sampling distribution `[..., V]` float32 (one-hot at the argmax when greedy)."""
   if sampling.greedy:
-    return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.one_hot(first_argmax(logits), logits.shape[-1], dtype=jnp.float32)
   return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
 
 
@@ -355,7 +369,7 @@ def sample_race(scores: jax.Array, seeds: jax.Array, positions: jax.Array,
   vocab_ids = jnp.arange(scores.shape[-1], dtype=jnp.int32)
   seeds = jnp.asarray(seeds)
   noise = gumbel(seeds[..., None], jnp.asarray(positions)[..., None], vocab_ids, purpose)
-  return jnp.argmax(scores + noise, axis=-1).astype(jnp.int32)
+  return first_argmax(scores + noise)
 
 
 def sample_token(logits: jax.Array, sampling: Sampling, seeds: jax.Array, positions: jax.Array,
@@ -370,7 +384,7 @@ def sample_token(logits: jax.Array, sampling: Sampling, seeds: jax.Array, positi
     purpose: the stream id (`PURPOSE_*`).
   """
   if sampling.greedy:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return first_argmax(logits)
   return sample_race(warp_logits(logits, sampling), seeds, positions, purpose)
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.sampling import Sampling, gumbel, warp_logits
+from specjax.sampling import Sampling, first_argmax, gumbel, warp_logits
 from specjax.trees import PURPOSE_TREE_DRAFT, Expand, Tree, TreeSpec, dynamic_pool_size
 
 
@@ -169,7 +169,7 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
     elif replacement:
       noise = gumbel(seeds[:, None, None], pos, parent_ext[None, :, None], ranks, vocab_ids,
                      PURPOSE_TREE_DRAFT)
-      level_tokens = jnp.argmax(warp_logits(q_logits, sampling) + noise, axis=-1)
+      level_tokens = first_argmax(warp_logits(q_logits, sampling) + noise)
       level_valid = jnp.ones((batch, count), bool)
     else:
       per_parent = warp_logits(q_logits[:, ::b], sampling)  # [B, parents, V]

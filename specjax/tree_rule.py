@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from specjax import trees
 from specjax.kernels.tree_verify import tree_node_results
 from specjax.kernels.tree_verify_gpu import tree_node_results_gpu
-from specjax.sampling import Sampling, gumbel, uniform, warp_logits
+from specjax.sampling import Sampling, first_argmax, gumbel, uniform, warp_logits
 from specjax.trees import Tree
 
 RULES = ("match", "iid", "without_replacement")
@@ -78,7 +78,7 @@ def _race(log_weights, seeds, positions, nodes, purpose):
   """Gumbel-max over `[B, ..., V]` with streams keyed by position and node (rank 0)."""
   vocab_ids = jnp.arange(log_weights.shape[-1], dtype=jnp.int32)
   noise = gumbel(seeds[..., None], positions[..., None], nodes[..., None], 0, vocab_ids, purpose)
-  return jnp.argmax(log_weights + noise, axis=-1).astype(jnp.int32)
+  return first_argmax(log_weights + noise)
 
 
 def _emit(tree: Tree, path, count, final, max_depth):
@@ -144,7 +144,7 @@ def _verify_match(target_logits, tree, sampling, seeds, positions, max_depth):
   batch, ext, _ = target_logits.shape
   ext_ids = jnp.broadcast_to(jnp.arange(ext, dtype=jnp.int32), (batch, ext))
   if sampling.greedy:
-    y = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N + 1]
+    y = first_argmax(target_logits)  # [B, N + 1]
   else:
     sample_positions = positions[:, None] + tree.ext_depths()
     y = _race(warp_logits(target_logits, sampling), seeds[:, None], sample_positions, ext_ids,

@@ -198,3 +198,21 @@ def test_ids_always_inside_the_vocabulary(sampling):
   n = np.asarray(result.num_accepted)
   final = tokens[np.arange(512), n]
   assert final.min() >= 0 and final.max() < 5  # corrections only where the target has mass
+
+
+def test_first_argmax_is_jnp_argmax_on_ties_infinities_and_nans():
+  """The greedy pick (`first_argmax`) is `jnp.argmax` exactly: random rows with many exact ties
+  (values drawn from 5 levels), all `-inf` rows, `+inf`, and NaNs (the first NaN wins)."""
+  rng = np.random.default_rng(7)
+  x = rng.integers(0, 5, size=(64, 3, 1000)).astype(np.float32)  # ties everywhere
+  x[0] = -np.inf
+  x[1, :, 17] = np.inf
+  x[1, :, 900] = np.inf
+  x[2, :, 400] = np.nan
+  x[2, :, 3] = np.nan
+  x[3, 1, 999] = np.nan
+  x[4] = rng.standard_normal((3, 1000)).astype(np.float32)
+  got = jax.jit(sj.sampling.first_argmax)(jnp.asarray(x))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+  assert got.dtype == jnp.int32
+  assert int(got[2, 0]) == 3 and int(got[1, 0]) == 17 and int(got[0, 0]) == 0

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from specjax.cache import KVCache
 from specjax.drafters import eagle, medusa
 from specjax.drafters.model import draft_chain
-from specjax.sampling import PURPOSE_DRAFT, Sampling, sample_token
+from specjax.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_token
 from specjax.state import Proposal, check_confidence, confident_count, top_probability
 
 __all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
@@ -66,7 +66,7 @@ def draft_tokens(logits: jax.Array, draft_ids: jax.Array, full_logits, sampling:
     `(tokens [...] int32, full-vocabulary logits [..., V] or None when greedy)`.
   """
   if sampling.greedy:
-    return jnp.take(draft_ids, jnp.argmax(logits, axis=-1)).astype(jnp.int32), None
+    return jnp.take(draft_ids, first_argmax(logits)).astype(jnp.int32), None
   full = full_logits(logits)
   return sample_token(full, sampling, seeds, positions, PURPOSE_DRAFT), full
 
