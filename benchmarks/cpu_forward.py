@@ -151,13 +151,15 @@ def step_breakdown(model, reps, context=128):
 
   q_dim, f = c.num_heads * c.head_dim, c.mlp_dim
 
-  def matmuls(layers, x):  # the CPU layout's four per layer: wqkv, wo, w_gate_up, w_down_t
+  def matmuls(layers, x):  # the CPU layout's four per layer (step copies, one row)
+    from specjax.models import cpu_layout
+    x = x[None]
     for lp in layers:
-      qkv = x @ lp["wqkv"]
-      x = x + (qkv[:, :q_dim] + qkv[:, q_dim:].sum()) @ lp["wo"]
-      gate_up = x @ lp["w_gate_up"]
-      x = x + jnp.einsum("bf,ef->be", jax.nn.silu(gate_up[:, :f]) * gate_up[:, f:], lp["w_down_t"])
-    return x
+      qkv = cpu_layout.project(x, lp, "wqkv")
+      x = x + cpu_layout.project(qkv[..., :q_dim] + qkv[..., q_dim:].sum(), lp, "wo")
+      gate_up = cpu_layout.project(x, lp, "w_gate_up")
+      x = x + cpu_layout.project(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp, "w_down")
+    return x[0]
 
   def attention(k_cache, v_cache, q):
     out = 0.0

@@ -202,10 +202,11 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
   the stacked `lax.scan` computes: same logits, taps and cached keys, prefill and steps."""
   stacked = _model(name)
   unstacked = stacked.unstacked()
-  fused = unstacked.with_fused_projections()  # CPU: wqkv, w_gate_up, w_down_t per layer
+  fused = unstacked.with_fused_projections()  # CPU: step copies [out, in] and block halves
   assert stacked.is_stacked and not unstacked.is_stacked
-  assert {"wqkv", "w_gate_up", "w_down_t"} <= set(fused.params["layers"][0])
-  assert not {"wq", "wk", "wv", "w_gate", "w_up", "w_down"} & set(fused.params["layers"][0])
+  assert {f"{n}_{copy}" for n in ("wqkv", "wo", "w_gate_up", "w_down") for copy in ("t", "halves")
+          } <= set(fused.params["layers"][0])
+  assert not {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(fused.params["layers"][0])
   assert unstacked.init_cache(2, 16).per_layer and not stacked.init_cache(2, 16).per_layer
   tokens = _tokens(2, 10, stacked.vocab_size, seed=11)
   step = jax.jit(forward, static_argnames="taps")
@@ -223,6 +224,16 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
   for other in ("unstacked", "fused"):
     for a, b in zip(outs["stacked"], outs[other]):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+  # Batch 1: the CPU layout's one-row steps take the step copies, its prefill the halves.
+  out = step(fused, tokens[:1, :6], jnp.zeros(1, jnp.int32), fused.init_cache(1, 16), taps=(0, 1, 2))
+  logits = [out.logits]
+  for i in range(6, 10):
+    out = step(fused, tokens[:1, i:i + 1], jnp.full(1, i, jnp.int32), out.cache, taps=(0, 1, 2))
+    logits.append(out.logits)
+  cache = out.cache.stacked()
+  row0 = (outs["stacked"][0][:1],) + tuple(x[:, :1] for x in outs["stacked"][1:])  # [n|L, B, ..]
+  for a, b in zip(row0, (jnp.concatenate(logits, axis=1), out.taps, cache.k, cache.v)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   # Round trips and mixed layouts (a cache in the other layout is converted, not rejected).
   for back in (unstacked.stacked(), fused.stacked(), fused.without_fused_projections().stacked()):
     assert jax.tree.structure(back.params) == jax.tree.structure(stacked.params)
@@ -256,7 +267,7 @@ def test_unstacked_generate_and_decode_give_the_stacked_tokens():
 def test_for_platform_picks_the_layout():
   model = _model("llama")
   assert not model.for_platform("cpu").is_stacked
-  assert "wqkv" in model.for_platform("cpu").params["layers"][0]
+  assert "wqkv_t" in model.for_platform("cpu").params["layers"][0]
   with pytest.raises(ValueError, match="unstacked"):
     model.with_fused_projections()
   assert model.unstacked().for_platform("tpu").is_stacked

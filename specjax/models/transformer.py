@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, write_block, write_stacked_block
+from specjax.models import cpu_layout
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig
@@ -131,22 +132,23 @@ class Model:
     return self.stacked().without_output_copy()
 
   def with_fused_projections(self) -> "Model":
-    """An unstacked model whose per-layer query/key/value projections are one `[E, (H + 2 KVH) D]`
-    matrix (`wqkv`, biases `bqkv`) and whose gate/up projections are one `[E, 2 F]` matrix
-    (`w_gate_up`), and keeps the down projection as `[E, F]` (`w_down_t`). At batch 1 a step is a
-    chain of small matrix-vector products; on XLA:CPU four larger ones per layer read the weights
-    about 10% faster than seven, and `[1, F] x [E, F]^T` reads `w_down` faster than
-    `[1, F] x [F, E]`. Same math; `stacked()` splits them again."""
+    """An unstacked model in the CPU layout (`specjax.models.cpu_layout`): per layer, the
+    query/key/value projections fused into one matrix and gate/up into one, each projection kept
+    as a step copy `[out, in]` (read by one-row blocks: a batch-1 decode step) and as two
+    `[in, out / 2]` column halves (read by every larger block: verify, prefill, batches). XLA:CPU
+    runs each form fastest in its own case; a step reads one copy, so the bytes per token are
+    unchanged, at the price of a second copy of the layer weights in memory. Same math;
+    `stacked()` and `without_fused_projections()` restore the canonical weights."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
-    layers = tuple(_fuse_layer(lp) for lp in self.params["layers"])
+    layers = tuple(cpu_layout.fuse_layer(lp) for lp in self.params["layers"])
     return Model(dict(self.params, layers=layers), self.config)
 
   def without_fused_projections(self) -> "Model":
     """Splits fused projections (see `with_fused_projections`) back into their named parts."""
     if self.is_stacked:
       return self
-    layers = tuple(_split_layer(lp, self.config) for lp in self.params["layers"])
+    layers = tuple(cpu_layout.split_layer(lp, self.config) for lp in self.params["layers"])
     return Model(dict(self.params, layers=layers), self.config)
 
   def with_output_copy(self) -> "Model":
@@ -168,36 +170,6 @@ class Model:
     """The same model with floating-point weights cast to `dtype`."""
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return Model(jax.tree.map(cast, self.params), self.config)
-
-
-_FUSED = (("wqkv", ("wq", "wk", "wv")), ("bqkv", ("bq", "bk", "bv")),
-          ("w_gate_up", ("w_gate", "w_up")))
-
-
-def _fuse_layer(lp: dict) -> dict:
-  out = dict(lp)
-  for fused, parts in _FUSED:
-    if all(name in lp for name in parts):
-      out[fused] = jnp.concatenate([lp[name] for name in parts], axis=-1)
-      for name in parts:
-        del out[name]
-  if "w_down" in out:
-    out["w_down_t"] = jnp.asarray(out.pop("w_down")).T.copy()
-  return out
-
-
-def _split_layer(lp: dict, c: ModelConfig) -> dict:
-  out = dict(lp)
-  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-  sizes = {"wqkv": (q, kv, kv), "bqkv": (q, kv, kv), "w_gate_up": (c.mlp_dim, c.mlp_dim)}
-  for fused, parts in _FUSED:
-    if fused in lp:
-      w = out.pop(fused)
-      offsets = [sum(sizes[fused][:i]) for i in range(1, len(parts))]
-      out.update(zip(parts, jnp.split(w, offsets, axis=-1)))
-  if "w_down_t" in out:
-    out["w_down"] = out.pop("w_down_t").T.copy()
-  return out
 
 
 def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model:
@@ -317,9 +289,11 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
 
   def block(x, lp, window, layer_k, layer_v):
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
-    if "wqkv" in lp:  # fused projections (with_fused_projections)
+    cpu = cpu_layout.is_cpu_layer(lp)
+    if cpu:  # the CPU layout (with_fused_projections)
       n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-      qkv = project(h, lp["wqkv"], lp.get("bqkv"))
+      qkv = cpu_layout.project(h, lp, "wqkv")
+      qkv = qkv if "bqkv" not in lp else qkv + lp["bqkv"]
       q, k, v = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
     else:
       q = project(h, lp["wq"], lp.get("bq"))
@@ -340,20 +314,20 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     attn = attention(q, segments, q_pos, window, c)
-    o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
+    o = cpu_layout.project(attn, lp, "wo") if cpu else jnp.einsum("btf,fe->bte", attn, lp["wo"])
     if c.post_norms:
       o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
-    if "w_gate_up" in lp:
-      gate_up = jnp.einsum("bte,ef->btf", h, lp["w_gate_up"])
+    if cpu:
+      gate_up = cpu_layout.project(h, lp, "w_gate_up")
       gate, up = gate_up[..., :c.mlp_dim], gate_up[..., c.mlp_dim:]
     else:
       gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
       up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
-    if "w_down_t" in lp:  # stored [E, F] (with_fused_projections)
-      m = jnp.einsum("btf,ef->bte", hidden, lp["w_down_t"])
+    if cpu:
+      m = cpu_layout.project(hidden, lp, "w_down")
     else:
       m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
