@@ -16,14 +16,8 @@ class CliError(Exception):
 
 
 def _add_demo(subparsers):
-  from specjax.demo import DEFAULT_QUESTION
-  parser = subparsers.add_parser(
-      "demo", help="chat with SmolLM2-135M-Instruct and its EAGLE-3 head; show the speedup")
-  parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
-  parser.add_argument("--max-new-tokens", type=int, default=96)
-  parser.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (k)")
-  parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
-  parser.set_defaults(func=_run_demo)
+  from specjax import demo
+  demo.add_subcommand(subparsers, _run_demo)
 
 
 def _run_demo(args):

@@ -19,6 +19,7 @@ import importlib.resources
 import pathlib
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 HEAD_DIR = "eagle3_smollm2"
@@ -37,11 +38,15 @@ class DefaultPair:
     target: the target `specjax.Model`.
     draft: the drafter (`EagleDrafter` for the default pair, a draft `specjax.Model` for the toy).
     tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
+    calibration: the directory beside the head holding this backend's cost table and the head's
+      acceptance profile (`specjax calibrate`), for `num_draft="auto"` / `"adaptive"`; None when
+      no cost table was measured for this backend.
   """
 
   target: Any
   draft: Any
   tokenizer: Any
+  calibration: pathlib.Path | None = None
 
 
 def default_dir() -> pathlib.Path:
@@ -84,8 +89,9 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   head = load_head(head_path, dtype=dtype)
   if head.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")
+  measured = (head_path / f"cost_table_{jax.default_backend()}.json").is_file()
   return DefaultPair(target=target, draft=EagleDrafter(head, target.params["embed"]),
-                     tokenizer=load_tokenizer(gguf))
+                     tokenizer=load_tokenizer(gguf), calibration=head_path if measured else None)
 
 
 def load_toy(dtype=jnp.float32) -> DefaultPair:

@@ -9,12 +9,36 @@ the same tokens.
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import jax
 import numpy as np
 
 DEFAULT_QUESTION = "What are some tips for getting better sleep?"
+
+
+def _num_draft(text: str):
+  if text in ("auto", "adaptive"):
+    return text
+  try:
+    return int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"expected a number, 'auto' or 'adaptive', got {text!r}")
+
+
+def add_subcommand(subparsers, handler):
+  """Registers `demo` (called by `specjax.cli`, which passes its error-handling `handler`)."""
+  parser = subparsers.add_parser(
+      "demo", help="chat with SmolLM2-135M-Instruct and its EAGLE-3 head; show the speedup")
+  parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
+  parser.add_argument("--max-new-tokens", type=int, default=96)
+  parser.add_argument("--num-draft", type=_num_draft, default=None,
+                      help="drafts per round: a number, 'auto' (the cost table beside the head "
+                      "picks k) or 'adaptive' (each row its own k every round); default: auto "
+                      "where this backend has a cost table beside the head, else 4")
+  parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
+  parser.set_defaults(func=handler)
 
 
 def _time(fn, repeats: int) -> float:
@@ -50,11 +74,18 @@ def run(args) -> int:
   greedy = sj.Sampling(temperature=0.0)
   eos = tuple(tokenizer.eos_ids) or None
   common = dict(lengths=lengths, max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
+  num_draft = args.num_draft if args.num_draft is not None else (
+      "auto" if pair.calibration is not None else 4)
+  if isinstance(num_draft, str):
+    if pair.calibration is None:
+      raise ValueError(f"--num-draft {num_draft} needs a cost table for this backend beside the "
+                       "head: run `specjax calibrate --out DIR` and pass a number meanwhile")
+    common["calibration"] = pair.calibration
 
   console.rule(f"user: {args.prompt}")
   streamed = []
   began = time.perf_counter()
-  for new_tokens, state in decode_stream(target, draft, ids, rng, num_draft=args.num_draft,
+  for new_tokens, state in decode_stream(target, draft, ids, rng, num_draft=num_draft,
                                          **common):
     before = tokenizer.decode(np.asarray(streamed, np.int32))
     streamed.extend(int(t) for t in new_tokens[0])
@@ -64,10 +95,10 @@ def run(args) -> int:
   console.rule(f"[dim]streamed in {time.perf_counter() - began:.1f}s (first call compiles)[/dim]")
 
   def speculative():
-    return sj.decode(target, draft, ids, rng, num_draft=args.num_draft, **common)
+    return sj.decode(target, draft, ids, rng, num_draft=num_draft, **common)
 
   def plain():
-    return sj.generate(target, ids, rng, **common)
+    return sj.generate(target, ids, rng, **{k: v for k, v in common.items() if k != "calibration"})
 
   out = jax.block_until_ready(speculative())  # warm-up (compile)
   reference = jax.block_until_ready(plain())
@@ -75,7 +106,12 @@ def run(args) -> int:
   same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens))
               and np.asarray(out.tokens[0, :count]).tolist() == streamed[:count])
   stats = out.stats.summary()
-  console.print(f"speculative decoding, k={args.num_draft}: {count} tokens in {stats['rounds']} "
+  describe = str(num_draft)
+  if num_draft != "adaptive":
+    from specjax.decode import resolve_num_draft
+    _, k, _ = resolve_num_draft(draft, num_draft, calibration=common.get("calibration"))
+    describe = f"auto (k = {k})" if num_draft == "auto" else f"k = {k}"
+  console.print(f"speculative decoding, {describe}: {count} tokens in {stats['rounds']} "
                 f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, tau = "
                 f"{stats['tokens_per_round']:.2f} tokens per target pass; accepted per position "
                 f"{stats['accepted_per_position']}")

@@ -177,7 +177,14 @@ def test_demo_runs_with_the_shipped_pair(capsys):
     assert "checkpoints" in one_error_line(capsys, code)
     pytest.skip("the shipped pair is not in this checkout: checked the one-line error instead")
   assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
-  assert "acceptance rate" in capsys.readouterr().out
+  out = capsys.readouterr().out
+  assert "acceptance rate" in out and "output identical to generate: True" in out
+  assert "auto (k = " in out  # the cost table beside the head picks k on this backend
+  assert cli.main(["demo", "--max-new-tokens", "8", "--num-draft", "adaptive"]) == 0
+  assert "output identical to generate: True" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cli.main(["demo", "--num-draft", "many"])
+  assert "expected a number, 'auto' or 'adaptive'" in capsys.readouterr().err
 
 
 def test_generate_chat_from_gguf_and_its_conversion(pair_dirs, tmp_path, capsys):
