@@ -298,8 +298,10 @@ def adaptive_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
 
 def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
                   max_draft: int | None = None) -> AdaptivePlan:
-  """The static part of per-row adaptive length: `K`, the widths, the round costs, the prior."""
+  """The static part of per-row adaptive length: `K` (the `k` `choose_num_draft` picks: each
+  wider compiled width makes every round dearer), the widths, the round costs, the prior."""
   limit = _draft_limit(costs, profile, max_draft, MAX_ADAPTIVE_DRAFT)
+  limit = min(limit, choose_num_draft(costs, profile, max_draft=limit).num_draft)
   alpha = np.asarray(profile.alpha[:limit], np.float64)
   reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
   pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))

@@ -61,29 +61,31 @@ def ragged():
 
 def test_plan_and_first_choice_hand_worked():
   plan = costs.adaptive_plan(FLAT.costs, FLAT.profile)
-  assert plan.max_draft == 4
-  # Widths: 1 and 5 always; 4 (12.5 <= 0.97 * 13.0) and 3 (12.0 <= 0.97 * 12.5); not 2.
-  assert plan.widths == (1, 3, 4, 5)
+  # K is the best fixed k: E[tokens | k] / (verify(k + 1) + k draft steps) = 1.6/13, 1.96/14,
+  # 2.176/15.5, 2.3056/17 = 0.1231, 0.1400, 0.1404, 0.1356 for k = 1..4: K = 3.
+  assert plan.max_draft == 3 == costs.choose_num_draft(FLAT.costs, FLAT.profile).num_draft
+  # Widths: 1 and K + 1 = 4 always; 3 (12.0 <= 0.97 * 12.5); not 2 (12.0 > 0.97 * 12.0).
+  assert plan.widths == (1, 3, 4)
   # round_ms[k] = verify(smallest width >= k + 1) + (k + 1) * draft_step.
-  assert plan.round_ms == (11.0, 14.0, 15.0, 16.5, 18.0)
+  assert plan.round_ms == (11.0, 14.0, 15.0, 16.5)
   # Every position was measured on enough rounds that the prior stays near 0.6.
   np.testing.assert_allclose(plan.prior, 0.6, atol=1e-9)
   drafter = AdaptiveDrafter(sj.NGramDrafter(), plan.max_draft, plan.round_ms, plan.prior)
   state = drafter.init(jnp.zeros((4, 4), jnp.int32), jnp.full(4, 4, jnp.int32), 16, None)
-  # Row 0: no history: the prior 0.6 everywhere. E = 1, 1.6, 1.96, 2.176, 2.3056 tokens over
-  # 11, 14, 15, 16.5, 18 ms: 0.0909, 0.1143, 0.1307, 0.1319, 0.1281 per ms: k = 3.
+  # Row 0: no history: the prior 0.6 everywhere. E = 1, 1.6, 1.96, 2.176 tokens over
+  # 11, 14, 15, 16.5 ms: 0.0909, 0.1143, 0.1307, 0.1319 per ms: k = 3.
   # Row 1: position 1 rejected in 5 recent rounds: its pooled odds fall far below the prior's
   # and its alpha_1 is 0.05: k = 0.
   # Row 2: position 1 accepted 5 of 5, position 2 rejected 5 of 5: alpha about (0.86, 0.15,
-  # 0.52, 0.52): E = 1, 1.862, 1.989, 2.055, 2.089: 0.0909, 0.1330, 0.1326, 0.1245, 0.1161: k = 1.
+  # 0.52): E = 1, 1.862, 1.989, 2.055: 0.0909, 0.1330, 0.1326, 0.1245: k = 1.
   # Row 3: position 1 accepted 5 of 5 and nothing deeper tested: the row's odds lift the prior
-  # at the untested positions too (about 0.83 each), and it drafts all 4.
-  accepted = jnp.array([[0, 0, 0, 0], [0, 0, 0, 0], [5, 0, 0, 0], [5, 0, 0, 0]], jnp.float32)
-  reached = jnp.array([[0, 0, 0, 0], [5, 0, 0, 0], [5, 5, 0, 0], [5, 0, 0, 0]], jnp.float32)
+  # at the untested positions too (about 0.83 each), and it drafts all 3.
+  accepted = jnp.array([[0, 0, 0], [0, 0, 0], [5, 0, 0], [5, 0, 0]], jnp.float32)
+  reached = jnp.array([[0, 0, 0], [5, 0, 0], [5, 5, 0], [5, 0, 0]], jnp.float32)
   state = dataclasses.replace(state, accepted=accepted, reached=reached)
-  np.testing.assert_array_equal(drafter.limits(state), [3, 0, 1, 4])
+  np.testing.assert_array_equal(drafter.limits(state), [3, 0, 1, 3])
   # The estimate, written out here in numpy from the documented formula.
-  acc, rea, prior, w = np.asarray(accepted), np.asarray(reached), np.full(4, 0.6), 2.0
+  acc, rea, prior, w = np.asarray(accepted), np.asarray(reached), np.full(3, 0.6), 2.0
   logit = lambda a: np.log(a / (1 - a))
   observed = (acc.sum(1) + w * 0.6) / (rea.sum(1) + w)
   expected = ((rea * prior).sum(1) + w * 0.6) / (rea.sum(1) + w)
@@ -92,7 +94,7 @@ def test_plan_and_first_choice_hand_worked():
   np.testing.assert_allclose(drafter.alpha(state), alpha, rtol=1e-5)
   assert alpha[3, 1:].min() > 0.8 and alpha[1, 0] < 0.06
   reach = np.concatenate([np.zeros((4, 1)), np.cumsum(np.cumprod(alpha, 1), 1)], 1)
-  np.testing.assert_array_equal(np.argmax((1 + reach) / np.asarray(plan.round_ms), 1), [3, 0, 1, 4])
+  np.testing.assert_array_equal(np.argmax((1 + reach) / np.asarray(plan.round_ms), 1), [3, 0, 1, 3])
 
 
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20):
@@ -115,9 +117,9 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
     target, ragged):
   tokens, lengths = ragged
   perfect = _greedy_equals_generate(target, sj.ModelDrafter(target), tokens, lengths, FLAT)
-  # Round 1 drafts 3 from the prior (see the hand-worked case); then every row's estimate only
-  # rises: 4 every later round, for each of the 3 rows.
-  assert perfect["drafted"] == 4 * perfect["rounds"] - 3
+  # Round 1 drafts K = 3 from the prior (see the hand-worked case); every row's estimate only
+  # rises from there: K every round, for each of the 3 rows.
+  assert perfect["drafted"] == 3 * perfect["rounds"]
   assert perfect["accepted"] == perfect["drafted"]
   stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
   poor = _greedy_equals_generate(target, sj.ModelDrafter(stranger), tokens, lengths, FLAT,
