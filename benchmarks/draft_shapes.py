@@ -57,9 +57,9 @@ def _prompts(tokenizer, per_category: int):
 
 def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int):
   from specjax import costs
-  from specjax.calibrate import measure_acceptance, profile_prompts
+  from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
   from specjax.sampling import GREEDY
-  table = costs.measure_costs(target, drafter, max_width=max_width, repeats=5)
+  table = measure_costs(target, drafter, max_width=max_width, repeats=5)
   tokens, lengths = profile_prompts(tokenizer)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=max_width - 1,
                                sampling=GREEDY)
@@ -101,6 +101,7 @@ def main(argv=None):
   widths = costs.choose_widths(table, max(ks))
   print(json.dumps({"calibration": str(calib_dir), "alpha": profile.alpha,
                     "verify_ms": table.verify_ms, "draft_step_ms": table.draft_step_ms,
+                    "round_overhead_ms": table.round_overhead_ms,
                     "generate_step_ms": table.generate_step_ms, "auto_k": auto.num_draft,
                     "auto_predicted_speedup": auto.speedup, "adaptive_widths": widths}),
         flush=True)
@@ -184,6 +185,7 @@ def main(argv=None):
             "prompt_width": width, "repeats": args.repeats,
             "calibration": {"alpha": profile.alpha, "verify_ms": table.verify_ms,
                             "draft_step_ms": table.draft_step_ms,
+                            "round_overhead_ms": table.round_overhead_ms,
                             "generate_step_ms": table.generate_step_ms,
                             "auto_k": auto.num_draft, "auto_predicted_speedup": auto.speedup,
                             "adaptive_widths": list(widths)},

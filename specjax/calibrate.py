@@ -2,16 +2,161 @@
 
     specjax calibrate --out DIR [--target DIR --draft DIR|ngram] [--max-width 9] [--batch 1]
 
-writes `DIR/cost_table_<backend>.json` (`specjax.costs.measure_costs`) and
-`DIR/acceptance_profile.json` (`measure_acceptance`: greedy by default, or the given sampling),
-then prints what `num_draft="auto"` would pick from them. Heavy imports happen inside the
+writes `DIR/cost_table_<backend>.json` (`measure_costs`: forwards, draft steps, whole decode
+rounds) and `DIR/acceptance_profile.json` (`measure_acceptance`: greedy by default, or the given
+sampling), then prints what `num_draft="auto"` would pick from them. Heavy imports happen inside the
 handlers, so `specjax --help` stays instant.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import time
+
 DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def ",
                    "The capital of France is", "Once upon a time,", "for i in range(")
+
+
+def _best_ms(thunks: dict, repeats: int) -> dict:
+  """The fastest of `repeats` timed calls of each thunk, in milliseconds, after one warm-up call
+  each. The thunks take turns (round robin), so a burst of load on a shared machine hits every
+  measurement alike instead of one of them."""
+  import jax
+
+  for fn in thunks.values():
+    jax.block_until_ready(fn())
+  best = {name: math.inf for name in thunks}
+  for _ in range(repeats):
+    for name, fn in thunks.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      best[name] = min(best[name], time.perf_counter() - start)
+  return {name: seconds * 1e3 for name, seconds in best.items()}
+
+
+def _without_stop(drafter):
+  if getattr(drafter, "confidence", None) is not None:
+    return dataclasses.replace(drafter, confidence=None)
+  return drafter
+
+
+def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, context: int = 64,
+                  repeats: int = 5, sampling=None, seed: int = 0, notes: dict | None = None):
+  """Measures a `specjax.costs.CostTable` on this process's default backend.
+
+  Besides the forwards and the draft steps it times whole `specjax.decode` calls at `k = 1` and
+  `k = W - 1` for two output lengths in one bucket: their difference over the difference in
+  rounds is what one round really costs, and what it costs beyond `verify(k + 1) + k *
+  draft_step` is the table's `round_overhead_ms` (the mean of the two).
+
+  Args:
+    target: the target model.
+    drafter: a `specjax.Drafter` (a draft `Model` is wrapped with `as_drafter` by the caller).
+      Its confidence stop, if any, is switched off to time full steps.
+    batch: rows per forward.
+    max_width: W, the widest verify block timed.
+    context: prompt length the forwards run after (random token ids).
+    repeats: timed calls per measurement; the fastest is kept.
+    sampling: the sampling settings while timed (default greedy).
+    seed: for the random prompt.
+    notes: extra facts stored with the table.
+
+  Returns:
+    The `CostTable` (not saved: call `.save(directory)`).
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from specjax.costs import CostTable, _now
+  from specjax.decode import decode
+  from specjax.generate import generate
+  from specjax.sampling import GREEDY
+  from specjax.state import prefill
+
+  if max_width < 2:
+    raise ValueError(f"max_width must be >= 2 (one draft), got {max_width}")
+  sampling = GREEDY if sampling is None else sampling
+  drafter = _without_stop(drafter)
+  tokens = jax.random.randint(jax.random.key(seed), (batch, context), 0, target.vocab_size,
+                              jnp.int32)
+  lengths = jnp.full((batch,), context, jnp.int32)
+  buffer_len = context + 2 * max_width + 2
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  out = jax.jit(lambda t, x: prefill(t, x, t.init_cache(batch, buffer_len), taps=drafter.taps,
+                                     return_hidden=drafter.needs_hidden))(target, tokens)
+  cache = out.cache.with_lengths(lengths - 1)
+
+  forward = jax.jit(lambda t, block, cache: t(block, lengths - 1, cache, **kwargs),
+                    donate_argnums=2)
+  sequence = jnp.concatenate([tokens, jnp.zeros((batch, buffer_len - context), jnp.int32)], 1)
+  seeds = jnp.arange(batch, dtype=jnp.uint32)
+  propose = jax.jit(lambda d, s, k: d.propose(s, sequence, lengths, num_draft=k,
+                                              sampling=sampling, seeds=seeds),
+                    static_argnums=2, donate_argnums=1)
+  state = {"cache": out.cache.with_lengths(lengths - 1),
+           "draft": drafter.init(tokens, lengths, buffer_len, out)}
+
+  blocks = {w: tokens[:, :w] for w in range(1, max_width + 1)}
+
+  def verify_once(width):  # the cache is donated and threaded through (written in place)
+    scored = forward(target, blocks[width], state["cache"])
+    state["cache"] = scored.cache.with_lengths(lengths - 1)
+    return scored.logits
+
+  def propose_once(k):
+    state["draft"], proposal = propose(drafter, state["draft"], k)
+    return proposal.tokens
+
+  short, long = 8, 40  # one output bucket: one compiled program
+  key = jax.random.key(seed)
+  thunks = {("verify", w): functools.partial(verify_once, w) for w in range(1, max_width + 1)}
+  thunks.update({("draft", k): functools.partial(propose_once, k) for k in (1, max_width - 1)})
+  thunks.update({("generate", n): functools.partial(
+      lambda n: generate(target, tokens, key, max_new_tokens=n).tokens, n) for n in (short, long)})
+  round_ks, few, many = sorted({1, max_width - 1}), 8, 56  # one output bucket per k
+  rounds = {}
+  for k in round_ks:
+    for n in (few, many):
+      def run(k=k, n=n):
+        return decode(target, drafter, tokens, key, max_new_tokens=n, num_draft=k,
+                      sampling=sampling)
+      rounds[k, n] = int(np.max(np.asarray(run().stats.rounds)))
+      thunks["round", k, n] = lambda run=run: run().tokens
+  best = _best_ms(thunks, repeats)
+  verify_ms = [best["verify", w] for w in range(1, max_width + 1)]
+  draft_ms = {k: best["draft", k] for k in (1, max_width - 1)}
+  steps = max_width - 2
+  draft_step = (draft_ms[max_width - 1] - draft_ms[1]) / steps if steps else draft_ms[1]
+  generate_ms = {n: best["generate", n] for n in (short, long)}
+  generate_step = (generate_ms[long] - generate_ms[short]) / (long - short)
+
+  round_ms, overhead = {}, {}
+  for k in round_ks:  # a round's cost from two decode lengths; what it costs beyond the table's
+    extra = rounds[k, many] - rounds[k, few]
+    if extra < 1:
+      raise ValueError(f"decode at k = {k} took {rounds[k, many]} rounds for {many} tokens and "
+                       f"{rounds[k, few]} for {few}: no rounds to time")
+    round_ms[k] = (best["round", k, many] - best["round", k, few]) / extra
+    overhead[k] = round_ms[k] - verify_ms[k] - k * max(draft_step, 0.0)
+
+  device = jax.devices()[0]
+  facts = dict(target=type(target).__name__, drafter=type(drafter).__name__,
+               repeats=repeats, draft_propose_ms={str(k): v for k, v in draft_ms.items()},
+               generate_ms={str(n): v for n, v in generate_ms.items()},
+               round_ms={str(k): v for k, v in round_ms.items()},
+               round_overhead_ms_by_k={str(k): v for k, v in overhead.items()},
+               rounds={f"{k},{n}": r for (k, n), r in rounds.items()})
+  facts.update(notes or {})
+  return CostTable(verify_ms=tuple(verify_ms), draft_step_ms=max(draft_step, 0.0),
+                   generate_step_ms=max(generate_step, 0.0), backend=jax.default_backend(),
+                   device_kind=device.device_kind, jax_version=jax.__version__, batch=batch,
+                   context=context, date=_now(), notes=facts,
+                   round_overhead_ms=max(float(np.mean(list(overhead.values()))), 0.0))
 
 
 def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, sampling,
@@ -21,8 +166,6 @@ def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, samp
   A confidence stop, if the drafter has one, is switched off, so that every position is drafted
   and `alpha_j` is measured for every `j`.
   """
-  import dataclasses
-
   import jax
   import numpy as np
 
@@ -100,7 +243,7 @@ def run(args) -> int:
   sampling = cli._sampling(args)
   target, draft, tokenizer = cli._load_pair(args)
   drafter = as_drafter(draft)
-  table = costs.measure_costs(target, drafter, batch=args.batch, max_width=args.max_width,
+  table = measure_costs(target, drafter, batch=args.batch, max_width=args.max_width,
                               context=args.context, repeats=args.repeats, sampling=sampling,
                               seed=args.seed)
   tokens, lengths = profile_prompts(tokenizer, args.prompt)
@@ -114,7 +257,7 @@ def run(args) -> int:
                                   confidence_stop=getattr(drafter, "confidence", None) is not None)
   verify = ", ".join(f"{w}: {ms:.2f}" for w, ms in enumerate(table.verify_ms, 1))
   print(f"verify ms by width: {verify}; draft step {table.draft_step_ms:.2f} ms; generate step "
-        f"{table.generate_step_ms:.2f} ms")
+        f"{table.generate_step_ms:.2f} ms; per-round overhead {table.round_overhead_ms:.2f} ms")
   print(f"alpha: {', '.join(f'{a:.3f}' for a in profile.alpha)}")
   print(f"num_draft='auto' picks k = {choice.num_draft} (widths {choice.widths}): "
         f"{choice.expected_tokens:.2f} tokens per {choice.round_ms:.2f} ms round, predicted "

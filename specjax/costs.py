@@ -1,9 +1,11 @@
 """Measured costs and acceptance profiles: what `specjax.decode(..., num_draft="auto")` picks from.
 
-A **cost table** is measured once per backend (`measure_costs`, or `specjax calibrate`): the
-target's forward over blocks of `w = 1 .. W` positions at batch `B` (a chain verifies `k + 1`
-positions; a tree of `N` nodes scores `N + 1`), the drafter's cost per draft step, and one step of
-plain `specjax.generate`. It is saved as `cost_table_<backend>.json` (with the device kind, the
+A **cost table** is measured once per backend (`specjax.calibrate.measure_costs`, or `specjax
+calibrate`): the target's forward over blocks of `w = 1 .. W` positions at batch `B` (a chain
+verifies `k + 1` positions; a tree of `N` nodes scores `N + 1`), the drafter's cost per draft
+step, one step of plain `specjax.generate`, and what a real decode round costs beyond its forward
+and draft steps (the rule, the drafter's catch-up on the verified tokens, the loop's
+bookkeeping). It is saved as `cost_table_<backend>.json` (with the device kind, the
 jax version, the batch and the date) beside a checkpoint.
 
 An **acceptance profile** (`acceptance_profile.json`, measured by `specjax calibrate` on a few
@@ -12,35 +14,29 @@ is accepted given that drafts `1 .. j-1` were. A round with `k` drafts then yiel
 `E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i` tokens on average.
 
 `choose_num_draft` maximises expected tokens per unit time,
-`E[tokens | k] / (verify(k + 1) + k * draft_step)`, over the `k` both files cover, on the host
-before anything is compiled (so `k` is static and the loop has no host syncs). There is no
-fallback guess: without both files `num_draft="auto"` raises a ValueError that says how to make
-them.
+`E[tokens | k] / (verify(k + 1) + k * draft_step + round_overhead)`, over the `k` both files
+cover, on the host before anything is compiled (so `k` is static and the loop has no host syncs).
+There is no fallback guess: without both files `num_draft="auto"` raises a ValueError that says
+how to make them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-import functools
 import json
 import math
 import pathlib
-import time
-from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from specjax.generate import generate
-from specjax.sampling import GREEDY, Sampling
-from specjax.state import prefill
+from specjax.sampling import Sampling
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
            "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "choose_num_draft",
            "choose_widths", "cost_table_file", "expected_tokens", "load_calibration",
-           "measure_costs", "resolve_calibration"]
+           "resolve_calibration"]
 
 FORMAT = 1
 PROFILE_FILE = "acceptance_profile.json"
@@ -80,7 +76,10 @@ class CostTable:
     draft_step_ms: the drafter's cost per draft token (slope between two `num_draft`s).
     generate_step_ms: one token of plain `specjax.generate` (slope between two lengths).
     backend, device_kind, jax_version, batch, context, date: where and how it was measured.
-    notes: free-form facts (target and drafter kinds, repeats).
+    notes: free-form facts (target and drafter kinds, repeats, the round timings).
+    round_overhead_ms: what a decode round costs beyond `verify(k + 1) + k * draft_step` (the
+      rule, the drafter's catch-up on the verified block, the loop's bookkeeping), measured on
+      whole decode rounds; 0 in tables measured before it was.
   """
 
   verify_ms: tuple[float, ...]
@@ -93,9 +92,10 @@ class CostTable:
   context: int
   date: str
   notes: dict = dataclasses.field(default_factory=dict)
+  round_overhead_ms: float = 0.0
 
   def __post_init__(self):
-    values = (*self.verify_ms, self.draft_step_ms, self.generate_step_ms)
+    values = (*self.verify_ms, self.draft_step_ms, self.generate_step_ms, self.round_overhead_ms)
     if not self.verify_ms or not all(math.isfinite(v) and v >= 0 for v in values):
       raise ValueError(f"a cost table needs finite, non-negative costs, got {values}")
 
@@ -107,6 +107,11 @@ class CostTable:
     if not 1 <= width <= self.max_width:
       raise ValueError(f"the cost table covers verify widths 1..{self.max_width}, not {width}")
     return self.verify_ms[width - 1]
+
+  def round_cost(self, num_draft: int, width: int | None = None) -> float:
+    """A decode round with `num_draft` drafts verified at `width` (default `num_draft + 1`)."""
+    width = num_draft + 1 if width is None else width
+    return self.verify_cost(width) + num_draft * self.draft_step_ms + self.round_overhead_ms
 
   def save(self, directory) -> pathlib.Path:
     """Writes `cost_table_<backend>.json` in `directory`; returns its path."""
@@ -183,7 +188,7 @@ class AutoChoice:
     num_draft: `k`.
     widths: the compiled verify widths (ending in `k + 1`).
     expected_tokens: `E[tokens | k]` per round.
-    round_ms: `verify(k + 1) + k * draft_step` from the table.
+    round_ms: `verify(k + 1) + k * draft_step + round_overhead` from the table.
     speedup: `expected_tokens / round_ms * generate_step_ms`: the predicted speedup over
       `specjax.generate` (below 1: speculation is predicted to be slower than the target alone).
     scores: tokens per millisecond for every `k` considered (index `k - 1`).
@@ -238,7 +243,7 @@ def choose_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
 
 def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
                      max_draft: int | None = None, confidence_stop: bool = False) -> AutoChoice:
-  """The `k` that maximises `E[tokens | k] / (verify(k + 1) + k * draft_step)`.
+  """The `k` that maximises `E[tokens | k] / CostTable.round_cost(k)`.
 
   Args:
     costs: the backend's cost table.
@@ -253,10 +258,9 @@ def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
   limit = _draft_limit(costs, profile, max_draft)
   scores = []
   for k in range(1, limit + 1):
-    scores.append(expected_tokens(profile.alpha, k)
-                  / (costs.verify_cost(k + 1) + k * costs.draft_step_ms))
+    scores.append(expected_tokens(profile.alpha, k) / costs.round_cost(k))
   best = int(np.argmax(scores)) + 1  # first maximum: the smaller k on ties
-  round_ms = costs.verify_cost(best + 1) + best * costs.draft_step_ms
+  round_ms = costs.round_cost(best)
   widths = choose_widths(costs, best) if confidence_stop else (best + 1,)
   return AutoChoice(best, widths, expected_tokens(profile.alpha, best), round_ms,
                     scores[best - 1] * costs.generate_step_ms, tuple(scores))
@@ -270,8 +274,9 @@ class AdaptivePlan:
     max_draft: `K`, the longest chain a row may draft.
     widths: the compiled verify widths (`adaptive_widths`).
     round_ms: `K + 1` predicted round costs for `k = 0 .. K` drafts: the verify forward at the
-      smallest compiled width holding `k + 1` positions, plus `k + 1` draft-step costs (the
-      drafter's `k` steps and its catch-up on the verified tokens).
+      smallest compiled width holding `k + 1` positions, `k` draft steps and the measured
+      per-round overhead (`CostTable.round_cost`); a table without a measured overhead counts the
+      drafter's catch-up on the verified tokens as one more draft step.
     prior: `K` acceptances a row starts from: the profile's, each shrunk towards the pooled
       acceptance by `PRIOR_SHRINK` rounds (deep positions are measured on few rounds).
   """
@@ -310,7 +315,8 @@ def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
   round_ms = []
   for k in range(limit + 1):
     width = min(w for w in widths if w >= k + 1)
-    round_ms.append(costs.verify_cost(width) + (k + 1) * costs.draft_step_ms)
+    catch_up = 0.0 if costs.round_overhead_ms else costs.draft_step_ms
+    round_ms.append(costs.round_cost(k, width) + catch_up)
   return AdaptivePlan(limit, widths, tuple(round_ms), tuple(float(a) for a in prior))
 
 
@@ -343,108 +349,3 @@ def resolve_calibration(calibration) -> Calibration:
     return load_calibration(calibration)
   raise ValueError(f"calibration must be a directory or a specjax.costs.Calibration, got "
                    f"{type(calibration).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Measuring.
-
-
-def _best_ms(thunks: dict, repeats: int) -> dict:
-  """The fastest of `repeats` timed calls of each thunk, in milliseconds, after one warm-up call
-  each. The thunks take turns (round robin), so a burst of load on a shared machine hits every
-  measurement alike instead of one of them."""
-  for fn in thunks.values():
-    jax.block_until_ready(fn())
-  best = {name: math.inf for name in thunks}
-  for _ in range(repeats):
-    for name, fn in thunks.items():
-      start = time.perf_counter()
-      jax.block_until_ready(fn())
-      best[name] = min(best[name], time.perf_counter() - start)
-  return {name: seconds * 1e3 for name, seconds in best.items()}
-
-
-def _without_stop(drafter):
-  if getattr(drafter, "confidence", None) is not None:
-    return dataclasses.replace(drafter, confidence=None)
-  return drafter
-
-
-def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, context: int = 64,
-                  repeats: int = 5, sampling: Sampling = GREEDY, seed: int = 0,
-                  notes: dict[str, Any] | None = None) -> CostTable:
-  """Measures a `CostTable` on this process's default backend.
-
-  Args:
-    target: the target model.
-    drafter: a `specjax.Drafter` (a draft `Model` is wrapped with `as_drafter` by the caller).
-      Its confidence stop, if any, is switched off to time full steps.
-    batch: rows per forward.
-    max_width: W, the widest verify block timed.
-    context: prompt length the forwards run after (random token ids).
-    repeats: timed calls per measurement; the fastest is kept.
-    sampling: the drafter's sampling settings while timed.
-    seed: for the random prompt.
-    notes: extra facts stored with the table.
-
-  Returns:
-    The `CostTable` (not saved: call `.save(directory)`).
-  """
-  if max_width < 2:
-    raise ValueError(f"max_width must be >= 2 (one draft), got {max_width}")
-  drafter = _without_stop(drafter)
-  tokens = jax.random.randint(jax.random.key(seed), (batch, context), 0, target.vocab_size,
-                              jnp.int32)
-  lengths = jnp.full((batch,), context, jnp.int32)
-  buffer_len = context + 2 * max_width + 2
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
-  out = jax.jit(lambda t, x: prefill(t, x, t.init_cache(batch, buffer_len), taps=drafter.taps,
-                                     return_hidden=drafter.needs_hidden))(target, tokens)
-  cache = out.cache.with_lengths(lengths - 1)
-
-  forward = jax.jit(lambda t, block, cache: t(block, lengths - 1, cache, **kwargs),
-                    donate_argnums=2)
-  sequence = jnp.concatenate([tokens, jnp.zeros((batch, buffer_len - context), jnp.int32)], 1)
-  seeds = jnp.arange(batch, dtype=jnp.uint32)
-  propose = jax.jit(lambda d, s, k: d.propose(s, sequence, lengths, num_draft=k,
-                                              sampling=sampling, seeds=seeds),
-                    static_argnums=2, donate_argnums=1)
-  state = {"cache": out.cache.with_lengths(lengths - 1),
-           "draft": drafter.init(tokens, lengths, buffer_len, out)}
-
-  blocks = {w: tokens[:, :w] for w in range(1, max_width + 1)}
-
-  def verify_once(width):  # the cache is donated and threaded through (written in place)
-    scored = forward(target, blocks[width], state["cache"])
-    state["cache"] = scored.cache.with_lengths(lengths - 1)
-    return scored.logits
-
-  def propose_once(k):
-    state["draft"], proposal = propose(drafter, state["draft"], k)
-    return proposal.tokens
-
-  short, long = 8, 40  # one output bucket: one compiled program
-  key = jax.random.key(seed)
-  thunks = {("verify", w): functools.partial(verify_once, w) for w in range(1, max_width + 1)}
-  thunks.update({("draft", k): functools.partial(propose_once, k) for k in (1, max_width - 1)})
-  thunks.update({("generate", n): functools.partial(
-      lambda n: generate(target, tokens, key, max_new_tokens=n).tokens, n) for n in (short, long)})
-  best = _best_ms(thunks, repeats)
-  verify_ms = [best["verify", w] for w in range(1, max_width + 1)]
-  draft_ms = {k: best["draft", k] for k in (1, max_width - 1)}
-  steps = max_width - 2
-  draft_step = (draft_ms[max_width - 1] - draft_ms[1]) / steps if steps else draft_ms[1]
-  generate_ms = {n: best["generate", n] for n in (short, long)}
-  generate_step = (generate_ms[long] - generate_ms[short]) / (long - short)
-
-  device = jax.devices()[0]
-  facts = dict(target=type(target).__name__, drafter=type(drafter).__name__,
-               repeats=repeats, draft_propose_ms={str(k): v for k, v in draft_ms.items()},
-               generate_ms={str(n): v for n, v in generate_ms.items()})
-  facts.update(notes or {})
-  return CostTable(verify_ms=tuple(verify_ms), draft_step_ms=max(draft_step, 0.0),
-                   generate_step_ms=max(generate_step, 0.0), backend=jax.default_backend(),
-                   device_kind=device.device_kind, jax_version=jax.__version__, batch=batch,
-                   context=context, date=_now(), notes=facts)

@@ -32,11 +32,11 @@ from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROM
 VOCAB = 64
 
 
-def _calibration(verify_ms, alpha, draft_step_ms=1.0):
+def _calibration(verify_ms, alpha, draft_step_ms=1.0, round_overhead_ms=0.0):
   table = CostTable(verify_ms=tuple(verify_ms), draft_step_ms=draft_step_ms,
                     generate_step_ms=verify_ms[0], backend=jax.default_backend(),
                     device_kind="hand-written", jax_version=jax.__version__, batch=1, context=16,
-                    date="2026-01-01")
+                    date="2026-01-01", round_overhead_ms=round_overhead_ms)
   profile = AcceptanceProfile(tuple(alpha), {"temperature": 0.0, "top_k": None, "top_p": None},
                               rounds=1000, prompts=4, date="2026-01-01")
   return Calibration(table, profile)
@@ -45,6 +45,16 @@ def _calibration(verify_ms, alpha, draft_step_ms=1.0):
 # A TPU-like table: one verify width costs about as much as another, so a row that is accepted
 # drafts long; a row that is not pays for nothing but verify(2) > verify(1).
 FLAT = _calibration([10.0, 12.0, 12.0, 12.5, 13.0], [0.6, 0.6, 0.6, 0.6])
+
+
+def test_plan_round_costs_with_a_measured_overhead():
+  # A table that measured whole rounds: round_ms[k] = verify(smallest width >= k + 1) + k draft
+  # steps + the overhead (which already holds the drafter's catch-up). With 2 ms per round, K:
+  # 1.6/15, 1.96/16, 2.176/17.5, 2.3056/19 = 0.1067, 0.1225, 0.1243, 0.1213 for k = 1..4: K = 3.
+  measured = _calibration(FLAT.costs.verify_ms, FLAT.profile.alpha, round_overhead_ms=2.0)
+  plan = costs.adaptive_plan(measured.costs, measured.profile)
+  assert plan.max_draft == 3 and plan.widths == (1, 3, 4)
+  assert plan.round_ms == (12.0, 15.0, 16.0, 17.5)
 
 
 @pytest.fixture(scope="module")

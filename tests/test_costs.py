@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import cli, costs
+from specjax import calibrate, cli, costs
 from specjax.costs import AcceptanceProfile, CostTable
 from specjax.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
@@ -28,11 +28,13 @@ from specjax.tracing import TRACE_COUNTS
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _table(verify_ms, draft_step_ms=0.5, generate_step_ms=10.0, backend=None):
+def _table(verify_ms, draft_step_ms=0.5, generate_step_ms=10.0, backend=None,
+           round_overhead_ms=0.0):
   return CostTable(verify_ms=tuple(verify_ms), draft_step_ms=draft_step_ms,
                    generate_step_ms=generate_step_ms,
                    backend=backend or jax.default_backend(), device_kind="hand-written",
-                   jax_version=jax.__version__, batch=1, context=16, date="2025-01-01")
+                   jax_version=jax.__version__, batch=1, context=16, date="2025-01-01",
+                   round_overhead_ms=round_overhead_ms)
 
 
 def _profile(alpha):
@@ -85,6 +87,30 @@ def test_auto_picks_the_k_that_maximises_tokens_per_time():
   assert costs.choose_num_draft(_table(VERIFY_MS[:3]), profile).num_draft == 2
 
 
+def test_a_per_round_overhead_counts_in_every_round():
+  # A fixed cost per round favours longer rounds. With 100 ms per round on top of the table
+  # above: k = 3: 3.124 / 113 = 0.0276; k = 5: 3.5776 / 119 = 0.0301; k = 6: 3.638 / 120 = 0.0303.
+  overhead = 100.0
+  ratios = {k: _expected_tokens_by_distribution(ALPHA, k) / (VERIFY_MS[k] + 0.5 * k + overhead)
+            for k in range(1, 7)}
+  best = max(ratios, key=ratios.get)
+  assert best == 6
+  choice = costs.choose_num_draft(_table(VERIFY_MS, round_overhead_ms=overhead), _profile(ALPHA))
+  assert choice.num_draft == best
+  assert choice.round_ms == pytest.approx(VERIFY_MS[best] + 0.5 * best + overhead)
+  assert choice.speedup == pytest.approx(ratios[best] * 10.0)
+  with pytest.raises(ValueError, match="non-negative"):
+    _table(VERIFY_MS, round_overhead_ms=-1.0)
+
+
+def test_a_table_written_before_the_overhead_was_measured_loads_with_none(tmp_path):
+  path = _table(VERIFY_MS).save(tmp_path)
+  data = json.loads(path.read_text())
+  del data["round_overhead_ms"]
+  path.write_text(json.dumps(data))
+  assert CostTable.load(tmp_path).round_overhead_ms == 0.0
+
+
 def test_widths_for_a_confidence_stop():
   # k = 4: start from 5 (3.0 ms); 4 costs 2.1 <= 0.9 * 3.0 -> kept; 3 costs 2.0 > 0.9 * 2.1 = 1.89
   # -> not; 2 costs 1.05 <= 1.89 -> kept; 1 costs 1.0 > 0.9 * 1.05 -> not.
@@ -122,15 +148,22 @@ def tiny():
 
 def test_measure_save_load_round_trip(tiny, tmp_path):
   target, draft = tiny
-  table = costs.measure_costs(target, sj.ModelDrafter(draft), max_width=3, context=8, repeats=2)
+  table = calibrate.measure_costs(target, sj.ModelDrafter(draft), max_width=3, context=8,
+                                  repeats=2)
   assert len(table.verify_ms) == 3 and all(v > 0 for v in table.verify_ms)
   assert table.draft_step_ms >= 0 and table.generate_step_ms >= 0
+  # Whole decode rounds timed at k = 1 and k = W - 1 = 2: each round costs something, and the
+  # overhead is their mean excess over the table's forward + draft steps (clipped at 0).
+  round_ms = {int(k): v for k, v in table.notes["round_ms"].items()}
+  assert sorted(round_ms) == [1, 2] and all(v > 0 for v in round_ms.values())
+  excess = [round_ms[k] - table.verify_ms[k] - k * table.draft_step_ms for k in (1, 2)]
+  assert table.round_overhead_ms == pytest.approx(max(np.mean(excess), 0.0))
   assert table.backend == jax.default_backend() and table.batch == 1
   path = table.save(tmp_path)
   assert path.name == f"cost_table_{jax.default_backend()}.json"
   data = json.loads(path.read_text())
   for key in ("device_kind", "jax_version", "batch", "date", "verify_ms", "draft_step_ms",
-              "generate_step_ms"):
+              "generate_step_ms", "round_overhead_ms"):
     assert key in data
   assert data["jax_version"] == jax.__version__
   assert CostTable.load(tmp_path) == table
