@@ -95,6 +95,36 @@ def test_frequent_ids_ranks_by_count_then_id():
   counts = np.array([0, 5, 5, 1, 9, 0, 2])
   np.testing.assert_array_equal(selfdistill.frequent_ids(counts, 3), [1, 2, 4])
   np.testing.assert_array_equal(selfdistill.frequent_ids(counts, 5), [1, 2, 3, 4, 6])
+  # growing a vocabulary: the kept ids stay (even unseen ones), the most frequent others fill it
+  np.testing.assert_array_equal(selfdistill.frequent_ids(counts, 4, keep=[0, 4]), [0, 1, 2, 4])
+  with pytest.raises(ValueError, match="cannot keep 3 ids"):
+    selfdistill.frequent_ids(counts, 2, keep=[0, 1, 2])
+
+
+def test_extend_draft_vocab_keeps_the_old_logits(target):
+  """A grown head gives the old head's logits on the old ids and the target's output rows on the
+  new ones (its LM-head columns), and proposes the same greedy draft when the old ids win."""
+  cfg = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=20)
+  small = eagle.init_head(cfg, target, jax.random.PRNGKey(1), _draft_ids(20))
+  small = eagle.EagleHead({**small.params, "lm_head": small.params["lm_head"] * 2.0}, cfg)
+  new_ids = selfdistill.frequent_ids(np.arange(VOCAB)[::-1].copy(), 36, keep=_draft_ids(20))
+  big = eagle.extend_draft_vocab(small, target, new_ids)
+  assert big.config.draft_vocab_size == 36
+  np.testing.assert_array_equal(big.draft_ids, new_ids)
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 6), 0, VOCAB)
+  feats = jax.random.normal(jax.random.PRNGKey(3), (2, 6, target.config.embed_dim))
+  embed = target.params["embed"]
+  run = lambda h: eagle.head_forward(h, embed, tokens, feats, jnp.zeros(2, jnp.int32),
+                                     h.init_cache(2, 16))[0]
+  a, b = eagle.to_target_logits(small, run(small)), eagle.to_target_logits(big, run(big))
+  old = np.asarray(_draft_ids(20))
+  np.testing.assert_allclose(b[..., old], a[..., old], rtol=1e-6, atol=1e-6)
+  added = np.setdiff1d(new_ids, old)
+  assert np.all(np.isfinite(np.asarray(b[..., added]))) and np.all(np.isinf(a[..., added]))
+  np.testing.assert_array_equal(big.params["lm_head"][:, np.searchsorted(new_ids, added)],
+                                eagle.target_output_head(target)[:, added])
+  with pytest.raises(ValueError, match="must contain every id"):
+    eagle.extend_draft_vocab(small, target, np.arange(36, dtype=np.int32))
 
 
 def _write_chunks(directory, count, target=None, rows=4, seed=0):
@@ -136,6 +166,24 @@ def test_recorded_features_equal_a_fresh_forward(target, tmp_path, layout):
                                       np.argmax(out.logits[b, p - 1:n - 1], -1))
 
 
+def test_generator_writes_only_the_chunks_asked_for(target, tmp_path):
+  """`only=` writes just those chunk indices, each equal to the same chunk of a full run."""
+  _write_chunks(tmp_path / "all", 3, target)
+  rng = np.random.RandomState(0)
+  prompts = {str(i): rng.randint(1, VOCAB, size=rng.randint(3, 8)).tolist() for i in range(12)}
+  selfdistill.generate_chunks(target, lambda m: prompts[m[-1]["content"]],
+                              [[{"role": "user", "content": str(i)}] for i in range(12)],
+                              tmp_path / "some", batch_size=4, max_new_tokens=8, eos_id=5,
+                              taps=(2, 3, 3), top_k=8, prefill_rows=2, only=[2],
+                              log=lambda _: None)
+  assert sorted(p.name for p in (tmp_path / "some").iterdir()) == [
+      selfdistill.chunk_path(tmp_path, 2).name]
+  a = selfdistill.load_chunk(selfdistill.chunk_path(tmp_path / "all", 2))
+  b = selfdistill.load_chunk(selfdistill.chunk_path(tmp_path / "some", 2))
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key])
+
+
 def test_batches_are_a_function_of_the_step(target, tmp_path):
   _write_chunks(tmp_path, 3, target)
   a = selfdistill.HeadData(tmp_path, [0, 1, 2], batch_size=4, seq_len=16, rows_per_chunk=4)
@@ -171,6 +219,30 @@ def test_resumed_run_equals_uninterrupted_run_bitwise(target, tmp_path, kind):
   assert len(losses) == 6 and all(np.isfinite(losses))
   assert any("eval_tau_proxy" in entry for entry in log)
   assert (tmp_path / "full" / "head").is_dir()
+
+
+def test_run_grows_the_vocabulary_of_the_head_it_starts_from(target, tmp_path):
+  """`init_from` with a larger `draft_vocab_size`: the run keeps the saved head's ids, adds the
+  most frequent other answer ids of the vocabulary chunks, and resumes bitwise."""
+  _write_chunks(tmp_path / "data", 3, target)
+  cfg = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=20)
+  eagle.save_head(eagle.init_head(cfg, target, jax.random.PRNGKey(1), _draft_ids(20)),
+                  tmp_path / "small")
+  config = heads.HeadTrainConfig(kind="eagle3", steps=4, batch_size=4, seq_len=16, ttt_steps=2,
+                                 draft_vocab_size=30, warmup_steps=1, learning_rate=3e-3)
+  common = dict(chunks=[0, 1, 2], vocab_chunks=[0, 1], rows_per_chunk=4, log_every=1,
+                eval_every=100, checkpoint_every=2, progress=False, log=lambda _: None,
+                init_from=tmp_path / "small")
+  full = head_run.train_head(target, tmp_path / "data", tmp_path / "full", config, **common)
+  head_run.train_head(target, tmp_path / "data", tmp_path / "split", config, max_steps=2,
+                      **common)
+  resumed = head_run.train_head(target, tmp_path / "data", tmp_path / "split", config, **common)
+  counts = selfdistill.token_counts(tmp_path / "data", [0, 1], VOCAB)
+  np.testing.assert_array_equal(full.draft_ids,
+                                selfdistill.frequent_ids(counts, 30, keep=_draft_ids(20)))
+  assert set(_draft_ids(20).tolist()) <= set(np.asarray(full.draft_ids).tolist())
+  for a, b in zip(jax.tree.leaves(full.params), jax.tree.leaves(resumed.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow

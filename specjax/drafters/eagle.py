@@ -226,6 +226,35 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
   return EagleHead(params, config)
 
 
+def extend_draft_vocab(head: EagleHead, target: Model, draft_ids) -> EagleHead:
+  """The same head over a larger draft vocabulary that contains its own.
+
+  The LM-head columns of the ids the head already has are kept; every new id gets the target's
+  output row, as in `init_head`. Drafting from the result can propose the new ids; on the old ones
+  its logits are the old head's.
+
+  Args:
+    head: the head.
+    target: the target it drafts for (its output projection initialises the new columns).
+    draft_ids: strictly increasing target ids, a superset of `head.draft_ids`.
+
+  Returns:
+    An `EagleHead` whose config has `draft_vocab_size = len(draft_ids)`.
+  """
+  c = head.config
+  ids = _check_draft_ids(draft_ids, c.vocab_size, np.asarray(draft_ids).size)
+  old = np.asarray(head.draft_ids)
+  where = np.searchsorted(ids, old)
+  if where.max(initial=0) >= ids.shape[0] or np.any(ids[np.minimum(where, ids.shape[0] - 1)]
+                                                     != old):
+    raise ValueError("the new draft vocabulary must contain every id of the head's own")
+  lm_head = jnp.asarray(target_output_head(target), jnp.float32)[:, ids]
+  lm_head = lm_head.at[:, where].set(head.params["lm_head"].astype(jnp.float32))
+  params = {**head.params, "lm_head": lm_head.astype(head.params["lm_head"].dtype),
+            "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
+  return EagleHead(params, dataclasses.replace(c, draft_vocab_size=int(ids.shape[0])))
+
+
 def project_features(head: EagleHead, source: jax.Array) -> jax.Array:
   """The head's input features from the target's taps or final hidden state.
 

@@ -80,6 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--conversations", type=int, default=6400, help="head-data: prompts")
   parser.add_argument("--gen-batch", type=int, default=64, help="head-data: rows per chunk")
   parser.add_argument("--max-new-tokens", type=int, default=128, help="head-data: answer budget")
+  parser.add_argument("--write-chunks", help="head-data: write only these chunks, e.g. 50:90")
   parser.add_argument("--run-dir", default="runs/eagle3", help="head: the run's folder")
   parser.add_argument("--kind", choices=("eagle3", "mtp", "medusa"), default="eagle3")
   parser.add_argument("--steps", type=int, default=2000)
@@ -117,6 +118,7 @@ def run(args) -> int:
     selfdistill.generate_chunks(target, encode, conversations, args.data,
                                 batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
                                 eos_id=target.config.eos_id, seed=args.seed,
+                                only=_span(args.write_chunks) if args.write_chunks else None,
                                 taps=eagle.head_config_for(target.config, draft_vocab_size=1)
                                 .taps,
                                 log=lambda line: print(line, flush=True))

@@ -59,6 +59,18 @@ def _load_network(path):
   return medusa.load_medusa(path) if kind == medusa.MEDUSA_KIND else eagle.load_head(path)
 
 
+def _initial_network(init_from, target: Model, draft_ids: np.ndarray):
+  """The saved network to start from, its draft vocabulary grown to `draft_ids` if larger."""
+  network = _load_network(init_from)
+  own = np.asarray(network.draft_ids)
+  if own.shape == draft_ids.shape:
+    return network
+  if isinstance(network, medusa.MedusaHeads) or own.shape[0] > draft_ids.shape[0]:
+    raise ValueError(f"{init_from} has a draft vocabulary of {own.shape[0]} ids; a run can only "
+                     f"grow an EAGLE-3/MTP head's vocabulary (asked for {draft_ids.shape[0]})")
+  return eagle.extend_draft_vocab(network, target, draft_ids)
+
+
 def save_network(network, path, *, dtype=None, overwrite=True):
   """Saves an EagleHead or MedusaHeads (Orbax)."""
   if isinstance(network, medusa.MedusaHeads):
@@ -108,7 +120,9 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     progress: show a rich progress bar.
     train_on_prompts: also train on prompt positions (evaluation stays on answers).
     context: windows start this many tokens before the answer (None: at the conversation start).
-    init_from: start from this saved network (its draft vocabulary too) instead of a fresh one.
+    init_from: start from this saved network instead of a fresh one; its draft vocabulary is kept,
+      or grown with the most frequent other ids of `vocab_chunks` when `config.draft_vocab_size`
+      is larger (EAGLE-3/MTP heads; `eagle.extend_draft_vocab`).
     log: sink for one-line JSON records (also appended to `log.jsonl`).
 
   Returns:
@@ -132,6 +146,17 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     draft_ids = np.load(run_dir / "draft_ids.npy")
   elif init_from is not None:
     draft_ids = np.asarray(_load_network(init_from).draft_ids)
+    if config.draft_vocab_size > draft_ids.shape[0]:  # grow it with the most frequent other ids
+      for i in vocab_chunks:
+        selfdistill.wait_for_chunk(data_dir, i)
+      counts = selfdistill.token_counts(data_dir, vocab_chunks, target.config.vocab_size)
+      grown = selfdistill.frequent_ids(counts, config.draft_vocab_size, keep=draft_ids)
+      log(json.dumps({"draft_vocab": int(len(grown)), "grown_from": int(len(draft_ids)),
+                      "coverage_of_vocab_chunks": round(float(counts[grown].sum() /
+                                                              max(counts.sum(), 1)), 4),
+                      "coverage_before": round(float(counts[draft_ids].sum() /
+                                                     max(counts.sum(), 1)), 4)}))
+      draft_ids = grown
     np.save(run_dir / "draft_ids.npy", draft_ids)
     run_file.write_text(json.dumps(record, indent=1))
   else:
@@ -146,7 +171,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
                     round(coverage, 4), "vocab_tokens": int(counts.sum())}))
 
   network = (heads_lib.init_network(config, target, draft_ids) if init_from is None
-             else _load_network(init_from))
+             else _initial_network(init_from, target, draft_ids))
   params, d2t, static = heads_lib.split_network(network)
   state = heads_lib.init_state(config, params)
   restored = _latest_state(run_dir, state)

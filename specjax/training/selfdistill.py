@@ -73,6 +73,7 @@ def generate_chunks(target, encode_chat: Callable[[list[dict]], list[int]],
                     batch_size: int = 64, max_new_tokens: int = 128, eos_id: int | None = None,
                     taps: Sequence[int] = (), temperatures: Sequence[float] = (0.0, 0.7),
                     top_k: int = 32, prefill_rows: int = 8, seed: int = 0,
+                    only: Sequence[int] | None = None,
                     log: Callable[[str], None] = print) -> pathlib.Path:
   """Writes the target's answers to `conversations`, with its features, as numbered chunks.
 
@@ -94,6 +95,7 @@ def generate_chunks(target, encode_chat: Callable[[list[dict]], list[int]],
     top_k: logits kept per position.
     prefill_rows: rows per prefill call (bounds the `[rows, T, V]` logits in memory).
     seed: sampling seed (chunk `i` uses `fold_in(PRNGKey(seed), i)`).
+    only: write only these chunk indices (None: all); the others are neither read nor written.
     log: progress sink.
 
   Returns:
@@ -106,7 +108,7 @@ def generate_chunks(target, encode_chat: Callable[[list[dict]], list[int]],
   taps = tuple(int(i) for i in taps)
   for i, start in enumerate(range(0, len(conversations), batch_size)):
     path = chunk_path(directory, i)
-    if path.exists():
+    if path.exists() or (only is not None and i not in only):
       continue
     began = time.perf_counter()
     rows = [encode_chat(c) for c in conversations[start:start + batch_size]]
@@ -210,11 +212,19 @@ def token_counts(directory, chunks: Sequence[int], vocab_size: int) -> np.ndarra
   return counts
 
 
-def frequent_ids(counts: np.ndarray, size: int) -> np.ndarray:
+def frequent_ids(counts: np.ndarray, size: int, keep=()) -> np.ndarray:
   """The `size` most frequent ids, sorted; ties go to the lower id (BPE ids are merge-ordered,
-  so lower ids are the more common pieces when the sample is too small to tell)."""
+  so lower ids are the more common pieces when the sample is too small to tell).
+
+  `keep`: ids that stay whatever their counts (a head's existing draft vocabulary, when it grows);
+  the most frequent other ids fill the rest.
+  """
+  keep = np.unique(np.asarray(keep, np.int64))
+  if keep.shape[0] > size:
+    raise ValueError(f"cannot keep {keep.shape[0]} ids in a vocabulary of {size}")
   order = np.lexsort((np.arange(counts.shape[0]), -counts))
-  return np.sort(order[:size]).astype(np.int32)
+  order = order[~np.isin(order, keep)][:size - keep.shape[0]]
+  return np.sort(np.concatenate([keep, order])).astype(np.int32)
 
 
 class HeadData:
