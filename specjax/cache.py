@@ -15,6 +15,7 @@ whatever the batch size and under any mesh: the cost is the block's size, not th
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -176,3 +177,46 @@ def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.A
     return KVCache(tuple(map(move_layer, cache.k)), tuple(map(move_layer, cache.v)),
                    cache.lengths)
   return KVCache(move(cache.k), move(cache.v), cache.lengths)
+
+
+class KVBlock(NamedTuple):
+  """A forward's new keys and values, not yet written (`forward(..., write_cache=False)`).
+
+  Attributes:
+    k: `L x [B, T, KVH, D]` per layer (an unstacked model's) or `[L, B, T, KVH, D]` (stacked).
+    v: the same layout as `k`.
+  """
+
+  k: jax.Array | tuple[jax.Array, ...]
+  v: jax.Array | tuple[jax.Array, ...]
+
+  def padded(self, width: int) -> "KVBlock":
+    """The block with `T` zero-padded to `width` entries (so branches of a switch agree)."""
+    def pad(x, axis):
+      widths = [(0, 0)] * x.ndim
+      widths[axis] = (0, width - x.shape[axis])
+      return jnp.pad(x, widths)
+    if isinstance(self.k, (tuple, list)):
+      return KVBlock(tuple(pad(x, 1) for x in self.k), tuple(pad(x, 1) for x in self.v))
+    return KVBlock(pad(self.k, 2), pad(self.v, 2))
+
+
+def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array) -> KVCache:
+  """Writes a `KVBlock` into `cache` at slots `starts[b] ..` of every row, in the cache's layout.
+
+  Returns:
+    The cache with the block written and `lengths = starts + T`; entries past slot `S - 1` are
+    dropped (see `write_block`).
+  """
+  starts = jnp.asarray(starts, jnp.int32)
+  per_layer_block = isinstance(block.k, (tuple, list))
+  if cache.per_layer:
+    ks = block.k if per_layer_block else tuple(block.k)
+    vs = block.v if per_layer_block else tuple(block.v)
+    width = ks[0].shape[1]
+    return KVCache(tuple(write_block(c, x, starts) for c, x in zip(cache.k, ks)),
+                   tuple(write_block(c, x, starts) for c, x in zip(cache.v, vs)), starts + width)
+  k = jnp.stack(block.k) if per_layer_block else block.k
+  v = jnp.stack(block.v) if per_layer_block else block.v
+  return KVCache(write_stacked_block(cache.k, k, starts), write_stacked_block(cache.v, v, starts),
+                 starts + k.shape[2])

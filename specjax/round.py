@@ -28,6 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.cache import write_kv_block
 from specjax.sampling import Sampling
 from specjax.state import DecodeState, Proposal, gather_tokens
 from specjax.validation import is_eos as is_eos_token
@@ -80,7 +81,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
 
 
 def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, block, num_drafted,
-                     width: int, *, sampling: Sampling, impl):
+                     width: int, *, sampling: Sampling, impl, defer: bool = False):
   """The target's forward over the first `width` positions of `block [B, k + 1]`, the rule, the
   kept counts and the drafter's `observe`, all at that width; tokens padded back to `k + 1`.
 
@@ -88,11 +89,14 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   full-width result: the rule keys its random numbers by position, the forward is causal, and
   the drafter observes only what the row keeps. Running the drafter's catch-up at the same width
   keeps rounds that draft little cheap (a round with no drafts is a plain target step plus the
-  drafter's catch-up on one token).
+  drafter's catch-up on one token). With `defer`, the target cache is only read and the block's
+  keys/values come back zero-padded to `k + 1` entries (a `KVBlock`) for the caller to write.
   """
   k = proposal.tokens.shape[1]
   lengths = state.lengths
   kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if defer:
+    kwargs["write_cache"] = False
   if drafter.taps:
     kwargs["taps"] = tuple(drafter.taps)
   narrow = block[:, :width]
@@ -117,7 +121,8 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   count = jnp.where(~state.done, count, 0)
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
-  return tokens, accepted, count, first_eos < count, scored.cache, draft_state
+  written = scored.block_kv.padded(k + 1) if defer else scored.cache
+  return tokens, accepted, count, first_eos < count, written, draft_state
 
 
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
@@ -148,15 +153,21 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     num_drafted = jnp.clip(num_drafted.astype(jnp.int32), 0, k)
   last = gather_tokens(state.tokens, lengths - 1, 1)
   block = jnp.concatenate([last, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, k+1]
+  switch = not (widths is None or len(widths) == 1 or num_drafted is None)
+  # A cache updated inside a switch branch is copied there, every layer, every round: a model that
+  # can defer its write (`write_cache=False`) only reads it there, and the block is written after.
+  defer = switch and getattr(target, "defers_cache_writes", False)
   run = functools.partial(_verify_at_width, target, drafter, state, proposal, block, num_drafted,
-                          sampling=sampling, impl=impl)
-  if widths is None or len(widths) == 1 or num_drafted is None:
+                          sampling=sampling, impl=impl, defer=defer)
+  if not switch:
     out = run(k + 1)
   else:  # the smallest compiled width that holds every live row's drafts plus one
     needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
     branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
     out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
   emitted, accepted, count, hit_eos, target_cache, draft_state = out
+  if defer:
+    target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
   new_lengths = lengths + count
 
   def write(row, new, start):

@@ -242,10 +242,14 @@ def test_greedy_with_confidence_and_widths_one_loop_no_recompilation(chain_targe
   assert TRACE_COUNTS["decode"] - before == 1  # the jaxpr's trace serves every call
 
 
-def test_a_narrow_verify_width_verifies_as_the_full_width(chain_target, ragged):
+@pytest.mark.parametrize("layout", ["stacked", "cpu"])
+def test_a_narrow_verify_width_verifies_as_the_full_width(chain_target, ragged, layout):
   """`verify_block` with widths (1, 2, 3, 5) runs the forward over 1, 2, 3 or 5 positions
-  (whatever the largest live count + 1 needs) and must give the full-width state exactly."""
+  (whatever the largest live count + 1 needs) and must give the full-width state exactly (the
+  switch's forward defers its cache write to after the switch; the CPU layout's too)."""
   tokens, lengths = ragged
+  if layout == "cpu":
+    chain_target = chain_target.for_platform("cpu")
   drafter = sj.ModelDrafter(chain_target)
   state = jax.jit(lambda t, d, x, l: init_state(
       t, d, x, l, jnp.int32(16), jnp.array([-1]), jnp.arange(3, dtype=jnp.uint32), num_draft=4,
@@ -272,6 +276,31 @@ def test_a_narrow_verify_width_verifies_as_the_full_width(chain_target, ragged):
       mask = slots[:, None, :, None]
       np.testing.assert_allclose(np.asarray(a) * mask, np.asarray(b) * mask, rtol=1e-5,
                                  atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "cpu"])
+def test_verify_switch_copies_no_cache_buffer(chain_target, ragged, layout):
+  """Inside the width switch the target cache is only read; its block is written after the switch.
+  A cache updated inside a branch would be copied there, every layer, every round: the compiled
+  round holds no copy of a cache-shaped buffer (structure of the program, not a timing)."""
+  tokens, lengths = ragged
+  target = chain_target if layout == "stacked" else chain_target.for_platform("cpu")
+  drafter = sj.ModelDrafter(chain_target)
+  state = jax.jit(lambda t, d, x, l: init_state(
+      t, d, x, l, jnp.int32(16), jnp.array([-1]), jnp.arange(3, dtype=jnp.uint32), num_draft=4,
+      capacity=64))(target, drafter, tokens, lengths)
+  proposal = Proposal(jnp.zeros((3, 4), jnp.int32), None, jnp.array([1, 0, 2], jnp.int32))
+  run = jax.jit(lambda s, p: verify_block(target, drafter, s, p, sampling=S.GREEDY,
+                                          widths=(1, 2, 3, 5)), donate_argnums=0)
+  hlo = run.lower(state, proposal).compile().as_text()
+  assert " conditional(" in hlo
+  layer = state.target_cache.layer_shape
+  shapes = {"f32[" + ",".join(map(str, shape)) + "]"
+            for shape in (layer, (target.config.num_layers,) + layer)}
+  copies = [line.strip()[:100] for line in hlo.splitlines()
+            if "=" in line and any(line.split("=", 1)[1].lstrip().startswith(x) for x in shapes)
+            and line.split("=", 1)[1].split("(", 1)[0].split()[-1] == "copy"]
+  assert not copies, copies
 
 
 def _eagle(target, confidence):

@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import specjax as sj
-from specjax.cache import write_block, write_stacked_block
+from specjax.cache import write_block, write_kv_block, write_stacked_block
 
 L, KVH, S, D, T = 3, 2, 12, 4, 4
 
@@ -124,3 +124,33 @@ def test_compiled_forward_moves_no_cache_slab(layout, width):
   assert not _moves(hlo, transposed), _moves(hlo, transposed)
   if layout == "unstacked":
     assert not _moves(hlo, {"f32[1,2,256,64]", "f32[2,256,64]"})
+
+
+@pytest.mark.parametrize("cache_layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", ["stacked", "unstacked"])
+def test_deferred_write_equals_the_forward_write(layout, cache_layout):
+  """`forward(..., write_cache=False)` leaves the cache unread-only, gives the same logits, and
+  its `block_kv` written with `write_kv_block` (also into a cache of the other layout, and
+  zero-padded past the block) gives the forward's own cache on every valid slot."""
+  config = sj.ModelConfig(vocab_size=64, embed_dim=64, num_layers=3, num_heads=4,
+                          num_kv_heads=2, head_dim=16, mlp_dim=96)
+  model = sj.init_params(config, jax.random.key(0))
+  model = model if layout == "stacked" else model.unstacked()
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, 64)
+  starts = jnp.array([0, 0], jnp.int32)
+  cache = model.init_cache(2, 32)
+  cache = cache.unstacked() if cache_layout == "per_layer" else cache.stacked()
+  cache = model(tokens, starts, cache).cache  # a filled prefix
+  block, at = tokens[:, :3], jnp.array([9, 5], jnp.int32)
+  written = model(block, at, cache)
+  deferred = model(block, at, cache, write_cache=False)
+  assert deferred.cache is None and written.block_kv is None
+  np.testing.assert_array_equal(deferred.logits, written.logits)
+  got = write_kv_block(cache, deferred.block_kv.padded(5), at)
+  assert got.per_layer == cache.per_layer
+  np.testing.assert_array_equal(got.lengths, at + 5)
+  for a, b in zip(jax.tree.leaves(got.stacked().k) + jax.tree.leaves(got.stacked().v),
+                  jax.tree.leaves(written.cache.stacked().k)
+                  + jax.tree.leaves(written.cache.stacked().v)):
+    valid = (np.arange(32)[None] < np.asarray(at + 3)[:, None])[None, :, None, :, None]
+    np.testing.assert_array_equal(np.asarray(a) * valid, np.asarray(b) * valid)

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, write_block, write_stacked_block
+from specjax.cache import KVBlock, KVCache, write_block, write_stacked_block
 from specjax.models import cpu_layout
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
@@ -50,13 +50,17 @@ class ForwardOutput(NamedTuple):
     logits: `[B, T, V]` float32.
     hidden: `[B, T, E]` final hidden states (after the last norm) when asked, else None.
     taps: `[n, B, T, E]` the residual stream entering each requested layer, else None.
-    cache: the updated cache (`lengths = starts + T`), or None for a cache-free pass.
+    cache: the updated cache (`lengths = starts + T`), or None for a cache-free pass or a
+      deferred write.
+    block_kv: with `write_cache=False`, the block's keys/values (`specjax.cache.KVBlock`) for
+      the caller to write (`specjax.cache.write_kv_block`); else None.
   """
 
   logits: jax.Array
   hidden: jax.Array | None = None
   taps: jax.Array | None = None
   cache: KVCache | None = None
+  block_kv: KVBlock | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -92,9 +96,14 @@ class Model:
                           dtype or self.dtype, per_layer=not self.is_stacked)
 
   def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False,
-               positions=None, block_mask=None) -> ForwardOutput:
+               positions=None, block_mask=None, write_cache=True) -> ForwardOutput:
     return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden,
-                   positions=positions, block_mask=block_mask)
+                   positions=positions, block_mask=block_mask, write_cache=write_cache)
+
+  @property
+  def defers_cache_writes(self) -> bool:
+    """This model's forward takes `write_cache=False` (the verify switch relies on it)."""
+    return True
 
   @property
   def is_stacked(self) -> bool:
@@ -227,7 +236,7 @@ def check_taps(taps, num_layers: int) -> tuple[int, ...]:
 
 def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache | None = None,
             *, taps=(), return_hidden: bool = False, positions: jax.Array | None = None,
-            block_mask: jax.Array | None = None) -> ForwardOutput:
+            block_mask: jax.Array | None = None, write_cache: bool = True) -> ForwardOutput:
   """Runs the decoder on a block of tokens per row.
 
   Args:
@@ -242,6 +251,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       tree scores its nodes at `starts + depth`.
     block_mask: `[B, T, T]` bool, which block tokens each block token may see (a tree's ancestor
       mask); default causal. The cache before `starts` stays visible to every token.
+    write_cache: False leaves the cache unwritten (it is only read) and returns the block's
+      keys/values as `block_kv` instead: a forward inside one branch of a `lax.switch` then never
+      updates the cache there, which would make XLA copy every layer's buffer into the branch.
 
   Returns:
     `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, taps [n, B, T, E] or None,
@@ -337,7 +349,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   layers = p["layers"]
   inner = sorted({i for i in taps if i < c.num_layers})  # taps taken inside the loop
   tapped = {}
-  new_cache = None
+  new_cache = block_kv = None
   if unstacked:  # one weight dict and one cache buffer per layer, an unrolled Python loop
     # Each layer reads its own cache buffer and writes its block into it after attending (the
     # block itself is attended as its own segment), so every buffer is updated in place.
@@ -347,14 +359,19 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
         tapped[i] = x
       layer_kv = (None, None) if cache is None else (cache_k[i], cache_v[i])
       x, k, v, attn = block(x, lp, jnp.int32(window), *layer_kv)
-      if cache is not None:
+      if cache is not None and not write_cache:
+        new_k.append(k)
+        new_v.append(v)
+      elif cache is not None:
         # XLA:CPU runs independent ops concurrently, so an in-place write into a buffer that an
         # unordered op still reads costs two copies of the buffer. Making the written block depend
         # on the layer's attention output (+0.0: same values) orders the write after the read.
         after = 0.0 * attn[:1, :1, :1, None].astype(k.dtype)
         new_k.append(constrain(write_block(cache_k[i], k + after, starts), CACHE_AXES[1:]))
         new_v.append(constrain(write_block(cache_v[i], v + after, starts), CACHE_AXES[1:]))
-    if cache is not None:
+    if cache is not None and not write_cache:
+      block_kv = KVBlock(tuple(new_k), tuple(new_v))
+    elif cache is not None:
       new_cache = KVCache(tuple(new_k), tuple(new_v), starts + t)
   else:  # stacked: one lax.scan over the leading layer axis
     # The cache is only read inside the scan; each layer's new keys/values come out as a small
@@ -374,11 +391,13 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     (x, buffer), (block_k, block_v) = jax.lax.scan(
         scan_body, (x, buffer), (layers, windows, slots, cache_k, cache_v))
     tapped = {i: buffer[n] for n, i in enumerate(inner)}
-    if cache is not None:
+    if cache is not None and not write_cache:
+      block_kv = KVBlock(block_k, block_v)
+    elif cache is not None:
       new_k = constrain(write_stacked_block(cache_k, block_k, starts), CACHE_AXES)
       new_v = constrain(write_stacked_block(cache_v, block_v, starts), CACHE_AXES)
       new_cache = KVCache(new_k, new_v, starts + t)
-  if cache is not None and new_cache.per_layer != cache.per_layer:
+  if new_cache is not None and new_cache.per_layer != cache.per_layer:
     new_cache = new_cache.unstacked() if cache.per_layer else new_cache.stacked()
   tapped[c.num_layers] = x
   tap_out = jnp.stack([tapped[i] for i in taps]) if taps else None
@@ -389,4 +408,4 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   else:  # untied, or a tied model carrying its `[E, V]` copy (`with_output_copy`)
     logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
-  return ForwardOutput(logits, x if return_hidden else None, tap_out, new_cache)
+  return ForwardOutput(logits, x if return_hidden else None, tap_out, new_cache, block_kv)
