@@ -288,6 +288,7 @@ class AdaptivePlan:
 
 
 PRIOR_SHRINK = 10.0
+HEADROOM_ODDS = 4.0  # K suits a row accepting each draft at 4x the profile's odds
 MAX_ADAPTIVE_DRAFT = 8
 ADAPTIVE_SAVING = 0.03  # rows pick their own k, so a width 3% cheaper than the next is worth it
 MAX_ADAPTIVE_WIDTHS = 5
@@ -301,12 +302,30 @@ def adaptive_widths(costs: CostTable, num_draft: int) -> tuple[int, ...]:
   return tuple(sorted({1, *kept}))
 
 
+def lifted(profile: AcceptanceProfile, odds: float) -> AcceptanceProfile:
+  """The profile with every `alpha_j`'s odds multiplied by `odds` (a row that accepts more)."""
+  a = np.clip(np.asarray(profile.alpha, np.float64), 0.0, 1.0)
+  alpha = a * odds / np.maximum(1.0 - a + a * odds, 1e-12)
+  return dataclasses.replace(profile, alpha=tuple(float(x) for x in alpha))
+
+
 def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
-                  max_draft: int | None = None) -> AdaptivePlan:
-  """The static part of per-row adaptive length: `K` (the `k` `choose_num_draft` picks: each
-  wider compiled width makes every round dearer), the widths, the round costs, the prior."""
+                  max_draft: int | None = None,
+                  headroom_odds: float = HEADROOM_ODDS) -> AdaptivePlan:
+  """The static part of per-row adaptive length: `K`, the widths, the round costs, the prior.
+
+  `K` is the `k` `choose_num_draft` picks for a row whose acceptance odds are `headroom_odds`
+  times the profile's at every position (1.0: the best fixed `k` on average). Rows choose their
+  own `k <= K` every round, so `K` must leave room for the rows that accept more than the
+  average (code, quoted text); a wider `K` costs compile time and `[B, K]` state, not time per
+  round (the verify forward runs at the narrowest compiled width that holds the round's drafts,
+  and the target cache is written after the width switch, not copied into it).
+  """
+  if not headroom_odds >= 1.0:
+    raise ValueError(f"headroom_odds must be >= 1, got {headroom_odds}")
   limit = _draft_limit(costs, profile, max_draft, MAX_ADAPTIVE_DRAFT)
-  limit = min(limit, choose_num_draft(costs, profile, max_draft=limit).num_draft)
+  limit = min(limit, choose_num_draft(costs, lifted(profile, headroom_odds),
+                                      max_draft=limit).num_draft)
   alpha = np.asarray(profile.alpha[:limit], np.float64)
   reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
   pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))

@@ -52,7 +52,7 @@ def test_plan_round_costs_with_a_measured_overhead():
   # steps + the overhead (which already holds the drafter's catch-up). With 2 ms per round, K:
   # 1.6/15, 1.96/16, 2.176/17.5, 2.3056/19 = 0.1067, 0.1225, 0.1243, 0.1213 for k = 1..4: K = 3.
   measured = _calibration(FLAT.costs.verify_ms, FLAT.profile.alpha, round_overhead_ms=2.0)
-  plan = costs.adaptive_plan(measured.costs, measured.profile)
+  plan = costs.adaptive_plan(measured.costs, measured.profile, headroom_odds=1.0)
   assert plan.max_draft == 3 and plan.widths == (1, 3, 4)
   assert plan.round_ms == (12.0, 15.0, 16.0, 17.5)
 
@@ -69,8 +69,27 @@ def ragged():
   return tokens, jnp.array([8, 2, 5], jnp.int32)
 
 
+def test_plan_headroom_for_rows_that_accept_more():
+  """K is the best k for a row at `headroom_odds` times the profile's acceptance odds. A CPU-like
+  table (each width dearer) with alpha 0.5: the average row's best k is 1, a row at 4x the odds
+  (alpha 0.8) is best served by k = 3. Hand-worked: E[tokens | k] / round_ms[k] at alpha 0.5:
+  1.5/13 = 0.1154, 1.75/16 = 0.1094, 1.875/19 = 0.0987, ... (k = 1); at alpha 0.8: 1.8/13 =
+  0.1385, 2.44/16 = 0.1525, 2.952/19 = 0.1554, 3.3616/22 = 0.1528, ... (k = 3)."""
+  cpu = _calibration([10.0, 12.0, 14.0, 16.0, 18.0, 20.0], [0.5] * 5)
+  assert costs.adaptive_plan(cpu.costs, cpu.profile, headroom_odds=1.0).max_draft == 1
+  assert costs.choose_num_draft(cpu.costs, cpu.profile).num_draft == 1
+  np.testing.assert_allclose(costs.lifted(cpu.profile, 4.0).alpha, 0.8)
+  plan = costs.adaptive_plan(cpu.costs, cpu.profile)
+  assert plan.max_draft == 3
+  # Widths 1 and 4 always; 3 (14 <= 0.97 * 16) and 2 (12 <= 0.97 * 14) too.
+  assert plan.widths == (1, 2, 3, 4)
+  assert plan.round_ms == (11.0, 14.0, 17.0, 20.0)
+  with pytest.raises(ValueError, match="headroom_odds"):
+    costs.adaptive_plan(cpu.costs, cpu.profile, headroom_odds=0.5)
+
+
 def test_plan_and_first_choice_hand_worked():
-  plan = costs.adaptive_plan(FLAT.costs, FLAT.profile)
+  plan = costs.adaptive_plan(FLAT.costs, FLAT.profile, headroom_odds=1.0)
   # K is the best fixed k: E[tokens | k] / (verify(k + 1) + k draft steps) = 1.6/13, 1.96/14,
   # 2.176/15.5, 2.3056/17 = 0.1231, 0.1400, 0.1404, 0.1356 for k = 1..4: K = 3.
   assert plan.max_draft == 3 == costs.choose_num_draft(FLAT.costs, FLAT.profile).num_draft
@@ -127,9 +146,14 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
     target, ragged):
   tokens, lengths = ragged
   perfect = _greedy_equals_generate(target, sj.ModelDrafter(target), tokens, lengths, FLAT)
-  # Round 1 drafts K = 3 from the prior (see the hand-worked case); every row's estimate only
-  # rises from there: K every round, for each of the 3 rows.
-  assert perfect["drafted"] == 3 * perfect["rounds"]
+  # Round 1 drafts the prior's choice (k = 3 of K = 4: FLAT's alpha 0.6 at 4x the odds is 0.86,
+  # whose best k is 4); every row's estimate only rises from there: K every later round, for
+  # each of the 3 rows.
+  plan = costs.adaptive_plan(FLAT.costs, FLAT.profile)
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), plan.max_draft, plan.round_ms, plan.prior)
+  first = int(drafter.limits(drafter.init(tokens, lengths, 16, None))[0])
+  assert (plan.max_draft, first) == (4, 3)
+  assert perfect["drafted"] == 4 * perfect["rounds"] - 3 * (4 - first)
   assert perfect["accepted"] == perfect["drafted"]
   stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
   poor = _greedy_equals_generate(target, sj.ModelDrafter(stranger), tokens, lengths, FLAT,
