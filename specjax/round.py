@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import write_kv_block
+from specjax.parallel.rules import CACHE_AXES, constrain
 from specjax.sampling import Sampling
 from specjax.state import DecodeState, Proposal, gather_tokens
 from specjax.validation import is_eos as is_eos_token
@@ -168,6 +169,10 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
   emitted, accepted, count, hit_eos, target_cache, draft_state = out
   if defer:
     target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
+    axes = CACHE_AXES[1:] if target_cache.per_layer else CACHE_AXES  # as the forward's own write
+    target_cache = dataclasses.replace(
+        target_cache, k=jax.tree.map(lambda x: constrain(x, axes), target_cache.k),
+        v=jax.tree.map(lambda x: constrain(x, axes), target_cache.v))
   new_lengths = lengths + count
 
   def write(row, new, start):

@@ -292,6 +292,24 @@ def test_decode_on_every_mesh_kind_matches_single_device(models, prompts, single
     np.testing.assert_array_equal(out.tokens, single_device["generate"])
 
 
+@pytest.mark.parametrize("kind", ["explicit", "auto"])
+def test_verify_width_switch_on_a_mesh_matches_generate(models, prompts, single_device, kind):
+  """A confidence stop with verify widths runs the target inside a `lax.switch` that only reads
+  the sharded cache and writes the block after it: greedy still equals single-device generate,
+  and rows do stop early (the switch is exercised)."""
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = _mesh(kind, (4, 2))
+  target = sj.shard(target, mesh)
+  drafter = ModelDrafter(sj.shard(draft, mesh), confidence=0.05)
+  with jax.set_mesh(mesh):
+    out = decode(target, drafter, tokens, jax.random.key(2), lengths=lengths,
+                 max_new_tokens=NEW_TOKENS, num_draft=3, verify_widths=(1, 2, 3))
+  np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  summary = out.stats.summary()
+  assert 0 < summary["drafted"] < 3 * summary["rounds"]
+
+
 @pytest.mark.parametrize("kind", MESH_KINDS)
 def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, single_device, kind):
   from specjax.stream import decode_stream
