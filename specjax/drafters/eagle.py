@@ -229,9 +229,12 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
 def extend_draft_vocab(head: EagleHead, target: Model, draft_ids) -> EagleHead:
   """The same head over a larger draft vocabulary that contains its own.
 
-  The LM-head columns of the ids the head already has are kept; every new id gets the target's
-  output row, as in `init_head`. Drafting from the result can propose the new ids; on the old ones
-  its logits are the old head's.
+  The LM-head columns of the ids the head already has are kept. Each new id's column is the
+  target's output row for it, carried through the linear map `A` that best takes the target's
+  rows of the old ids to the head's trained columns (least squares, `A T_old ~ W_old`): training
+  moved the head's columns away from the target's rows (scale, the head's own final norm), and raw
+  target rows beside trained columns would outscore them and take over its drafts. On the old ids
+  the logits are exactly the old head's.
 
   Args:
     head: the head.
@@ -248,8 +251,11 @@ def extend_draft_vocab(head: EagleHead, target: Model, draft_ids) -> EagleHead:
   if where.max(initial=0) >= ids.shape[0] or np.any(ids[np.minimum(where, ids.shape[0] - 1)]
                                                      != old):
     raise ValueError("the new draft vocabulary must contain every id of the head's own")
-  lm_head = jnp.asarray(target_output_head(target), jnp.float32)[:, ids]
-  lm_head = lm_head.at[:, where].set(head.params["lm_head"].astype(jnp.float32))
+  rows = np.asarray(target_output_head(target), np.float64)[:, ids]  # [E, N]
+  trained = np.asarray(head.params["lm_head"], np.float64)  # [E, n_old]
+  fit = np.linalg.lstsq(rows[:, where].T, trained.T, rcond=None)[0]  # A.T: rows.T @ A.T ~ W.T
+  lm_head = (fit.T @ rows).astype(np.float32)
+  lm_head[:, where] = trained  # the old columns exactly (float32 -> float64 -> float32)
   params = {**head.params, "lm_head": lm_head.astype(head.params["lm_head"].dtype),
             "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
   return EagleHead(params, dataclasses.replace(c, draft_vocab_size=int(ids.shape[0])))
