@@ -247,10 +247,9 @@ def extend_draft_vocab(head: EagleHead, target: Model, draft_ids) -> EagleHead:
   c = head.config
   ids = _check_draft_ids(draft_ids, c.vocab_size, np.asarray(draft_ids).size)
   old = np.asarray(head.draft_ids)
-  where = np.searchsorted(ids, old)
-  if where.max(initial=0) >= ids.shape[0] or np.any(ids[np.minimum(where, ids.shape[0] - 1)]
-                                                     != old):
+  if not np.isin(old, ids).all():
     raise ValueError("the new draft vocabulary must contain every id of the head's own")
+  where = np.searchsorted(ids, old)
   rows = np.asarray(target_output_head(target), np.float64)[:, ids]  # [E, N]
   trained = np.asarray(head.params["lm_head"], np.float64)  # [E, n_old]
   fit = np.linalg.lstsq(rows[:, where].T, trained.T, rcond=None)[0]  # A.T: rows.T @ A.T ~ W.T

@@ -59,15 +59,14 @@ def _load_network(path):
   return medusa.load_medusa(path) if kind == medusa.MEDUSA_KIND else eagle.load_head(path)
 
 
-def _initial_network(init_from, target: Model, draft_ids: np.ndarray):
+def _initial_network(network, target: Model, draft_ids: np.ndarray):
   """The saved network to start from, its draft vocabulary grown to `draft_ids` if larger."""
-  network = _load_network(init_from)
   own = np.asarray(network.draft_ids)
   if own.shape == draft_ids.shape:
     return network
   if isinstance(network, medusa.MedusaHeads) or own.shape[0] > draft_ids.shape[0]:
-    raise ValueError(f"{init_from} has a draft vocabulary of {own.shape[0]} ids; a run can only "
-                     f"grow an EAGLE-3/MTP head's vocabulary (asked for {draft_ids.shape[0]})")
+    raise ValueError(f"the saved head has a draft vocabulary of {own.shape[0]} ids; a run can "
+                     f"only grow an EAGLE-3/MTP head's vocabulary (asked for {draft_ids.shape[0]})")
   return eagle.extend_draft_vocab(network, target, draft_ids)
 
 
@@ -138,40 +137,34 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
             "rows_per_chunk": rows_per_chunk, "train_on_prompts": bool(train_on_prompts),
             "context": context, "init_from": str(init_from) if init_from else None,
             "data_dir": str(pathlib.Path(data_dir).resolve())}
+  start = _load_network(init_from) if init_from is not None else None  # read once
+  own = np.zeros((0,), np.int32) if start is None else np.asarray(start.draft_ids)
   run_file = run_dir / "run.json"
   if run_file.exists():
     stored = json.loads(run_file.read_text())
     if stored != record:
       raise ValueError(f"{run_dir} holds a different run (run.json differs); use a new folder")
     draft_ids = np.load(run_dir / "draft_ids.npy")
-  elif init_from is not None:
-    draft_ids = np.asarray(_load_network(init_from).draft_ids)
-    if config.draft_vocab_size > draft_ids.shape[0]:  # grow it with the most frequent other ids
+  else:
+    if start is not None and config.draft_vocab_size <= own.shape[0]:
+      draft_ids, entry = own, None  # the saved head's own vocabulary
+    else:  # the most frequent answer ids (keeping a saved head's own ids when it grows)
       for i in vocab_chunks:
         selfdistill.wait_for_chunk(data_dir, i)
       counts = selfdistill.token_counts(data_dir, vocab_chunks, target.config.vocab_size)
-      grown = selfdistill.frequent_ids(counts, config.draft_vocab_size, keep=draft_ids)
-      log(json.dumps({"draft_vocab": int(len(grown)), "grown_from": int(len(draft_ids)),
-                      "coverage_of_vocab_chunks": round(float(counts[grown].sum() /
-                                                              max(counts.sum(), 1)), 4),
-                      "coverage_before": round(float(counts[draft_ids].sum() /
-                                                     max(counts.sum(), 1)), 4)}))
-      draft_ids = grown
+      draft_ids = selfdistill.frequent_ids(counts, config.draft_vocab_size, keep=own)
+      share = lambda ids: round(float(counts[ids].sum() / max(counts.sum(), 1)), 4)
+      entry = {"draft_vocab": int(len(draft_ids)), "coverage_of_vocab_chunks": share(draft_ids),
+               "vocab_tokens": int(counts.sum())}
+      if start is not None:
+        entry.update(grown_from=int(own.shape[0]), coverage_before=share(own))
     np.save(run_dir / "draft_ids.npy", draft_ids)
     run_file.write_text(json.dumps(record, indent=1))
-  else:
-    for i in vocab_chunks:
-      selfdistill.wait_for_chunk(data_dir, i)
-    counts = selfdistill.token_counts(data_dir, vocab_chunks, target.config.vocab_size)
-    draft_ids = selfdistill.frequent_ids(counts, config.draft_vocab_size)
-    coverage = float(counts[draft_ids].sum() / max(counts.sum(), 1))
-    np.save(run_dir / "draft_ids.npy", draft_ids)
-    run_file.write_text(json.dumps(record, indent=1))
-    log(json.dumps({"draft_vocab": int(len(draft_ids)), "coverage_of_vocab_chunks":
-                    round(coverage, 4), "vocab_tokens": int(counts.sum())}))
+    if entry is not None:
+      log(json.dumps(entry))
 
-  network = (heads_lib.init_network(config, target, draft_ids) if init_from is None
-             else _initial_network(init_from, target, draft_ids))
+  network = (heads_lib.init_network(config, target, draft_ids) if start is None
+             else _initial_network(start, target, draft_ids))
   params, d2t, static = heads_lib.split_network(network)
   state = heads_lib.init_state(config, params)
   restored = _latest_state(run_dir, state)
