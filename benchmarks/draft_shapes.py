@@ -11,8 +11,10 @@ bursts on a shared host hit every configuration alike):
 * the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`)
   and the verify widths the cost table keeps (`specjax.costs.choose_widths`), chosen on device;
 * `num_draft="auto"`: the one `k` the measured cost table and acceptance profile pick;
-* `num_draft="adaptive"`: each row's own `k` in `0 .. K` every round, from the cost table and
-  its running acceptance (`specjax.adaptive`), next to the best fixed `k` of each category;
+* `num_draft="adaptive"`: each row's own `k` in `0 .. K` every round, decided draft by draft
+  from the head's confidence, the cost table and the row's running acceptance (the token stop of
+  `specjax.adaptive`), next to the best fixed `k` of each category; and "adaptive rows", the
+  same with each row's `k` fixed at the start of the round from its history alone;
 * trees: EAGLE-2 dynamic trees and a static tree from the head (`--trees`).
 
 The cost table and the acceptance profile are measured first, on this backend, with prompts from
@@ -83,6 +85,7 @@ def main(argv=None):
 
   import specjax as sj
   from specjax import costs
+  from specjax.adaptive import AdaptiveDrafter
   from specjax.trees import TreeSpec
 
   pair = sj.load_default()
@@ -123,6 +126,11 @@ def main(argv=None):
   plan = costs.adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
   configs[f"adaptive (K={plan.max_draft})"] = lambda t, n: sj.decode(
       target, drafter, t, rng, lengths=n, num_draft="adaptive", calibration=calib_dir, **common)
+  rows_only = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
+                              token_stop=False)
+  configs[f"adaptive rows (K={plan.max_draft})"] = lambda t, n: sj.decode(
+      target, rows_only, t, rng, lengths=n, num_draft=plan.max_draft, verify_widths=plan.widths,
+      **common)
   for name in [t for t in args.trees.split(",") if t]:
     spec = TreeSpec(**TREES[name])
     configs[f"tree {name}"] = (lambda spec: lambda t, n: sj.decode(

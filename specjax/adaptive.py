@@ -19,8 +19,26 @@ plain target step (verify width 1) when drafting does not pay for that row; the 
 whether its first draft would have matched (the drafter makes it anyway), so it starts drafting
 again when it would pay.
 
+**Token-level stop** (`AdaptiveDrafter.token_stop`, on by default for drafters whose `propose`
+takes `stop=`: every built-in head and draft model). The history says how a row has done, the
+drafter's own confidence says how sure it is of the draft in hand. So instead of fixing `k_b`
+before the round, the row decides draft by draft (`CostAwareStop`): before proposing draft `j` it
+estimates that draft's acceptance by the drafter's top probability `c_j` (known before the draft
+is drawn), the drafts after it by the row's running `alpha_{b, j+1..K}`, and proposes it only
+when some `k >= j` then promises more tokens per millisecond than stopping at `j - 1`:
+
+    max_{k >= j} (E_{j-1} + r_{j-1} c_j S_{j,k}) / round_ms[k]  >  E_{j-1} / round_ms[j-1],
+
+with `E_{j-1}`, `r_{j-1}` the expected tokens and the chance of reaching slot `j` from the
+confidences of the drafts already proposed, and `S_{j,k} = 1 + sum_{j<m<=k} prod_{j<i<=m}
+alpha_{b,i}`. Where a wider round costs little (a CPU verify of 5 tokens costs about what one
+of 2 does), the threshold falls far below a fixed confidence stop's at deep slots; where the
+first draft costs a whole forward more, the row drafts nothing unless the head is sure enough.
+
 Exactness: `k_b` is a function of tokens emitted in earlier rounds only, never of this round's
-target logits or random numbers, so it is independent of the verify's randomness at every slot of
+target logits or random numbers (and the token-level stop at slot `j` depends on the drafts
+before `j` and the drafter's distribution at `j`, never on the draft drawn there), so it is
+independent of the verify's randomness at every slot of
 this round; given everything before slot `j`, the verify emits there a ratio-test outcome for a
 draft from `q_j` or a direct sample from `p_j`, both distributed as `p_j` (the same argument as
 the confidence stop in `specjax.drafters.model`). Greedy stays token-identical to `generate`.
@@ -31,6 +49,7 @@ picked by `lax.switch` among the compiled widths.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import jax
@@ -38,7 +57,7 @@ import jax.numpy as jnp
 
 from specjax.state import Proposal
 
-__all__ = ["AdaptiveDrafter", "AdaptiveState"]
+__all__ = ["AdaptiveDrafter", "AdaptiveState", "CostAwareStop"]
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +83,47 @@ class AdaptiveState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class CostAwareStop:
+  """The token-level stop rule of `AdaptiveDrafter` (module docstring), for `draft_chain`'s
+  `stop=`: `init(batch)` and `(index, confidence [B], stats) -> (keep [B], stats)`.
+
+  Attributes:
+    alpha: `[B, K]` each row's acceptance estimate per slot (`AdaptiveDrafter.alpha`), used for
+      the slots after the one being decided.
+    round_ms: `K + 1` round costs for `k = 0 .. K` drafts.
+  """
+
+  alpha: jax.Array
+  round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
+
+  def init(self, batch: int):
+    """`(expected tokens, chance of reaching the next slot)` with nothing proposed: `(1, 1)`."""
+    ones = jnp.ones((batch,), jnp.float32)
+    return ones, ones
+
+  def __call__(self, index, confidence, stats):
+    expected, reach = stats
+    num = self.alpha.shape[1]
+    cost = jnp.asarray(self.round_ms, jnp.float32)  # [K + 1]
+    log_alpha = jnp.cumsum(jnp.log(jnp.clip(self.alpha, 1e-6, 1.0)), axis=1)  # [B, K]
+    slot = jnp.arange(num, dtype=jnp.int32)[None]  # 0-based slot m = draft m + 1
+    here = jnp.take_along_axis(log_alpha, jnp.full((log_alpha.shape[0], 1), index), axis=1)
+    beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
+    tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
+    gain = (reach * confidence.astype(jnp.float32))[:, None]
+    rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
+    keep = jnp.max(rate, axis=1) > expected / cost[index]
+    return keep, (jnp.where(keep, expected + gain[:, 0], expected),
+                  jnp.where(keep, gain[:, 0], reach))
+
+
+def takes_stop(drafter) -> bool:
+  """Whether `drafter.propose` accepts a `stop=` rule (`draft_chain`)."""
+  return "stop" in inspect.signature(drafter.propose).parameters
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class AdaptiveDrafter:
   """A drafter whose rows each draft their own number of tokens per round (module docstring).
 
@@ -75,6 +135,8 @@ class AdaptiveDrafter:
     prior_weight: pseudo-rounds of the prior in each position's estimate.
     decay: each observation of a position multiplies its earlier counts by this (recent rounds
       weigh more: a row's acceptance changes as its text moves between, e.g., prose and code).
+    token_stop: decide draft by draft from the drafter's confidence (`CostAwareStop`) where the
+      drafter supports it; False: each row's `k` is fixed at the start of the round (`limits`).
   """
 
   drafter: Any
@@ -83,6 +145,7 @@ class AdaptiveDrafter:
   prior: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
   prior_weight: float = dataclasses.field(default=2.0, metadata=dict(static=True))
   decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))
+  token_stop: bool = dataclasses.field(default=True, metadata=dict(static=True))
 
   def __post_init__(self):
     k = self.max_draft
@@ -158,9 +221,15 @@ class AdaptiveDrafter:
     if num_draft != self.max_draft:
       raise ValueError(f"an AdaptiveDrafter drafts up to max_draft={self.max_draft}, "
                        f"not num_draft={num_draft}")
-    limits = self.limits(state)
-    inner, proposal = self.drafter.propose(state.inner, sequence, lengths, num_draft=num_draft,
-                                           sampling=sampling, seeds=seeds, limits=limits)
+    common = dict(num_draft=num_draft, sampling=sampling, seeds=seeds)
+    if self.token_stop and takes_stop(self.drafter):
+      limits = jnp.full(lengths.shape, num_draft, jnp.int32)
+      stop = CostAwareStop(self.alpha(state), self.round_ms)
+      inner, proposal = self.drafter.propose(state.inner, sequence, lengths, stop=stop, **common)
+    else:
+      limits = self.limits(state)
+      inner, proposal = self.drafter.propose(state.inner, sequence, lengths, limits=limits,
+                                             **common)
     planned = limits if proposal.num_drafted is None else proposal.num_drafted
     planned = jnp.minimum(planned.astype(jnp.int32), limits)
     state = dataclasses.replace(state, inner=inner, planned=planned,

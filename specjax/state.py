@@ -18,7 +18,7 @@ from specjax.outputs import DecodeOutput, DecodeStats
 
 __all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "Proposal", "check_confidence",
            "confident_count", "gather_tokens", "init_state", "prefill", "finish",
-           "top_probability"]
+           "stopped_count", "top_probability"]
 
 
 @jax.tree_util.register_dataclass
@@ -82,6 +82,19 @@ def confident_count(confidences: jax.Array, threshold: float) -> jax.Array:
   a row stops at its first draft below the threshold (that one and later ones are not proposed)."""
   keep = (confidences >= threshold).astype(jnp.int32)
   return jnp.sum(jnp.cumprod(keep, axis=-1), axis=-1).astype(jnp.int32)
+
+
+def stopped_count(confidences: jax.Array, stop) -> jax.Array:
+  """`[B, k]` top probabilities -> `[B]` int32 leading drafts a stop rule keeps (the rule of
+  `specjax.drafters.model.draft_chain`'s `stop`, applied draft by draft)."""
+  batch, num_draft = confidences.shape
+  stats, alive = stop.init(batch), jnp.ones((batch,), bool)
+  count = jnp.zeros((batch,), jnp.int32)
+  for index in range(num_draft):
+    keep, stats = stop(index, confidences[:, index], stats)
+    alive = alive & keep
+    count = count + alive.astype(jnp.int32)
+  return count
 
 
 def gather_tokens(sequence: jax.Array, starts: jax.Array, width: int) -> jax.Array:

@@ -8,9 +8,13 @@
   the n-gram drafter and an EAGLE-3 head, in one jitted program (one top-level while loop, no
   callbacks).
 * Exactness of sampled decoding with a prior and costs that make rows switch between 0, 1 and 2
-  drafts from round to round: the pooled chi-square harness of tests/test_exactness.py
+  drafts from round to round (from their history, or draft by draft with the token stop): the pooled chi-square harness of tests/test_exactness.py
   (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0 and 0.7 with top-k; the same run through a
   deliberately broken rule (no residual) fails (p < 1e-6), so the test can fail.
+* The token-level stop (`CostAwareStop`): its decisions checked against a hand-worked case at the
+  first and a deep slot, applied draft by draft by `stopped_count`; greedy with it equals
+  `sj.generate`, and sampled decoding with it passes (and with a broken verify fails) the same
+  harness.
 * Bad plans raise a ValueError before anything is compiled.
 """
 
@@ -23,7 +27,8 @@ import pytest
 
 import specjax as sj
 from specjax import costs
-from specjax.adaptive import AdaptiveDrafter
+from specjax.adaptive import AdaptiveDrafter, CostAwareStop
+from specjax.state import stopped_count
 from specjax.costs import AcceptanceProfile, Calibration, CostTable
 from specjax.models import tiny_config
 from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
@@ -126,10 +131,44 @@ def test_plan_and_first_choice_hand_worked():
   np.testing.assert_array_equal(np.argmax((1 + reach) / np.asarray(plan.round_ms), 1), [3, 0, 1, 3])
 
 
-def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20):
-  decode = lambda t, l: sj.decode(target, drafter, t, jax.random.key(0), lengths=l,
-                                  max_new_tokens=max_new, num_draft="adaptive",
-                                  calibration=calibration)
+def test_cost_aware_stop_hand_worked():
+  """Round costs 27, 36, 37, 38, 39 ms for k = 0..4 (a CPU-like table: the first draft costs a
+  third of a step more, each later one 1 ms) and a row estimate alpha = 0.5 at every slot.
+
+  Slot 1, nothing proposed (E = 1, reach 1): draft 1 pays when some k >= 1 beats 1/27 with
+  E_k = 1 + c * S_k, S = 1, 1.5, 1.75, 1.875: c > (36/27 - 1)/1 = 0.3333, (37/27 - 1)/1.5 =
+  0.2469, (38/27 - 1)/1.75 = 0.2328, (39/27 - 1)/1.875 = 0.2370: the threshold is 0.2328.
+  Slot 4 with E = 2.2 expected tokens and reach 0.4: (2.2 + 0.4 c)/39 > 2.2/38 when
+  c > 2.2 * (39/38 - 1)/0.4 = 0.1447. A fixed confidence stop at 0.4 would stop both rows."""
+  round_ms = (27.0, 36.0, 37.0, 38.0, 39.0)
+  stop = CostAwareStop(jnp.full((4, 4), 0.5), round_ms)
+  keep, (expected, reach) = stop(0, jnp.array([0.24, 0.22, 0.2335, 0.2320]), stop.init(4))
+  np.testing.assert_array_equal(keep, [True, False, True, False])
+  np.testing.assert_allclose(expected, [1.24, 1.0, 1.2335, 1.0], rtol=1e-6)
+  np.testing.assert_allclose(reach, [0.24, 1.0, 0.2335, 1.0], rtol=1e-6)
+  stats = (jnp.full(4, 2.2), jnp.full(4, 0.4))
+  keep, (expected, reach) = stop(jnp.int32(3), jnp.array([0.15, 0.14, 0.9, 0.0]), stats)
+  np.testing.assert_array_equal(keep, [True, False, True, False])
+  np.testing.assert_allclose(expected, [2.26, 2.2, 2.56, 2.2], rtol=1e-6)
+  np.testing.assert_allclose(reach, [0.06, 0.4, 0.36, 0.4], rtol=1e-6)
+  # Draft by draft: a row stops at its first refusal even if a later slot would pass.
+  confidences = jnp.array([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9], [0.9, 0.01, 0.9, 0.9]])
+  np.testing.assert_array_equal(
+      stopped_count(confidences, CostAwareStop(jnp.full((3, 4), 0.5), round_ms)), [4, 0, 1])
+
+
+def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20,
+                            token_stop=True):
+  if token_stop:
+    decode = lambda t, l: sj.decode(target, drafter, t, jax.random.key(0), lengths=l,
+                                    max_new_tokens=max_new, num_draft="adaptive",
+                                    calibration=calibration)
+  else:  # each row's k fixed before the round from its history alone
+    plan = costs.adaptive_plan(calibration.costs, calibration.profile)
+    rows = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior, token_stop=False)
+    decode = lambda t, l: sj.decode(target, rows, t, jax.random.key(0), lengths=l,
+                                    max_new_tokens=max_new, num_draft=plan.max_draft,
+                                    verify_widths=plan.widths)
   jaxpr = jax.make_jaxpr(decode)(tokens, lengths)
   assert "callback" not in str(jaxpr)
   calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
@@ -145,7 +184,8 @@ def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_n
 def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_nothing(
     target, ragged):
   tokens, lengths = ragged
-  perfect = _greedy_equals_generate(target, sj.ModelDrafter(target), tokens, lengths, FLAT)
+  perfect = _greedy_equals_generate(target, sj.ModelDrafter(target), tokens, lengths, FLAT,
+                                    token_stop=False)
   # Round 1 drafts the prior's choice (k = 3 of K = 4: FLAT's alpha 0.6 at 4x the odds is 0.86,
   # whose best k is 4); every row's estimate only rises from there: K every later round, for
   # each of the 3 rows.
@@ -157,7 +197,7 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
   assert perfect["accepted"] == perfect["drafted"]
   stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
   poor = _greedy_equals_generate(target, sj.ModelDrafter(stranger), tokens, lengths, FLAT,
-                                 max_new=48)
+                                 max_new=48, token_stop=False)
   assert poor["accepted"] <= 0.2 * poor["drafted"]  # it rarely agrees (about 1 in 64)...
   # ...so after three or four rejected rounds per row (about 10 drafts each) the rows stop
   # drafting: most of the 48 rounds per row are plain target steps.
@@ -176,10 +216,35 @@ def test_greedy_ngram_and_eagle_equal_generate(target, ragged):
   assert summary["drafted"] > 0
 
 
-@pytest.mark.parametrize("name, power", [("t1", False), ("t1", True),
-                                         pytest.param("t0.7_topk3", False,
-                                                      marks=pytest.mark.slow)])
-def test_sampled_adaptive_decode_matches_target_distribution(name, power):
+# Cheap drafting: a row's first draft pays from a confidence of about 0.06 and deeper ones from
+# about 0.1, the middle of these random drafters' top probabilities, so rows stop at every slot.
+CHEAP = _calibration([10.0, 10.5, 10.6, 10.7, 10.8], [0.3] * 4, draft_step_ms=0.1)
+
+
+@pytest.mark.parametrize("kind", ["model", "eagle3", "medusa"])
+def test_token_stop_greedy_equals_generate(target, ragged, kind):
+  from specjax.drafters import eagle, medusa
+  tokens, lengths = ragged
+  ids = list(range(0, VOCAB, 2))
+  if kind == "model":
+    drafter = sj.ModelDrafter(target)
+  elif kind == "eagle3":
+    config = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=32)
+    drafter = sj.EagleDrafter(eagle.init_head(config, target, jax.random.key(32), ids),
+                              target.params["embed"])
+  else:
+    config = medusa.MedusaConfig(target.config.embed_dim, 4, 32, VOCAB)
+    drafter = sj.MedusaDrafter(medusa.init_medusa(config, target, ids))
+  summary = _greedy_equals_generate(target, drafter, tokens, lengths, CHEAP)
+  # The stop cut rounds at different lengths: some drafts were made, not all K = 4 every round.
+  assert 0 < summary["drafted"] < 4 * summary["rounds"]
+
+
+@pytest.mark.parametrize("name, power, token_stop", [
+    ("t1", False, False), ("t1", True, False), ("t1", False, True), ("t1", True, True),
+    pytest.param("t0.7_topk3", False, False, marks=pytest.mark.slow),
+    pytest.param("t0.7_topk3", False, True, marks=pytest.mark.slow)])
+def test_sampled_adaptive_decode_matches_target_distribution(name, power, token_stop):
   from test_exactness import VOCAB as GOF_VOCAB
   sampling = SETTINGS[name]
   gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
@@ -187,9 +252,11 @@ def test_sampled_adaptive_decode_matches_target_distribution(name, power):
   # Costs and a prior under which one observation moves a row between 0 and 2 drafts: from the
   # prior (0.5, 0.5) a row drafts 2 (1.75 tokens / 1.5 ms beats 1.5 / 1.4 and 1 / 1.0); after a
   # rejection at position 1 (alpha_1 = 0.25) it drafts 0, and back to 2 once its unproposed
-  # first draft matches the target's token.
+  # first draft matches the target's token. With the token stop the same costs make a row draft
+  # its first token from a confidence of about 1/3 (the draft model's top probabilities over 8
+  # tokens straddle it), and the second from about 0.1 to 0.4 depending on the first.
   drafter = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5),
-                            prior_weight=1.0, decay=1.0)
+                            prior_weight=1.0, decay=1.0, token_stop=token_stop)
   tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
   impl = DRAFT_MODEL_BROKEN[name] if power else "auto"
   out = sj.decode(gof_target, drafter, tokens, jax.random.key(3), max_new_tokens=NEW,
@@ -197,14 +264,44 @@ def test_sampled_adaptive_decode_matches_target_distribution(name, power):
   assert np.all(np.asarray(out.num_tokens) == NEW)
   rounds = np.asarray(out.stats.rounds)
   drafted = np.asarray(out.stats.drafted)
-  # The adaptation is exercised: rows draft 2 in their first round, and some later rounds draft
-  # fewer (0 or 1), so rows end with different totals per round.
-  assert np.all(drafted >= 2) and np.any(drafted < 2 * rounds)
+  if token_stop:  # rows differ: some draft in some rounds, some stop short of 2
+    assert np.any(drafted > 0) and np.any(drafted < 2 * rounds)
+    assert 0.05 < drafted.sum() / (2 * rounds.sum()) < 0.95
+  else:  # rows draft 2 in their first round, and some later rounds draft fewer (0 or 1)
+    assert np.all(drafted >= 2) and np.any(drafted < 2 * rounds)
   pvalue = chi_square_pvalue(np.asarray(out.tokens), exact_joint(gof_target, sampling))
   if power:
     assert pvalue < POWER_ALPHA
   else:
     assert pvalue > ALPHA
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _PeekingDrafter(sj.ModelDrafter):
+  """A broken stop: it keeps draft j only while d_j is q_j's mode, a decision that depends on the
+  draft itself (the token stop decides before the draft is drawn)."""
+
+  def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
+    cache, proposal = super().propose(cache, sequence, lengths, num_draft=num_draft,
+                                      sampling=sampling, seeds=seeds)
+    mode = (jnp.argmax(proposal.logits, axis=-1) == proposal.tokens).astype(jnp.int32)
+    return cache, dataclasses.replace(proposal, num_drafted=jnp.sum(jnp.cumprod(mode, 1), 1))
+
+
+def test_a_stop_that_peeks_at_its_draft_is_detected():
+  """The exactness condition is needed: truncating on the drawn drafts themselves biases the
+  output, and the same harness (N = 20,000, p < 1e-6) rejects it."""
+  from test_exactness import VOCAB as GOF_VOCAB
+  sampling = SETTINGS["t1"]
+  gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
+  draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
+  tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
+  out = sj.decode(gof_target, _PeekingDrafter(draft), tokens, jax.random.key(3),
+                  max_new_tokens=NEW, num_draft=2, sampling=sampling)
+  drafted = np.asarray(out.stats.drafted)
+  assert np.any(drafted > 0) and np.any(drafted < 2 * np.asarray(out.stats.rounds))
+  assert chi_square_pvalue(np.asarray(out.tokens), exact_joint(gof_target, sampling)) < POWER_ALPHA
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -43,7 +43,8 @@ from specjax.cache import KVCache
 from specjax.drafters import eagle, medusa
 from specjax.drafters.model import draft_chain
 from specjax.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_token
-from specjax.state import Proposal, check_confidence, confident_count, top_probability
+from specjax.state import (Proposal, check_confidence, confident_count, stopped_count,
+                           top_probability)
 
 __all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
 
@@ -151,7 +152,8 @@ class EagleDrafter:
     """Draft-vocabulary logits `[..., N]` -> `[..., V]` (`-inf` outside the draft vocabulary)."""
     return eagle.to_target_logits(self.head, logits)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
+              stop=None):
     del sequence
     draft = lambda logits, positions: draft_tokens(logits, self.head.draft_ids, self.full_logits,
                                                    sampling, seeds, positions)
@@ -166,7 +168,7 @@ class EagleDrafter:
 
     (cache, _), proposal = draft_chain(step, (state.cache, state.hidden),
                                        (first, first_logits, state.logits), num_draft,
-                                       confidence=self.confidence, limits=limits)
+                                       confidence=self.confidence, limits=limits, stop=stop)
     # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
     state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
     return state, proposal
@@ -237,7 +239,8 @@ class MedusaDrafter:
   def full_logits(self, logits: jax.Array) -> jax.Array:
     return medusa.to_target_logits(self.heads, logits)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
+              stop=None):
     del sequence
     if num_draft > self.num_heads:
       raise ValueError(f"num_draft ({num_draft}) exceeds the number of Medusa heads "
@@ -249,6 +252,9 @@ class MedusaDrafter:
                                 seeds[:, None], positions)
     num_drafted = (None if self.confidence is None
                    else confident_count(top_probability(logits), self.confidence))
+    if stop is not None:  # head j's confidence does not depend on the drafts before it
+      stopped = stopped_count(top_probability(logits), stop)
+      num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
     if limits is not None:  # all k come from one forward: a limit only trims the proposal
       num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
     return state, Proposal(tokens, full, num_drafted)

@@ -32,7 +32,7 @@ __all__ = ["ModelDrafter", "draft_chain"]
 
 
 def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
-                confidence: float | None, limits: jax.Array | None = None
+                confidence: float | None, limits: jax.Array | None = None, stop: Any = None
                 ) -> tuple[Any, Proposal]:
   """Drafts `num_draft` tokens per row: `first`, then `num_draft - 1` calls of `step`.
 
@@ -50,13 +50,18 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
     limits: None, or `[B]` int32: row `b` drafts at most `limits[b]` tokens (0 = none; chosen
       before the round from past rounds only, e.g. `specjax.adaptive`); with a stop, the loop
       ends when every row has stopped.
+    stop: None, or a stop rule decided in the loop (e.g. `specjax.adaptive.CostAwareStop`):
+      `stop.init(batch) -> stats` and `stop(index, confidence [B], stats) -> (keep [B], stats)`,
+      called for draft `index + 1` with its top probability before it is proposed (a function of
+      the drafts before it, never of the draft itself); a row proposes a draft only while
+      `keep` (and the threshold and limit) allow.
 
   Returns:
     `(carry after the last step run, Proposal(tokens [B, k], logits [B, k, V] or None,
     num_drafted [B] or None))`.
   """
   token, logits, raw = first
-  if confidence is None and limits is None:
+  if confidence is None and limits is None and stop is None:
     def scan_step(state, i):
       carry, token = state
       carry, (token, logits, _) = step(carry, i, token)
@@ -75,28 +80,34 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
   if logits is not None:
     all_logits = jnp.zeros((batch, num_draft) + logits.shape[1:], logits.dtype)
     all_logits = all_logits.at[:, 0].set(logits)
-  def confident(raw):
-    return True if confidence is None else top_probability(raw) >= confidence
+  def confident(index, raw, stats):
+    keep = True if confidence is None else top_probability(raw) >= confidence
+    if stop is not None:
+      wants, stats = stop(index, top_probability(raw), stats)
+      keep = keep & wants
+    return keep, stats
 
   limits = jnp.full((batch,), num_draft, jnp.int32) if limits is None else limits
-  alive = (limits > 0) & confident(raw)  # [B] still drafting
+  keep, stats = confident(0, raw, None if stop is None else stop.init(batch))
+  alive = (limits > 0) & keep  # [B] still drafting
   count = alive.astype(jnp.int32)
 
   def cond(state):
-    i, _, _, _, _, alive, _ = state
+    i, _, _, _, _, alive, _, _ = state
     return (i < num_draft) & jnp.any(alive)
 
   def body(state):
-    i, carry, token, tokens, all_logits, alive, count = state
+    i, carry, token, tokens, all_logits, alive, count, stats = state
     carry, (token, logits, raw) = step(carry, i, token)
     tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, i, axis=1)
     if all_logits is not None:
       all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
-    alive = alive & (i < limits) & confident(raw)
-    return i + 1, carry, token, tokens, all_logits, alive, count + alive.astype(jnp.int32)
+    keep, stats = confident(i, raw, stats)
+    alive = alive & (i < limits) & keep
+    return i + 1, carry, token, tokens, all_logits, alive, count + alive.astype(jnp.int32), stats
 
-  _, carry, _, tokens, all_logits, _, count = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), carry, token, tokens, all_logits, alive, count))
+  _, carry, _, tokens, all_logits, _, count, _ = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), carry, token, tokens, all_logits, alive, count, stats))
   return carry, Proposal(tokens, all_logits, count)
 
 
@@ -144,7 +155,8 @@ class ModelDrafter:
     cache = self.model(tokens, jnp.zeros((batch,), jnp.int32), cache).cache
     return cache.with_lengths(lengths - 1)  # the last prompt token is fed with the first draft
 
-  def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
+  def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
+              stop=None):
     # Valid draft cache: what it has seen that is still in the sequence (rollback). After a
     # confidence stop the cache may hold more than that; `start` cuts it back.
     start = jnp.minimum(cache.lengths, lengths - 1)  # lengths - 2 or lengths - 1
@@ -163,7 +175,7 @@ class ModelDrafter:
       return out.cache, (next_token, keep(next_logits), next_logits)
 
     return draft_chain(step, cache, (first, keep(logits), logits), num_draft,
-                       confidence=self.confidence, limits=limits)
+                       confidence=self.confidence, limits=limits, stop=stop)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths
