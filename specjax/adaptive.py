@@ -23,8 +23,11 @@ again when it would pay.
 takes `stop=`: every built-in head and draft model). The history says how a row has done, the
 drafter's own confidence says how sure it is of the draft in hand. So instead of fixing `k_b`
 before the round, the row decides draft by draft (`CostAwareStop`): before proposing draft `j` it
-estimates that draft's acceptance by the drafter's top probability `c_j` (known before the draft
-is drawn), the drafts after it by the row's running `alpha_{b, j+1..K}`, and proposes it only
+estimates that draft's acceptance from the drafter's top probability `c_j` (known before the draft
+is drawn; calibrated per row: its log-odds shifted by how much more often the row's tested drafts
+were accepted than their confidences said, `AdaptiveDrafter.confidence_shift`, because a head's
+top probability is not the chance that the target agrees: under greedy verification it
+understates it), the drafts after it by the row's running `alpha_{b, j+1..K}`, and proposes it only
 when some `k >= j` then promises more tokens per millisecond than stopping at `j - 1`:
 
     max_{k >= j} (E_{j-1} + r_{j-1} c_j S_{j,k}) / round_ms[k]  >  E_{j-1} / round_ms[j-1],
@@ -72,6 +75,10 @@ class AdaptiveState:
       and every draft before it accepted).
     planned: `[B]` int32 drafts the row proposed this round.
     first: `[B]` int32 the row's first draft this round (made even when not proposed).
+    confidence: `[B, K]` float32 the drafter's top probability at each slot this round (0 where
+      the drafter reports none).
+    believed: `[B, K]` float32 decayed sum of those confidences over the tested slots (beside
+      `accepted`: how often the row's drafts were accepted vs how sure the drafter was).
   """
 
   inner: Any
@@ -79,6 +86,8 @@ class AdaptiveState:
   reached: jax.Array
   planned: jax.Array
   first: jax.Array
+  confidence: jax.Array
+  believed: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -90,10 +99,13 @@ class CostAwareStop:
   Attributes:
     alpha: `[B, K]` each row's acceptance estimate per slot (`AdaptiveDrafter.alpha`), used for
       the slots after the one being decided.
+    shift: `[B]` log-odds added to the drafter's confidence to estimate the acceptance of the slot
+      being decided (`AdaptiveDrafter.confidence_shift`).
     round_ms: `K + 1` round costs for `k = 0 .. K` drafts.
   """
 
   alpha: jax.Array
+  shift: jax.Array
   round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
 
   def init(self, batch: int):
@@ -110,7 +122,9 @@ class CostAwareStop:
     here = jnp.take_along_axis(log_alpha, jnp.full((log_alpha.shape[0], 1), index), axis=1)
     beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
     tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
-    gain = (reach * confidence.astype(jnp.float32))[:, None]
+    c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
+    accept = jax.nn.sigmoid(jnp.log(c) - jnp.log1p(-c) + self.shift)
+    gain = (reach * accept)[:, None]
     rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
     keep = jnp.max(rate, axis=1) > expected / cost[index]
     return keep, (jnp.where(keep, expected + gain[:, 0], expected),
@@ -186,7 +200,17 @@ class AdaptiveDrafter:
     zeros = jnp.zeros((batch, self.max_draft), jnp.float32)
     ints = jnp.zeros((batch,), jnp.int32)
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
-                         ints, ints)
+                         ints, ints, zeros, zeros)
+
+  def confidence_shift(self, state: AdaptiveState) -> jax.Array:
+    """`[B]` log-odds of the row's accepted drafts minus those of their confidences, over its
+    tested slots, each side shrunk towards 1/2 by `prior_weight` pseudo-slots (0 with no
+    history: the confidence is taken at its word)."""
+    weight = self.prior_weight
+    tested = jnp.sum(state.reached, axis=1) + weight
+    log_odds = lambda a: jnp.log(a) - jnp.log1p(-a)
+    rate = lambda x: jnp.clip((jnp.sum(x, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
+    return log_odds(rate(state.accepted)) - log_odds(rate(state.believed))
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position.
@@ -224,7 +248,7 @@ class AdaptiveDrafter:
     common = dict(num_draft=num_draft, sampling=sampling, seeds=seeds)
     if self.token_stop and takes_stop(self.drafter):
       limits = jnp.full(lengths.shape, num_draft, jnp.int32)
-      stop = CostAwareStop(self.alpha(state), self.round_ms)
+      stop = CostAwareStop(self.alpha(state), self.confidence_shift(state), self.round_ms)
       inner, proposal = self.drafter.propose(state.inner, sequence, lengths, stop=stop, **common)
     else:
       limits = self.limits(state)
@@ -232,9 +256,11 @@ class AdaptiveDrafter:
                                              **common)
     planned = limits if proposal.num_drafted is None else proposal.num_drafted
     planned = jnp.minimum(planned.astype(jnp.int32), limits)
-    state = dataclasses.replace(state, inner=inner, planned=planned,
+    confidence = (jnp.zeros(state.believed.shape, jnp.float32) if proposal.confidence is None
+                  else proposal.confidence.astype(jnp.float32))
+    state = dataclasses.replace(state, inner=inner, planned=planned, confidence=confidence,
                                 first=proposal.tokens[:, 0].astype(jnp.int32))
-    return state, Proposal(proposal.tokens, proposal.logits, planned)
+    return state, Proposal(proposal.tokens, proposal.logits, planned, proposal.confidence)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     inner = self.drafter.observe(state.inner, scored, block, emitted, count, lengths)
@@ -251,4 +277,5 @@ class AdaptiveDrafter:
     return dataclasses.replace(
         state, inner=inner,
         accepted=state.accepted * decay + hit.astype(jnp.float32),
-        reached=state.reached * decay + tested.astype(jnp.float32))
+        reached=state.reached * decay + tested.astype(jnp.float32),
+        believed=state.believed * decay + jnp.where(tested, state.confidence, 0.0))

@@ -34,11 +34,14 @@ class Proposal:
     num_drafted: `[B]` int32 in `[0, k]`: row `b` proposes only `tokens[b, :num_drafted[b]]`
       (a confidence stop); later entries are not drafts, and the verify samples the token at
       slot `num_drafted[b]` from the target (the bonus). None = every row proposes all `k`.
+    confidence: `[B, k]` float32 the drafter's top probability at each slot it decided (its
+      stop rule's input; 0 past the slot where every row had stopped), or None.
   """
 
   tokens: jax.Array
   logits: jax.Array | None
   num_drafted: jax.Array | None = None
+  confidence: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -141,7 +141,7 @@ def test_cost_aware_stop_hand_worked():
   Slot 4 with E = 2.2 expected tokens and reach 0.4: (2.2 + 0.4 c)/39 > 2.2/38 when
   c > 2.2 * (39/38 - 1)/0.4 = 0.1447. A fixed confidence stop at 0.4 would stop both rows."""
   round_ms = (27.0, 36.0, 37.0, 38.0, 39.0)
-  stop = CostAwareStop(jnp.full((4, 4), 0.5), round_ms)
+  stop = CostAwareStop(jnp.full((4, 4), 0.5), jnp.zeros(4), round_ms)
   keep, (expected, reach) = stop(0, jnp.array([0.24, 0.22, 0.2335, 0.2320]), stop.init(4))
   np.testing.assert_array_equal(keep, [True, False, True, False])
   np.testing.assert_allclose(expected, [1.24, 1.0, 1.2335, 1.0], rtol=1e-6)
@@ -154,7 +154,30 @@ def test_cost_aware_stop_hand_worked():
   # Draft by draft: a row stops at its first refusal even if a later slot would pass.
   confidences = jnp.array([[0.9, 0.9, 0.9, 0.9], [0.2, 0.9, 0.9, 0.9], [0.9, 0.01, 0.9, 0.9]])
   np.testing.assert_array_equal(
-      stopped_count(confidences, CostAwareStop(jnp.full((3, 4), 0.5), round_ms)), [4, 0, 1])
+      stopped_count(confidences, CostAwareStop(jnp.full((3, 4), 0.5), jnp.zeros(3), round_ms)),
+      [4, 0, 1])
+  # A row whose drafts were accepted at 3x the odds its confidences gave: a confidence of 0.2
+  # (odds 1/4) counts as odds 3/4, acceptance 0.4286 > 0.2328: it drafts; unshifted it does not.
+  stop = CostAwareStop(jnp.full((2, 4), 0.5), jnp.array([np.log(3.0), 0.0]), round_ms)
+  keep, (expected, _) = stop(0, jnp.array([0.2, 0.2]), stop.init(2))
+  np.testing.assert_array_equal(keep, [True, False])
+  np.testing.assert_allclose(expected, [1 + 3 / 7, 1.0], rtol=1e-5)
+
+
+def test_confidence_shift_hand_worked():
+  """Log-odds of (accepted + 1) / (tested + 2) minus those of (confidence sum + 1) / (tested + 2)
+  with prior_weight 2: a row that accepted 6 of 8 tested drafts whose confidences summed to 2
+  gets log(7/3) - log(3/7) = 1.695; one with no history 0; one accepted less than it believed
+  (1 of 8, confidences 6) a negative shift."""
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), 2, (1.0, 1.4, 1.5), (0.5, 0.5))
+  state = drafter.init(jnp.zeros((3, 4), jnp.int32), jnp.full(3, 4, jnp.int32), 16, None)
+  state = dataclasses.replace(
+      state, reached=jnp.array([[5.0, 3.0], [0, 0], [5.0, 3.0]]),
+      accepted=jnp.array([[4.0, 2.0], [0, 0], [1.0, 0.0]]),
+      believed=jnp.array([[1.2, 0.8], [0, 0], [3.5, 2.5]]))
+  np.testing.assert_allclose(drafter.confidence_shift(state),
+                             [np.log(7 / 3) - np.log(3 / 7), 0.0, np.log(2 / 8) - np.log(7 / 3)],
+                             rtol=1e-5)
 
 
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20,

@@ -250,14 +250,14 @@ class MedusaDrafter:
     positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
     tokens, full = draft_tokens(logits, self.heads.draft_ids, self.full_logits, sampling,
                                 seeds[:, None], positions)
-    num_drafted = (None if self.confidence is None
-                   else confident_count(top_probability(logits), self.confidence))
+    tops = top_probability(logits)  # [B, k]
+    num_drafted = None if self.confidence is None else confident_count(tops, self.confidence)
     if stop is not None:  # head j's confidence does not depend on the drafts before it
-      stopped = stopped_count(top_probability(logits), stop)
+      stopped = stopped_count(tops, stop)
       num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
     if limits is not None:  # all k come from one forward: a limit only trims the proposal
       num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
-    return state, Proposal(tokens, full, num_drafted)
+    return state, Proposal(tokens, full, num_drafted, tops)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block, emitted, lengths

@@ -58,7 +58,8 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
 
   Returns:
     `(carry after the last step run, Proposal(tokens [B, k], logits [B, k, V] or None,
-    num_drafted [B] or None))`.
+    num_drafted [B] or None, confidence [B, k] or None))`: without a threshold, limits or stop
+    rule every row drafts `k` and `num_drafted` and `confidence` are None.
   """
   token, logits, raw = first
   if confidence is None and limits is None and stop is None:
@@ -81,34 +82,38 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
     all_logits = jnp.zeros((batch, num_draft) + logits.shape[1:], logits.dtype)
     all_logits = all_logits.at[:, 0].set(logits)
   def confident(index, raw, stats):
-    keep = True if confidence is None else top_probability(raw) >= confidence
+    top = top_probability(raw)
+    keep = True if confidence is None else top >= confidence
     if stop is not None:
-      wants, stats = stop(index, top_probability(raw), stats)
+      wants, stats = stop(index, top, stats)
       keep = keep & wants
-    return keep, stats
+    return keep, stats, top
 
   limits = jnp.full((batch,), num_draft, jnp.int32) if limits is None else limits
-  keep, stats = confident(0, raw, None if stop is None else stop.init(batch))
+  keep, stats, top = confident(0, raw, None if stop is None else stop.init(batch))
   alive = (limits > 0) & keep  # [B] still drafting
   count = alive.astype(jnp.int32)
+  tops = jnp.zeros((batch, num_draft), jnp.float32).at[:, 0].set(top)
 
   def cond(state):
-    i, _, _, _, _, alive, _, _ = state
+    i, _, _, _, _, alive, _, _, _ = state
     return (i < num_draft) & jnp.any(alive)
 
   def body(state):
-    i, carry, token, tokens, all_logits, alive, count, stats = state
+    i, carry, token, tokens, all_logits, alive, count, stats, tops = state
     carry, (token, logits, raw) = step(carry, i, token)
     tokens = jax.lax.dynamic_update_index_in_dim(tokens, token, i, axis=1)
     if all_logits is not None:
       all_logits = jax.lax.dynamic_update_index_in_dim(all_logits, logits, i, axis=1)
-    keep, stats = confident(i, raw, stats)
+    keep, stats, top = confident(i, raw, stats)
+    tops = jax.lax.dynamic_update_index_in_dim(tops, top, i, axis=1)
     alive = alive & (i < limits) & keep
-    return i + 1, carry, token, tokens, all_logits, alive, count + alive.astype(jnp.int32), stats
+    count = count + alive.astype(jnp.int32)
+    return i + 1, carry, token, tokens, all_logits, alive, count, stats, tops
 
-  _, carry, _, tokens, all_logits, _, count, _ = jax.lax.while_loop(
-      cond, body, (jnp.int32(1), carry, token, tokens, all_logits, alive, count, stats))
-  return carry, Proposal(tokens, all_logits, count)
+  _, carry, _, tokens, all_logits, _, count, _, tops = jax.lax.while_loop(
+      cond, body, (jnp.int32(1), carry, token, tokens, all_logits, alive, count, stats, tops))
+  return carry, Proposal(tokens, all_logits, count, tops)
 
 
 @jax.tree_util.register_dataclass
