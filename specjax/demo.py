@@ -35,8 +35,9 @@ def add_subcommand(subparsers, handler):
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,
                       help="drafts per round: a number, 'auto' (the cost table beside the head "
-                      "picks k) or 'adaptive' (each row its own k every round); default: auto "
-                      "where this backend has a cost table beside the head, else 4")
+                      "picks k) or 'adaptive' (each row its own k every round, draft by draft); "
+                      "default: adaptive where this backend has a cost table beside the head, "
+                      "else 4")
   parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
   parser.set_defaults(func=handler)
 
@@ -75,7 +76,7 @@ def run(args) -> int:
   eos = tuple(tokenizer.eos_ids) or None
   common = dict(lengths=lengths, max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
   num_draft = args.num_draft if args.num_draft is not None else (
-      "auto" if pair.calibration is not None else 4)
+      "adaptive" if pair.calibration is not None else 4)
   if isinstance(num_draft, str):
     if pair.calibration is None:
       raise ValueError(f"--num-draft {num_draft} needs a cost table for this backend beside the "
@@ -106,11 +107,10 @@ def run(args) -> int:
   same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens))
               and np.asarray(out.tokens[0, :count]).tolist() == streamed[:count])
   stats = out.stats.summary()
-  describe = str(num_draft)
-  if num_draft != "adaptive":
-    from specjax.decode import resolve_num_draft
-    _, k, _ = resolve_num_draft(draft, num_draft, calibration=common.get("calibration"))
-    describe = f"auto (k = {k})" if num_draft == "auto" else f"k = {k}"
+  from specjax.decode import resolve_num_draft
+  _, k, _ = resolve_num_draft(draft, num_draft, calibration=common.get("calibration"))
+  describe = {"auto": f"auto (k = {k})", "adaptive": f"adaptive (each round up to K = {k})"}.get(
+      num_draft, f"k = {k}")
   console.print(f"speculative decoding, {describe}: {count} tokens in {stats['rounds']} "
                 f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, tau = "
                 f"{stats['tokens_per_round']:.2f} tokens per target pass; accepted per position "

@@ -179,9 +179,10 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
   out = capsys.readouterr().out
   assert "acceptance rate" in out and "output identical to generate: True" in out
-  assert "auto (k = " in out  # the cost table beside the head picks k on this backend
-  assert cli.main(["demo", "--max-new-tokens", "8", "--num-draft", "adaptive"]) == 0
-  assert "output identical to generate: True" in capsys.readouterr().out
+  assert "adaptive (each round up to K = " in out  # the cost table beside the head is used
+  assert cli.main(["demo", "--max-new-tokens", "8", "--num-draft", "auto"]) == 0
+  out = capsys.readouterr().out
+  assert "auto (k = " in out and "output identical to generate: True" in out
   with pytest.raises(SystemExit):
     cli.main(["demo", "--num-draft", "many"])
   assert "expected a number, 'auto' or 'adaptive'" in capsys.readouterr().err
