@@ -90,6 +90,11 @@ class AdaptiveState:
   believed: jax.Array
 
 
+def _log_odds(a: jax.Array) -> jax.Array:
+  """`log(a / (1 - a))`, for probabilities already kept away from 0 and 1."""
+  return jnp.log(a) - jnp.log1p(-a)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class CostAwareStop:
@@ -123,7 +128,7 @@ class CostAwareStop:
     beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
     tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
     c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
-    accept = jax.nn.sigmoid(jnp.log(c) - jnp.log1p(-c) + self.shift)
+    accept = jax.nn.sigmoid(_log_odds(c) + self.shift)
     gain = (reach * accept)[:, None]
     rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
     keep = jnp.max(rate, axis=1) > expected / cost[index]
@@ -208,9 +213,8 @@ class AdaptiveDrafter:
     history: the confidence is taken at its word)."""
     weight = self.prior_weight
     tested = jnp.sum(state.reached, axis=1) + weight
-    log_odds = lambda a: jnp.log(a) - jnp.log1p(-a)
     rate = lambda x: jnp.clip((jnp.sum(x, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
-    return log_odds(rate(state.accepted)) - log_odds(rate(state.believed))
+    return _log_odds(rate(state.accepted)) - _log_odds(rate(state.believed))
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position.
@@ -227,10 +231,9 @@ class AdaptiveDrafter:
     seen = jnp.sum(state.accepted, axis=1) + weight * pooled
     expected = jnp.sum(state.reached * prior, axis=1) + weight * pooled
     tested = jnp.sum(state.reached, axis=1) + weight
-    log_odds = lambda a: jnp.log(a) - jnp.log1p(-a)
-    shift = (log_odds(jnp.clip(seen / tested, 0.01, 0.99))
-             - log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
-    row_prior = jax.nn.sigmoid(log_odds(prior)[None] + shift[:, None])  # [B, K]
+    shift = (_log_odds(jnp.clip(seen / tested, 0.01, 0.99))
+             - _log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
+    row_prior = jax.nn.sigmoid(_log_odds(prior)[None] + shift[:, None])  # [B, K]
     return (state.accepted + weight * row_prior) / (state.reached + weight)
 
   def limits(self, state: AdaptiveState) -> jax.Array:
