@@ -38,13 +38,17 @@ def _read_target(spec: str, dtype: str):
   return load(path, dtype=dtype)
 
 
+def _tokenizer_file(spec: str) -> str:
+  if spec == "smollm2":
+    from specjax.io.gguf import find_packaged_gguf
+    return str(find_packaged_gguf("smollm2"))
+  return spec
+
+
 def chat_encoder(spec: str):
   """`messages -> ids` with the target's chat template (generation prompt added)."""
   from transformers import AutoTokenizer
-  if spec == "smollm2":
-    from specjax.io.gguf import find_packaged_gguf
-    spec = str(find_packaged_gguf("smollm2"))
-  path = pathlib.Path(spec)
+  path = pathlib.Path(_tokenizer_file(spec))
   if path.suffix == ".gguf":
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   else:
@@ -78,6 +82,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--tokenizer", help="tokenizer source for head-data (default: --target)")
   parser.add_argument("--data", default="runs/selfdistill", help="self-distillation chunk folder")
   parser.add_argument("--conversations", type=int, default=6400, help="head-data: prompts")
+  parser.add_argument("--prompts", choices=("templates", "self"), default="templates",
+                      help="head-data: prompts from word-list templates, or user turns the target "
+                           "writes itself (specjax.training.self_prompts)")
   parser.add_argument("--gen-batch", type=int, default=64, help="head-data: rows per chunk")
   parser.add_argument("--max-new-tokens", type=int, default=128, help="head-data: answer budget")
   parser.add_argument("--write-chunks", help="head-data: write only these chunks, e.g. 50:90")
@@ -110,10 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
   """Runs `specjax train head-data` or `specjax train head` (`args.task`)."""
   from specjax.drafters import eagle
-  from specjax.training import head_run, heads, prompts, selfdistill
+  from specjax.training import head_run, heads, prompts, self_prompts, selfdistill
   target = load_target(args.target)
   if args.task == "head-data":
-    conversations = prompts.training_conversations(args.conversations, seed=args.seed)
+    if args.prompts == "self":
+      from specjax.io.tokenizer import load_tokenizer
+      conversations = self_prompts.SelfWrittenConversations(
+          target, load_tokenizer(_tokenizer_file(args.tokenizer or args.target)),
+          args.conversations, batch_size=args.gen_batch, seed=args.seed)
+    else:
+      conversations = prompts.training_conversations(args.conversations, seed=args.seed)
     encode = chat_encoder(args.tokenizer or args.target)
     selfdistill.generate_chunks(target, encode, conversations, args.data,
                                 batch_size=args.gen_batch, max_new_tokens=args.max_new_tokens,
