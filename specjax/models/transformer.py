@@ -264,7 +264,10 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   p = model.params
   taps = check_taps(taps, c.num_layers)
   b, t = tokens.shape
-  starts = jnp.asarray(starts, jnp.int32)
+  # A prefill inside jit starts at a constant 0: the masks over the empty cache are then
+  # compile-time constants that XLA folds with its slow evaluator (a reduce per layer, minutes for a
+  # batch of 64 on CPU). The barrier keeps the positions opaque; it costs nothing at run time.
+  starts = jax.lax.optimization_barrier(jnp.asarray(starts, jnp.int32))
   q_pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
   if positions is not None:
     q_pos = jnp.asarray(positions, jnp.int32)
