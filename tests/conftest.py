@@ -65,3 +65,30 @@ def _release_compiled_programs():
   not accumulate every module's executables (tests of 8-device meshes compile large programs)."""
   yield
   jax.clear_caches()
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer_dir(tmp_path_factory):
+  """`make(template, corpus) -> directory`: a saved transformers tokenizer (byte-level BPE with
+  `<|endoftext|>` / `<|im_start|>` / `<|im_end|>`, 400 ids) trained on `corpus`, with the Jinja
+  chat `template`."""
+  transformers = pytest.importorskip("transformers")
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+  def make(template: str, corpus: str):
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
+                                                                  "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    backend.train_from_iterator([corpus] * 50, trainer)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        pad_token="<|endoftext|>")
+    fast.chat_template = template
+    directory = tmp_path_factory.mktemp("hf_tokenizer")
+    fast.save_pretrained(directory)
+    return directory
+  return make

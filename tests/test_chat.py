@@ -19,25 +19,9 @@ CONVERSATION = [{"role": "system", "content": "Be brief."},
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def hf_dir(chatml_tokenizer_dir):
   """A transformers tokenizer directory (byte-level BPE with <|im_start|>/<|im_end|>)."""
-  transformers = pytest.importorskip("transformers")
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  backend = Tokenizer(models.BPE())
-  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  backend.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                "<|im_end|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  backend.train_from_iterator(["What is two plus two? Four. Be brief, be kind."] * 50, trainer)
-  fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-      pad_token="<|endoftext|>")
-  fast.chat_template = TEMPLATE
-  directory = tmp_path_factory.mktemp("hf_tokenizer")
-  fast.save_pretrained(directory)
-  return directory
+  return chatml_tokenizer_dir(TEMPLATE, "What is two plus two? Four. Be brief, be kind.")
 
 
 def test_matches_transformers_apply_chat_template(hf_dir):

@@ -19,25 +19,10 @@ TEMPLATE = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
+def pair(chatml_tokenizer_dir):
   """A tiny random target and a byte-level BPE tokenizer with a ChatML template."""
-  transformers = pytest.importorskip("transformers")
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-  backend = Tokenizer(models.BPE())
-  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  backend.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>",
-                                                                "<|im_end|>"],
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                show_progress=False)
-  backend.train_from_iterator(["Translate this text. Summarize the article, step by step."] * 50,
-                              trainer)
-  fast = transformers.PreTrainedTokenizerFast(
-      tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-      pad_token="<|endoftext|>")
-  fast.chat_template = TEMPLATE
-  directory = tmp_path_factory.mktemp("tokenizer")
-  fast.save_pretrained(directory)
+  directory = chatml_tokenizer_dir(
+      TEMPLATE, "Translate this text. Summarize the article, step by step.")
   tokenizer = sj.load_tokenizer(directory)
   config = tiny_config(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        eos_id=tokenizer.eos_id, max_len=1024)

@@ -24,10 +24,7 @@ def load_target(spec: str, dtype: str = "float32"):
 def _read_target(spec: str, dtype: str):
   import jax.numpy as jnp
   dtype = jnp.dtype(dtype)
-  if spec == "smollm2":
-    from specjax.io.gguf import find_packaged_gguf, from_gguf
-    return from_gguf(find_packaged_gguf("smollm2"), dtype=dtype)
-  path = pathlib.Path(spec)
+  path = pathlib.Path(_resolve(spec))
   if path.suffix == ".gguf":
     from specjax.io.gguf import from_gguf
     return from_gguf(path, dtype=dtype)
@@ -38,7 +35,8 @@ def _read_target(spec: str, dtype: str):
   return load(path, dtype=dtype)
 
 
-def _tokenizer_file(spec: str) -> str:
+def _resolve(spec: str) -> str:
+  """"smollm2" -> the packaged GGUF file's path; any other spec is a path already."""
   if spec == "smollm2":
     from specjax.io.gguf import find_packaged_gguf
     return str(find_packaged_gguf("smollm2"))
@@ -48,7 +46,7 @@ def _tokenizer_file(spec: str) -> str:
 def chat_encoder(spec: str):
   """`messages -> ids` with the target's chat template (generation prompt added)."""
   from transformers import AutoTokenizer
-  path = pathlib.Path(_tokenizer_file(spec))
+  path = pathlib.Path(_resolve(spec))
   if path.suffix == ".gguf":
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
   else:
@@ -123,7 +121,7 @@ def run(args) -> int:
     if args.prompts == "self":
       from specjax.io.tokenizer import load_tokenizer
       conversations = self_prompts.SelfWrittenConversations(
-          target, load_tokenizer(_tokenizer_file(args.tokenizer or args.target)),
+          target, load_tokenizer(_resolve(args.tokenizer or args.target)),
           args.conversations, batch_size=args.gen_batch, seed=args.seed)
     else:
       conversations = prompts.training_conversations(args.conversations, seed=args.seed)

@@ -147,7 +147,7 @@ class SelfWrittenConversations(Sequence):
     prefixes = [self.tokenizer.encode(user_turn_prefix(self.tokenizer, h) + o, add_bos=False)
                 for h, o in zip(histories, openers)]
     texts: list[str | None] = [None] * len(prefixes)
-    for attempt in range(self.retries + 1):
+    for _ in range(self.retries + 1):
       todo = [r for r, t in enumerate(texts) if t is None]
       if not todo:
         break
@@ -183,11 +183,10 @@ class SelfWrittenConversations(Sequence):
     eos = tuple(self.tokenizer.eos_ids)
     out = generate(self.target, jnp.asarray(tokens), key, lengths=jnp.asarray(lengths),
                    max_new_tokens=budget, sampling=self.sampling, eos_id=eos)
-    ids = np.asarray(out.tokens)  # [rows, budget]: new tokens only
+    ids, counts = np.asarray(out.tokens), np.asarray(out.num_tokens)  # new tokens only
     texts, ended = [], []
-    for b in range(len(prompts)):
-      row = ids[b]
-      stop = [j for j, t in enumerate(row) if int(t) in eos]
-      ended.append(bool(stop))
-      texts.append(self.tokenizer.decode(row[:stop[0]] if stop else row))
+    for row, n in zip(ids[:len(prompts)], counts):  # a row stops at its first EOS, kept
+      done = n > 0 and int(row[n - 1]) in eos
+      ended.append(bool(done))
+      texts.append(self.tokenizer.decode(row[:n - 1] if done else row[:n]))
     return texts, ended
