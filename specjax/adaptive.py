@@ -58,6 +58,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import DrafterWrapper
 from specjax.state import Proposal
 
 __all__ = ["AdaptiveDrafter", "AdaptiveState", "CostAwareStop"]
@@ -143,7 +144,7 @@ def takes_stop(drafter) -> bool:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class AdaptiveDrafter:
+class AdaptiveDrafter(DrafterWrapper):
   """A drafter whose rows each draft their own number of tokens per round (module docstring).
 
   Attributes:
@@ -179,26 +180,6 @@ class AdaptiveDrafter:
     if not (self.prior_weight > 0 and 0 < self.decay <= 1):
       raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
                        f"and {self.decay}")
-
-  @property
-  def vocab_size(self):
-    return self.drafter.vocab_size
-
-  @property
-  def taps(self):
-    return self.drafter.taps
-
-  @property
-  def needs_hidden(self):
-    return self.drafter.needs_hidden
-
-  def __getattr__(self, name):  # max_len, confidence, full_logits, ... of the wrapped drafter
-    if name.startswith("__") or name == "drafter":
-      raise AttributeError(name)
-    return getattr(self.drafter, name)
-
-  def forwards_per_round(self, num_draft: int) -> int:
-    return self.drafter.forwards_per_round(num_draft)
 
   def init(self, tokens, lengths, buffer_len, prefill):
     batch = tokens.shape[0]

@@ -1,4 +1,7 @@
-"""Drafters: the `Drafter` protocol and the built-in drafters (a draft model, prompt lookup)."""
+"""Drafters: the `Drafter` protocol and the built-in drafters (a draft model, prompt lookup).
+
+Feature heads live in `specjax.drafters.heads`; `specjax.drafters.hybrid` puts prompt lookup in
+front of one."""
 
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter

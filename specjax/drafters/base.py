@@ -37,7 +37,7 @@ import jax
 from specjax.sampling import Sampling
 from specjax.state import Proposal
 
-__all__ = ["Drafter", "Proposal"]
+__all__ = ["Drafter", "DrafterWrapper", "Proposal"]
 
 
 @runtime_checkable
@@ -61,3 +61,29 @@ class Drafter(Protocol):
   def observe(self, state: Any, scored: Any, block: jax.Array, emitted: jax.Array,
               count: jax.Array, lengths: jax.Array) -> Any:
     ...
+
+
+class DrafterWrapper:
+  """Mixin for a drafter that wraps another one in a field named `drafter`: the protocol's
+  attributes, and any other attribute (`head`, `max_len`, `confidence`, `full_logits`, ...), are
+  the wrapped drafter's."""
+
+  @property
+  def vocab_size(self):
+    return self.drafter.vocab_size
+
+  @property
+  def taps(self):
+    return self.drafter.taps
+
+  @property
+  def needs_hidden(self):
+    return self.drafter.needs_hidden
+
+  def __getattr__(self, name):
+    if name.startswith("__") or name == "drafter":
+      raise AttributeError(name)
+    return getattr(self.drafter, name)
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    return self.drafter.forwards_per_round(num_draft)

@@ -51,19 +51,31 @@ class NGramDrafter:
     return state
 
   def _lookup(self, row: jax.Array, length: jax.Array, num_draft: int) -> jax.Array:
-    """Draft tokens for one row `[S]` whose first `length` tokens are valid."""
-    size = row.shape[0]
-    j = jnp.arange(size, dtype=jnp.int32)  # candidate: the match ends just before slot j
-    best = jnp.int32(-1)
-    for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest match wins
-      match = (j >= n) & (j < length) & (length >= n + 1)
-      for i in range(n):
-        suffix_token = row[jnp.maximum(length - n + i, 0)]
-        match &= jnp.take(row, jnp.maximum(j - n + i, 0)) == suffix_token
-      latest = jnp.max(jnp.where(match, j, -1))
-      best = jnp.where(best >= 0, best, latest)
-    offsets = jnp.arange(num_draft, dtype=jnp.int32)
-    # Copy what followed the match; past the known text, keep repeating the last copied token.
-    source = jnp.minimum(best + offsets, length - 1)
-    fallback = jnp.full((num_draft,), row[length - 1])
-    return jnp.where(best >= 0, jnp.take(row, source), fallback).astype(jnp.int32)
+    return lookup(row, length, num_draft, self.max_ngram, self.min_ngram)[0]
+
+
+def lookup(row: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, min_ngram: int
+           ) -> tuple[jax.Array, jax.Array]:
+  """Prompt lookup for one row `[S]` whose first `length` tokens are valid.
+
+  Returns:
+    `(tokens [num_draft] int32, found)`: what followed the latest earlier occurrence of the row's
+    last `n` tokens (the longest `n` from `max_ngram` down to `min_ngram` that occurs), and
+    whether any did; with no match the last token repeated. Past the known text the last copied
+    token repeats.
+  """
+  size = row.shape[0]
+  j = jnp.arange(size, dtype=jnp.int32)  # candidate: the match ends just before slot j
+  best = jnp.int32(-1)
+  for n in range(max_ngram, min_ngram - 1, -1):  # longest match wins
+    match = (j >= n) & (j < length) & (length >= n + 1)
+    for i in range(n):
+      suffix_token = row[jnp.maximum(length - n + i, 0)]
+      match &= jnp.take(row, jnp.maximum(j - n + i, 0)) == suffix_token
+    latest = jnp.max(jnp.where(match, j, -1))
+    best = jnp.where(best >= 0, best, latest)
+  offsets = jnp.arange(num_draft, dtype=jnp.int32)
+  source = jnp.minimum(best + offsets, length - 1)
+  fallback = jnp.full((num_draft,), row[length - 1])
+  found = best >= 0
+  return jnp.where(found, jnp.take(row, source), fallback).astype(jnp.int32), found

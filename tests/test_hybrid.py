@@ -1,0 +1,156 @@
+"""`HybridDrafter`: prompt lookup in rows whose recent text repeats, a feature head elsewhere.
+
+* Greedy decoding with the hybrid around an EAGLE-3 head and around Medusa heads, on a ragged
+  batch over a 12-id vocabulary, returns exactly `sj.generate`'s tokens; lookup fires in some
+  rounds and not in others (checked on the outputs), so both drafters are exercised.
+* The head's state stays the target's: after decoding, its cache and carried output equal a fresh
+  head forward over the target's features (the check of tests/test_heads.py), although lookup
+  replaced many of its drafts.
+* Sampled decoding (the harness of tests/test_heads_exactness.py: N = 20,000 rows, 3 tokens over 8
+  ids, pooled chi-square against the exact joint, seeded, ALPHA = 1e-3) matches the target at
+  T = 0.7 with top-k 5 / top-p 0.9 and at T = 1; a hybrid that forgets to replace the head's q by
+  a point mass in lookup rows fails the same test at p < 1e-6.
+* Adaptive length goes around it; bad arguments are refused.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.adaptive import AdaptiveDrafter
+from specjax.drafters.hybrid import HybridDrafter
+from specjax.drafters.ngram import lookup
+from specjax.models import tiny_config
+from test_exactness import ALPHA, POWER_ALPHA, PROMPT, chi_square_pvalue, exact_joint
+import test_heads
+import test_heads_exactness as hx
+
+
+def lookup_outcomes(drafter: HybridDrafter, sequences, lengths, final_lengths) -> set[bool]:
+  """Whether lookup finds a match at each prefix length a row passes through."""
+  seen = set()
+  for row, start, end in zip(np.asarray(sequences), np.asarray(lengths),
+                             np.asarray(final_lengths)):
+    for length in range(max(int(start), 1), int(end)):
+      _, found = lookup(jnp.asarray(row), jnp.int32(length), 2, drafter.max_ngram, drafter.ngram)
+      seen.add(bool(found))
+  return seen
+
+
+@pytest.fixture(scope="module")
+def target():  # test_heads.py's tiny target (12 ids, 4 layers)
+  return sj.init_params(tiny_config(vocab_size=test_heads.VOCAB, num_layers=4), jax.random.key(0))
+
+
+def ragged_batch():  # test_heads.py's batch (one row a single-token prompt)
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3], [3, 0, 0, 0, 0, 0], [11, 4, 6, 4, 0, 0]], jnp.int32)
+  return tokens, jnp.array([6, 1, 4], jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_greedy_equals_generate_ragged_batch(target, kind):
+  tokens, lengths = ragged_batch()
+  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
+                         max_new_tokens=test_heads.MAX_NEW)
+  drafter = HybridDrafter(test_heads.make_drafter(target, kind))
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=test_heads.MAX_NEW, num_draft=test_heads.NUM_DRAFT)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  full = np.zeros((tokens.shape[0], tokens.shape[1] + test_heads.MAX_NEW), np.int32)
+  for b, length in enumerate(np.asarray(lengths)):
+    full[b, :length] = np.asarray(tokens)[b, :length]
+    full[b, length:length + test_heads.MAX_NEW] = np.asarray(out.tokens)[b]
+  assert lookup_outcomes(drafter, full, lengths, lengths + test_heads.MAX_NEW) == {True, False}
+  assert int(np.sum(out.stats.accepted)) > 0
+
+
+def test_head_cache_holds_the_targets_features(target):
+  tokens, lengths = ragged_batch()
+  drafter = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
+  assert test_heads.features_mismatch(target, drafter, tokens, lengths) < 1e-4
+
+
+def test_adaptive_length_wraps_the_hybrid(target):
+  tokens, lengths = ragged_batch()
+  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
+                         max_new_tokens=test_heads.MAX_NEW)
+  k = test_heads.NUM_DRAFT
+  drafter = AdaptiveDrafter(HybridDrafter(test_heads.make_drafter(target, "eagle3")), k,
+                            (20.0, 24.0, 26.0, 28.0), (0.6, 0.5, 0.4))
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=test_heads.MAX_NEW, num_draft=k)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+
+
+def test_bad_arguments_are_refused(target):
+  head = test_heads.make_drafter(target, "eagle3")
+  draft_model = sj.init_params(tiny_config(vocab_size=test_heads.VOCAB), jax.random.key(1))
+  with pytest.raises(ValueError, match="feature head"):
+    HybridDrafter(sj.ModelDrafter(draft_model))
+  with pytest.raises(ValueError, match="feature head"):
+    HybridDrafter(sj.NGramDrafter())
+  with pytest.raises(ValueError, match="ngram must be an int >= 1"):
+    HybridDrafter(head, ngram=0)
+  with pytest.raises(ValueError, match="max_ngram >= ngram"):
+    HybridDrafter(head, ngram=3, max_ngram=2)
+  hybrid = HybridDrafter(head)
+  assert hybrid.taps == head.taps and hybrid.vocab_size == head.vocab_size
+  assert hybrid.head is head.head and hybrid.forwards_per_round(4) == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampled: the target's distribution, and a test that can tell.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForgetfulHybrid(HybridDrafter):
+  """Copies lookup tokens but leaves the head's q in the proposal: verify divides by a q the
+  draft was not drawn from."""
+
+  def propose(self, state, sequence, lengths, *, num_draft, **kwargs):
+    state, proposal = self.drafter.propose(state, sequence, lengths, num_draft=num_draft,
+                                           **kwargs)
+    copied, found = self.lookup(sequence, lengths, num_draft)
+    tokens = jnp.where(found[:, None], copied, proposal.tokens)
+    return state, dataclasses.replace(proposal, tokens=tokens)
+
+
+@pytest.fixture(scope="module")
+def small_target():  # test_heads_exactness.py's target (8 ids, 4 layers)
+  return sj.init_params(tiny_config(vocab_size=hx.VOCAB, num_layers=4), jax.random.key(10))
+
+
+def sampled_pvalue(target, drafter, name):
+  tokens, summary = hx.run(target, drafter, hx.SETTINGS[name])
+  p = chi_square_pvalue(tokens, exact_joint(target, hx.SETTINGS[name]))
+  print(f"{type(drafter).__name__} {name}: p = {p:.3g}, acceptance "
+        f"{summary['acceptance_rate']:.3f}")
+  return p, tokens, summary
+
+
+@pytest.mark.parametrize("name", ["t0.7_topk5_topp0.9", pytest.param("t1", marks=pytest.mark.slow)])
+def test_hybrid_matches_target_distribution(small_target, name):
+  drafter = HybridDrafter(hx.make_eagle(small_target, "eagle3"))
+  p, tokens, summary = sampled_pvalue(small_target, drafter, name)
+  assert 0.05 < summary["acceptance_rate"] < 0.95
+  # Both drafters drafted: the prompt's last tokens recur (lookup in round 1), and after one
+  # round some rows' last 2 tokens have no earlier occurrence (the head drafts).
+  n = len(PROMPT)
+  rows = np.concatenate([np.tile(PROMPT, (200, 1)), tokens[:200]], axis=1)
+  assert lookup_outcomes(drafter, rows, np.full(200, n), np.full(200, n + 1)) == {True}
+  assert False in lookup_outcomes(drafter, rows, np.full(200, n + 1), np.full(200, n + 3))
+  assert p > ALPHA
+
+
+@pytest.mark.slow  # a power check: CI runs it in its slow step
+def test_head_q_in_lookup_rows_is_detected(small_target):
+  drafter = ForgetfulHybrid(hx.make_eagle(small_target, "eagle3"))
+  p, _, _ = sampled_pvalue(small_target, drafter, "t1")
+  assert p < POWER_ALPHA
