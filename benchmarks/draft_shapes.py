@@ -30,7 +30,6 @@ Usage: `python -m benchmarks.draft_shapes [--per-category 2] [--max-new-tokens 6
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import pathlib
 import tempfile
@@ -86,6 +85,7 @@ def main(argv=None):
   import specjax as sj
   from specjax import costs
   from specjax.adaptive import AdaptiveDrafter
+  from specjax.drafters.base import with_confidence
   from specjax.trees import TreeSpec
 
   pair = sj.load_default()
@@ -114,7 +114,8 @@ def main(argv=None):
   greedy = sj.Sampling(temperature=0.0)
   common = dict(max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
   rng = jax.random.key(0)
-  stopping = dataclasses.replace(drafter, confidence=args.confidence)
+  stopping = with_confidence(drafter, args.confidence)
+  head = getattr(drafter, "drafter", drafter)  # trees draft with the head alone
   configs = {"generate": lambda t, n: sj.generate(target, t, rng, lengths=n, **common)}
   for k in ks:
     configs[f"chain k={k}"] = (lambda k: lambda t, n: sj.decode(
@@ -134,7 +135,7 @@ def main(argv=None):
   for name in [t for t in args.trees.split(",") if t]:
     spec = TreeSpec(**TREES[name])
     configs[f"tree {name}"] = (lambda spec: lambda t, n: sj.decode(
-        target, drafter, t, rng, lengths=n, tree=spec, **common))(spec)
+        target, head, t, rng, lengths=n, tree=spec, **common))(spec)
 
   def padded(row):
     tokens = np.zeros((1, width), np.int32)

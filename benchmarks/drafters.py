@@ -90,5 +90,12 @@ def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
   if not hasattr(draft, "observe") or pair.target.config != target.config:
     return []  # the shipped draft is a model of its own, or a head for another target
   max_draft = getattr(draft, "max_draft", num_draft)
-  return [DrafterEntry(_head_name(draft), draft, min(num_draft, max_draft), None,
-                       f"the shipped {type(draft).__name__} (specjax.load_default())")]
+  k = min(num_draft, max_draft)
+  if type(draft).__name__ != "HybridDrafter":
+    return [DrafterEntry(_head_name(draft), draft, k, None,
+                         f"the shipped {type(draft).__name__} (specjax.load_default())")]
+  name = _head_name(draft.drafter)
+  return [DrafterEntry(name, draft.drafter, k, None, f"the shipped head alone ({name})"),
+          DrafterEntry(f"{name}+lookup", draft, k, None,
+                       f"the shipped drafter (specjax.load_default()): prompt lookup where the "
+                       f"last {draft.ngram} tokens recur, the {name} head elsewhere")]

@@ -10,7 +10,6 @@ handlers, so `specjax --help` stays instant.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import time
@@ -37,8 +36,9 @@ def _best_ms(thunks: dict, repeats: int) -> dict:
 
 
 def _without_stop(drafter):
+  from specjax.drafters.base import with_confidence
   if getattr(drafter, "confidence", None) is not None:
-    return dataclasses.replace(drafter, confidence=None)
+    return with_confidence(drafter, None)
   return drafter
 
 
@@ -173,9 +173,11 @@ def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, samp
   from specjax.decode import decode
   from specjax.drafters import as_drafter
 
+  from specjax.drafters.base import with_confidence
+
   drafter = as_drafter(drafter)
   if getattr(drafter, "confidence", None) is not None:
-    drafter = dataclasses.replace(drafter, confidence=None)
+    drafter = with_confidence(drafter, None)
   out = decode(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
                max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling)
   return AcceptanceProfile.from_counts(

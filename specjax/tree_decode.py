@@ -101,6 +101,9 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
   validation.check_model(target, "target")
   if not isinstance(tree, TreeSpec):
     raise ValueError(f"tree must be a specjax.TreeSpec, got {type(tree).__name__}")
+  if type(drafter).__name__ == "HybridDrafter" and tree.builder != "ngram":
+    raise ValueError("a HybridDrafter drafts chains (prompt lookup or its head); a tree drafts "
+                     "with the head alone: pass its `.drafter` (e.g. `pair.draft.drafter`)")
   draft = _draft_model(drafter)
   if tree.builder == "ngram":
     draft = None

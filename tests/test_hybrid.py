@@ -99,6 +99,10 @@ def test_bad_arguments_are_refused(target):
     HybridDrafter(head, ngram=0)
   with pytest.raises(ValueError, match="max_ngram >= ngram"):
     HybridDrafter(head, ngram=3, max_ngram=2)
+  tokens, lengths = ragged_batch()
+  with pytest.raises(ValueError, match="pass its `.drafter`"):
+    sj.decode(target, HybridDrafter(head), tokens, jax.random.key(0), lengths=lengths,
+              max_new_tokens=4, tree=sj.TreeSpec(builder="static", depth=2, width=2))
   hybrid = HybridDrafter(head)
   assert hybrid.taps == head.taps and hybrid.vocab_size == head.vocab_size
   assert hybrid.head is head.head and hybrid.forwards_per_round(4) == 4

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+import dataclasses
+
 import jax
 
 from specjax.sampling import Sampling
 from specjax.state import Proposal
 
-__all__ = ["Drafter", "DrafterWrapper", "Proposal"]
+__all__ = ["Drafter", "DrafterWrapper", "Proposal", "with_confidence"]
 
 
 @runtime_checkable
@@ -87,3 +89,10 @@ class DrafterWrapper:
 
   def forwards_per_round(self, num_draft: int) -> int:
     return self.drafter.forwards_per_round(num_draft)
+
+
+def with_confidence(drafter, confidence: float | None):
+  """`drafter` with its confidence stop set to `confidence` (None: off), through wrappers."""
+  if isinstance(drafter, DrafterWrapper):
+    return dataclasses.replace(drafter, drafter=with_confidence(drafter.drafter, confidence))
+  return dataclasses.replace(drafter, confidence=confidence)

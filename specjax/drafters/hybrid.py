@@ -35,7 +35,6 @@ import jax.numpy as jnp
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.drafters.ngram import lookup
-from specjax.state import Proposal
 
 __all__ = ["HybridDrafter"]
 
