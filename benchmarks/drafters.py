@@ -91,7 +91,7 @@ def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
     return []  # the shipped draft is a model of its own, or a head for another target
   max_draft = getattr(draft, "max_draft", num_draft)
   k = min(num_draft, max_draft)
-  if type(draft).__name__ != "HybridDrafter":
+  if not isinstance(draft, sj.HybridDrafter):
     return [DrafterEntry(_head_name(draft), draft, k, None,
                          f"the shipped {type(draft).__name__} (specjax.load_default())")]
   name = _head_name(draft.drafter)

@@ -173,11 +173,7 @@ def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, samp
   from specjax.decode import decode
   from specjax.drafters import as_drafter
 
-  from specjax.drafters.base import with_confidence
-
-  drafter = as_drafter(drafter)
-  if getattr(drafter, "confidence", None) is not None:
-    drafter = with_confidence(drafter, None)
+  drafter = _without_stop(as_drafter(drafter))
   out = decode(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
                max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling)
   return AcceptanceProfile.from_counts(

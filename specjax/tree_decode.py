@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from specjax import tree_builders, tree_rule, trees, validation
 from specjax.cache import KVCache, compact
 from specjax.drafters import tree_heads
+from specjax.drafters.hybrid import HybridDrafter
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, Sampling, row_seeds
 from specjax.state import prefill
@@ -101,7 +102,7 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
   validation.check_model(target, "target")
   if not isinstance(tree, TreeSpec):
     raise ValueError(f"tree must be a specjax.TreeSpec, got {type(tree).__name__}")
-  if type(drafter).__name__ == "HybridDrafter" and tree.builder != "ngram":
+  if isinstance(drafter, HybridDrafter) and tree.builder != "ngram":
     raise ValueError("a HybridDrafter drafts chains (prompt lookup or its head); a tree drafts "
                      "with the head alone: pass its `.drafter` (e.g. `pair.draft.drafter`)")
   draft = _draft_model(drafter)

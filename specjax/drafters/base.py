@@ -30,9 +30,8 @@ business (`ModelDrafter` does it lazily at the start of the next round).
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
-
 import dataclasses
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 

@@ -88,9 +88,9 @@ class HybridDrafter(DrafterWrapper):
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
               stop=None):
-    kwargs = {} if stop is None else dict(stop=stop)
     state, proposal = self.drafter.propose(state, sequence, lengths, num_draft=num_draft,
-                                           sampling=sampling, seeds=seeds, limits=limits, **kwargs)
+                                           sampling=sampling, seeds=seeds, limits=limits,
+                                           stop=stop)
     copied, found = self.lookup(sequence, lengths, num_draft)
     tokens = jnp.where(found[:, None], copied, proposal.tokens)
     logits = proposal.logits
