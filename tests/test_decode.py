@@ -88,11 +88,18 @@ def test_ngram_lookup_proposes_the_continuation_of_the_latest_match():
   # Suffix [4, 5] last occurred at 4..5 (followed by 2, 8, 4), more recently than at 0..1.
   assert proposal.tokens.tolist() == [[2, 8, 4]]
   assert proposal.logits is None
-  # Only a 1-gram match: suffix [9]; 9 occurs at slot 1, followed by 3, then the end of the text.
+  # Only a 1-gram match: suffix [9]; 9 occurs at slot 1, followed by 3, 7, 9, then the end of
+  # the text: the copy goes on with the period of the match (9 3 7 | 9 3 7 ...).
   seq = jnp.array([[2, 9, 3, 7, 9, 0, 0, 0]], jnp.int32)
-  _, proposal = drafter.propose((), seq, jnp.array([5]), num_draft=4, sampling=sj.Sampling(),
+  _, proposal = drafter.propose((), seq, jnp.array([5]), num_draft=5, sampling=sj.Sampling(),
                                 seeds=None)
-  assert proposal.tokens.tolist() == [[3, 7, 9, 9]]
+  assert proposal.tokens.tolist() == [[3, 7, 9, 3, 7]]
+  # A match right before the end: `8 1 2 1 2` has its suffix [1, 2] two tokens back, so the
+  # text continues with period 2.
+  seq = jnp.array([[8, 1, 2, 1, 2, 0, 0, 0]], jnp.int32)
+  _, proposal = drafter.propose((), seq, jnp.array([5]), num_draft=5, sampling=sj.Sampling(),
+                                seeds=None)
+  assert proposal.tokens.tolist() == [[1, 2, 1, 2, 1]]
   # No match at all: the last token repeated.
   seq = jnp.array([[1, 2, 3, 0, 0]], jnp.int32)
   _, proposal = drafter.propose((), seq, jnp.array([3]), num_draft=2, sampling=sj.Sampling(),

@@ -61,8 +61,9 @@ def lookup(row: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, mi
   Returns:
     `(tokens [num_draft] int32, found)`: what followed the latest earlier occurrence of the row's
     last `n` tokens (the longest `n` from `max_ngram` down to `min_ngram` that occurs), and
-    whether any did; with no match the last token repeated. Past the known text the last copied
-    token repeats.
+    whether any did; with no match the last token repeated. A match that ends `p` tokens before
+    the row's end copies with period `p` past the known text (an overlapping copy: after
+    `a b a b` the match of `a b` two tokens back continues `a b a b ...`, not `a b b b`).
   """
   size = row.shape[0]
   j = jnp.arange(size, dtype=jnp.int32)  # candidate: the match ends just before slot j
@@ -75,7 +76,8 @@ def lookup(row: jax.Array, length: jax.Array, num_draft: int, max_ngram: int, mi
     latest = jnp.max(jnp.where(match, j, -1))
     best = jnp.where(best >= 0, best, latest)
   offsets = jnp.arange(num_draft, dtype=jnp.int32)
-  source = jnp.minimum(best + offsets, length - 1)
+  period = jnp.maximum(length - best, 1)
+  source = best + offsets % period
   fallback = jnp.full((num_draft,), row[length - 1])
   found = best >= 0
   return jnp.where(found, jnp.take(row, source), fallback).astype(jnp.int32), found
