@@ -38,13 +38,26 @@ alpha_{b,i}`. Where a wider round costs little (a CPU verify of 5 tokens costs a
 of 2 does), the threshold falls far below a fixed confidence stop's at deep slots; where the
 first draft costs a whole forward more, the row drafts nothing unless the head is sure enough.
 
+**Around a `HybridDrafter`** (prompt lookup in rows whose recent text occurred before, a head
+elsewhere) a row keeps two sets of counts: the head's, from the rounds the head drafted, and the
+copy's. The copy's are observed every round the row has a match, whether or not its copy was
+proposed: copy `j` counts as reached when copies `1 .. j-1` equal the row's emitted tokens and the
+target emitted a token at slot `j`, and as accepted when it equals that token (under greedy this
+is exactly whether it would have been accepted; at temperature > 0 the chance that a sample from
+`p` equals the copy is `p(copy)`, the chance a point-mass draft is accepted). Each round a row
+with a match drafts its copy when the copy's best tokens per millisecond (its own `k`, from the
+copy's counts) is at least the head's, and then proposes `k` copied tokens; otherwise the head
+drafts as above. So rows copy long where copies have held and not at all where they have not
+(sampled prose), and the head's estimates are not lifted by the copy's rounds.
+
 Exactness: `k_b` is a function of tokens emitted in earlier rounds only, never of this round's
 target logits or random numbers (and the token-level stop at slot `j` depends on the drafts
 before `j` and the drafter's distribution at `j`, never on the draft drawn there), so it is
 independent of the verify's randomness at every slot of
 this round; given everything before slot `j`, the verify emits there a ratio-test outcome for a
 draft from `q_j` or a direct sample from `p_j`, both distributed as `p_j` (the same argument as
-the confidence stop in `specjax.drafters.model`). Greedy stays token-identical to `generate`.
+the confidence stop in `specjax.drafters.model`). Whether a row copies is, likewise, a function of its emitted text and earlier rounds only.
+Greedy stays token-identical to `generate`.
 Everything runs on device inside the decode loop: no host sync, fixed shapes, the verify width
 picked by `lax.switch` among the compiled widths.
 """
@@ -59,6 +72,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import DrafterWrapper
+from specjax.drafters.hybrid import HybridDrafter
 from specjax.state import Proposal
 
 __all__ = ["AdaptiveDrafter", "AdaptiveState", "CostAwareStop"]
@@ -80,6 +94,10 @@ class AdaptiveState:
       the drafter reports none).
     believed: `[B, K]` float32 decayed sum of those confidences over the tested slots (beside
       `accepted`: how often the row's drafts were accepted vs how sure the drafter was).
+    copy_accepted, copy_reached: `[B, K]` float32 the same counts as `accepted`, `reached` for
+      the prompt-lookup copy of a `HybridDrafter` (zero for any other drafter).
+    copy_tokens: `[B, K]` int32 the row's copy this round; found: `[B]` bool it had one;
+      copied: `[B]` bool it proposed it (the head's counts are not updated then).
   """
 
   inner: Any
@@ -89,6 +107,11 @@ class AdaptiveState:
   first: jax.Array
   confidence: jax.Array
   believed: jax.Array
+  copy_accepted: jax.Array
+  copy_reached: jax.Array
+  copy_tokens: jax.Array
+  found: jax.Array
+  copied: jax.Array
 
 
 def _log_odds(a: jax.Array) -> jax.Array:
@@ -157,6 +180,8 @@ class AdaptiveDrafter(DrafterWrapper):
       weigh more: a row's acceptance changes as its text moves between, e.g., prose and code).
     token_stop: decide draft by draft from the drafter's confidence (`CostAwareStop`) where the
       drafter supports it; False: each row's `k` is fixed at the start of the round (`limits`).
+    copy_prior: `K` acceptances of a `HybridDrafter`'s prompt-lookup copies a row starts from
+      (None: `prior`); read only around a `HybridDrafter`.
   """
 
   drafter: Any
@@ -166,6 +191,8 @@ class AdaptiveDrafter(DrafterWrapper):
   prior_weight: float = dataclasses.field(default=2.0, metadata=dict(static=True))
   decay: float = dataclasses.field(default=0.9, metadata=dict(static=True))
   token_stop: bool = dataclasses.field(default=True, metadata=dict(static=True))
+  copy_prior: tuple[float, ...] | None = dataclasses.field(default=None,
+                                                           metadata=dict(static=True))
 
   def __post_init__(self):
     k = self.max_draft
@@ -177,6 +204,9 @@ class AdaptiveDrafter(DrafterWrapper):
     if not all(c > 0 for c in self.round_ms) or not all(0 <= a <= 1 for a in self.prior):
       raise ValueError(f"round costs must be positive and acceptances in [0, 1], got "
                        f"{self.round_ms} and {self.prior}")
+    if self.copy_prior is not None and (len(self.copy_prior) != k
+                                        or not all(0 <= a <= 1 for a in self.copy_prior)):
+      raise ValueError(f"copy_prior must be {k} acceptances in [0, 1], got {self.copy_prior}")
     if not (self.prior_weight > 0 and 0 < self.decay <= 1):
       raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
                        f"and {self.decay}")
@@ -185,8 +215,15 @@ class AdaptiveDrafter(DrafterWrapper):
     batch = tokens.shape[0]
     zeros = jnp.zeros((batch, self.max_draft), jnp.float32)
     ints = jnp.zeros((batch,), jnp.int32)
+    no = jnp.zeros((batch,), jnp.bool_)
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
-                         ints, ints, zeros, zeros)
+                         ints, ints, zeros, zeros, zeros, zeros,
+                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no)
+
+  @property
+  def copies(self) -> bool:
+    """Whether the wrapped drafter copies where the text repeats (a `HybridDrafter`)."""
+    return isinstance(self.drafter, HybridDrafter)
 
   def confidence_shift(self, state: AdaptiveState) -> jax.Array:
     """`[B]` log-odds of the row's accepted drafts minus those of their confidences, over its
@@ -198,7 +235,8 @@ class AdaptiveDrafter(DrafterWrapper):
     return _log_odds(rate(state.accepted)) - _log_odds(rate(state.believed))
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
-    """`[B, K]` each row's acceptance estimate per position.
+    """`[B, K]` each row's acceptance estimate per position (of the head's drafts, around a
+    `HybridDrafter`; `copy_alpha` for its copies).
 
     Two levels of shrinkage. The row's pooled odds ratio against the prior (its accepted drafts
     over all tested positions vs what the prior expects of those same tests) lifts or lowers the
@@ -206,30 +244,51 @@ class AdaptiveDrafter(DrafterWrapper):
     at positions it has not yet reached, too; each position's own counts then pull its estimate
     from that row-level guess towards what the position itself showed.
     """
+    return self._shrunk(state.accepted, state.reached, self.prior)
+
+  def copy_alpha(self, state: AdaptiveState) -> jax.Array:
+    """`[B, K]` each row's acceptance estimate per position of its prompt-lookup copies (the same
+    shrinkage as `alpha`, towards `copy_prior`)."""
+    prior = self.prior if self.copy_prior is None else self.copy_prior
+    return self._shrunk(state.copy_accepted, state.copy_reached, prior)
+
+  def _shrunk(self, accepted, reached, prior) -> jax.Array:
     weight = self.prior_weight
-    prior = jnp.clip(jnp.asarray(self.prior, jnp.float32), 0.01, 0.99)
+    prior = jnp.clip(jnp.asarray(prior, jnp.float32), 0.01, 0.99)
     pooled = jnp.mean(prior)
-    seen = jnp.sum(state.accepted, axis=1) + weight * pooled
-    expected = jnp.sum(state.reached * prior, axis=1) + weight * pooled
-    tested = jnp.sum(state.reached, axis=1) + weight
+    seen = jnp.sum(accepted, axis=1) + weight * pooled
+    expected = jnp.sum(reached * prior, axis=1) + weight * pooled
+    tested = jnp.sum(reached, axis=1) + weight
     shift = (_log_odds(jnp.clip(seen / tested, 0.01, 0.99))
              - _log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
     row_prior = jax.nn.sigmoid(_log_odds(prior)[None] + shift[:, None])  # [B, K]
-    return (state.accepted + weight * row_prior) / (state.reached + weight)
+    return (accepted + weight * row_prior) / (reached + weight)
 
-  def limits(self, state: AdaptiveState) -> jax.Array:
-    """`[B]` int32: each row's `k` for this round (first maximum of tokens per millisecond)."""
-    alpha = self.alpha(state)
+  def _best(self, alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`(k [B] int32, tokens per millisecond [B])`: the first `k` maximising the rate."""
     expected = 1.0 + jnp.concatenate(
         [jnp.zeros_like(alpha[:, :1]), jnp.cumsum(jnp.cumprod(alpha, axis=1), axis=1)], axis=1)
     rate = expected / jnp.asarray(self.round_ms, jnp.float32)  # [B, K + 1]
-    return jnp.argmax(rate, axis=1).astype(jnp.int32)
+    return jnp.argmax(rate, axis=1).astype(jnp.int32), jnp.max(rate, axis=1)
+
+  def limits(self, state: AdaptiveState) -> jax.Array:
+    """`[B]` int32: each row's `k` for this round (first maximum of tokens per millisecond)."""
+    return self._best(self.alpha(state))[0]
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
     if num_draft != self.max_draft:
       raise ValueError(f"an AdaptiveDrafter drafts up to max_draft={self.max_draft}, "
                        f"not num_draft={num_draft}")
     common = dict(num_draft=num_draft, sampling=sampling, seeds=seeds)
+    batch = lengths.shape[0]
+    copy_tokens = jnp.zeros((batch, num_draft), jnp.int32)
+    found = copied = jnp.zeros((batch,), jnp.bool_)
+    if self.copies:
+      copy_tokens, found = self.drafter.lookup(sequence, lengths, num_draft)
+      copy_k, copy_rate = self._best(self.copy_alpha(state))
+      head_rate = self._best(self.alpha(state))[1]
+      copied = found & (copy_k > 0) & (copy_rate >= head_rate)
+      common["copy"] = (copy_tokens, copied)
     if self.token_stop and takes_stop(self.drafter):
       limits = jnp.full(lengths.shape, num_draft, jnp.int32)
       stop = CostAwareStop(self.alpha(state), self.confidence_shift(state), self.round_ms)
@@ -240,10 +299,13 @@ class AdaptiveDrafter(DrafterWrapper):
                                              **common)
     planned = limits if proposal.num_drafted is None else proposal.num_drafted
     planned = jnp.minimum(planned.astype(jnp.int32), limits)
+    if self.copies:
+      planned = jnp.where(copied, copy_k, planned)
     confidence = (jnp.zeros(state.believed.shape, jnp.float32) if proposal.confidence is None
                   else proposal.confidence.astype(jnp.float32))
     state = dataclasses.replace(state, inner=inner, planned=planned, confidence=confidence,
-                                first=proposal.tokens[:, 0].astype(jnp.int32))
+                                first=proposal.tokens[:, 0].astype(jnp.int32),
+                                copy_tokens=copy_tokens, found=found, copied=copied)
     return state, Proposal(proposal.tokens, proposal.logits, planned, proposal.confidence)
 
   def observe(self, state, scored, block, emitted, count, lengths):
@@ -255,11 +317,27 @@ class AdaptiveDrafter(DrafterWrapper):
     hit = tested & (j < accepted)
     # A row that proposed nothing still made its first draft: did the target's token match it?
     unproposed = (state.planned == 0)[:, None] & (j == 0)
-    tested = (tested | unproposed) & live[:, None]
+    tested = (tested | unproposed) & live[:, None] & ~state.copied[:, None]
     hit = (hit | (unproposed & (emitted[:, :1] == state.first[:, None]))) & tested
     decay = jnp.where(tested, self.decay, 1.0)
-    return dataclasses.replace(
+    state = dataclasses.replace(
         state, inner=inner,
         accepted=state.accepted * decay + hit.astype(jnp.float32),
         reached=state.reached * decay + tested.astype(jnp.float32),
         believed=state.believed * decay + jnp.where(tested, state.confidence, 0.0))
+    if not self.copies:
+      return state
+    # The copy's counts, from the emitted tokens (module docstring): copy j is reached when the
+    # copies before it equal the emitted tokens and the row emitted a token at slot j.
+    num = self.max_draft
+    emitted = jnp.pad(emitted, ((0, 0), (0, max(num - emitted.shape[1], 0))),
+                      constant_values=-1)[:, :num]
+    known = (j < count[:, None]) & state.found[:, None]
+    match = (state.copy_tokens == emitted) & known
+    before = jnp.cumprod(jnp.pad(match, ((0, 0), (1, 0)), constant_values=True)[:, :num],
+                         axis=1).astype(jnp.bool_)
+    tested = known & before
+    decay = jnp.where(tested, self.decay, 1.0)
+    return dataclasses.replace(
+        state, copy_accepted=state.copy_accepted * decay + (tested & match).astype(jnp.float32),
+        copy_reached=state.copy_reached * decay + tested.astype(jnp.float32))

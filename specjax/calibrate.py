@@ -164,21 +164,69 @@ def measure_acceptance(target, drafter, tokens, lengths, *, num_draft: int, samp
   """The drafter's `AcceptanceProfile` over `num_draft` positions on the given prompts.
 
   A confidence stop, if the drafter has one, is switched off, so that every position is drafted
-  and `alpha_j` is measured for every `j`.
+  and `alpha_j` is measured for every `j`. For a `HybridDrafter` the profile also holds its
+  head's alone (`AcceptanceProfile.head`: a second decode with the head) and its copies'
+  (`.lookup`, `lookup_counts` over the text the first decode emitted).
   """
+  import dataclasses
+
   import jax
   import numpy as np
 
   from specjax.costs import AcceptanceProfile
   from specjax.decode import decode
   from specjax.drafters import as_drafter
+  from specjax.drafters.hybrid import HybridDrafter
 
   drafter = _without_stop(as_drafter(drafter))
-  out = decode(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
-               max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling)
-  return AcceptanceProfile.from_counts(
-      int(np.sum(out.stats.rounds)), np.asarray(out.stats.accepted_per_position).sum(0),
-      sampling=sampling, prompts=int(tokens.shape[0]))
+
+  def measure(drafter):
+    out = decode(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
+                 max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling)
+    return out, AcceptanceProfile.from_counts(
+        int(np.sum(out.stats.rounds)), np.asarray(out.stats.accepted_per_position).sum(0),
+        sampling=sampling, prompts=int(tokens.shape[0]))
+
+  out, profile = measure(drafter)
+  if not isinstance(drafter, HybridDrafter):
+    return profile
+  reached, accepted = lookup_counts(drafter, tokens, lengths, out.tokens, out.num_tokens,
+                                    num_draft)
+  lookup = AcceptanceProfile.from_counts(int(reached), accepted, sampling=sampling,
+                                         prompts=int(tokens.shape[0]))
+  return dataclasses.replace(profile, head=measure(drafter.drafter)[1], lookup=lookup)
+
+
+def lookup_counts(drafter, tokens, lengths, new_tokens, new_lengths, num_draft: int):
+  """`(positions, accepted [num_draft])`: a `HybridDrafter`'s copies scored against a text.
+
+  At every position of each row's emitted text (`new_tokens [B, N]`, `new_lengths [B]`, after
+  the prompt `tokens`, `lengths`) where the row's text so far has a match, the copy of
+  `num_draft` tokens is compared with the tokens the text goes on with: `accepted[j]` counts the
+  positions whose first `j + 1` copies all equal them (so `accepted[j] / accepted[j - 1]` is
+  `alpha_{j + 1}`, as for decode rounds; copies past the text's end count as wrong). Under
+  greedy this is exactly how often they would be accepted; for sampled text the chance that a
+  sample equals a copy is the chance a point-mass draft of it is accepted.
+  """
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  tokens, new_tokens = np.asarray(tokens), np.asarray(new_tokens)
+  lengths, new_lengths = np.asarray(lengths), np.asarray(new_lengths)
+  positions, accepted = 0, np.zeros(num_draft, np.int64)
+  for row in range(tokens.shape[0]):
+    text = np.concatenate([tokens[row, :lengths[row]], new_tokens[row, :new_lengths[row]]])
+    size = len(text) + num_draft
+    padded = jnp.asarray(np.pad(text, (0, num_draft), constant_values=-1), jnp.int32)
+    starts = jnp.arange(int(lengths[row]), len(text), dtype=jnp.int32)
+    copies, found = drafter.lookup(jnp.broadcast_to(padded, (len(starts), size)), starts,
+                                   num_draft)
+    follows = jax.vmap(lambda s: jax.lax.dynamic_slice(padded, (s,), (num_draft,)))(starts)
+    held = np.cumprod(np.asarray(copies == follows), axis=1) * np.asarray(found)[:, None]
+    positions += int(np.sum(found))
+    accepted += held.sum(0)
+  return positions, accepted
 
 
 def profile_prompts(tokenizer, prompts=None, count: int = 6):

@@ -11,7 +11,10 @@ jax version, the batch and the date) beside a checkpoint.
 An **acceptance profile** (`acceptance_profile.json`, measured by `specjax calibrate` on a few
 prompts) holds the drafter's per-position acceptance `alpha_j`: the probability that draft `j`
 is accepted given that drafts `1 .. j-1` were. A round with `k` drafts then yields
-`E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i` tokens on average.
+`E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i` tokens on average. For a
+`HybridDrafter` it also holds the head's profile alone and its prompt-lookup copies' profile
+(`AcceptanceProfile.head`, `.lookup`): the priors of `num_draft="adaptive"`, which keeps the two
+apart per row.
 
 `choose_num_draft` maximises expected tokens per unit time,
 `E[tokens | k] / (verify(k + 1) + k * draft_step + round_overhead)`, over the `k` both files
@@ -137,6 +140,9 @@ class AcceptanceProfile:
     alpha: `alpha_j`, j = 1 .. K: P(draft j accepted | drafts before it accepted).
     sampling: the sampling settings it was measured under (as a dict).
     rounds: verify rounds measured; prompts: prompts measured; date.
+    head: for a `HybridDrafter`, the head's profile alone (its rounds: decode rounds).
+    lookup: for a `HybridDrafter`, its copies' profile (its rounds: the positions of the target's
+      text at which lookup found a match; `specjax.calibrate.measure_acceptance`).
   """
 
   alpha: tuple[float, ...]
@@ -144,6 +150,8 @@ class AcceptanceProfile:
   rounds: int
   prompts: int
   date: str
+  head: AcceptanceProfile | None = None
+  lookup: AcceptanceProfile | None = None
 
   def __post_init__(self):
     if not self.alpha or not all(0.0 <= a <= 1.0 for a in self.alpha):
@@ -161,15 +169,25 @@ class AcceptanceProfile:
 
   def save(self, directory) -> pathlib.Path:
     data = dict(format=FORMAT, **dataclasses.asdict(self))
-    data["alpha"] = list(self.alpha)
+    for name in ("head", "lookup"):
+      if data[name] is None:
+        del data[name]
     return _write(pathlib.Path(directory) / PROFILE_FILE, data)
+
+  @classmethod
+  def from_dict(cls, data: dict) -> AcceptanceProfile:
+    data = dict(data)
+    data["alpha"] = tuple(float(a) for a in data["alpha"])
+    for name in ("head", "lookup"):
+      if data.get(name) is not None:
+        data[name] = cls.from_dict(data[name])
+    return cls(**data)
 
   @classmethod
   def load(cls, directory) -> AcceptanceProfile:
     data = _read(pathlib.Path(directory) / PROFILE_FILE, "acceptance profile")
     data.pop("format")
-    data["alpha"] = tuple(float(a) for a in data["alpha"])
-    return cls(**data)
+    return cls.from_dict(data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,14 +295,17 @@ class AdaptivePlan:
       smallest compiled width holding `k + 1` positions, `k` draft steps and the measured
       per-round overhead (`CostTable.round_cost`); a table without a measured overhead counts the
       drafter's catch-up on the verified tokens as one more draft step.
-    prior: `K` acceptances a row starts from: the profile's, each shrunk towards the pooled
-      acceptance by `PRIOR_SHRINK` rounds (deep positions are measured on few rounds).
+    prior: `K` acceptances a row starts from: the profile's (its head's, for a hybrid), each
+      shrunk towards the pooled acceptance by `PRIOR_SHRINK` rounds (deep positions are
+      measured on few rounds).
+    copy_prior: the same from the profile's `lookup` part, or None.
   """
 
   max_draft: int
   widths: tuple[int, ...]
   round_ms: tuple[float, ...]
   prior: tuple[float, ...]
+  copy_prior: tuple[float, ...] | None = None
 
 
 PRIOR_SHRINK = 10.0
@@ -323,20 +344,29 @@ def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
   """
   if not headroom_odds >= 1.0:
     raise ValueError(f"headroom_odds must be >= 1, got {headroom_odds}")
-  limit = _draft_limit(costs, profile, max_draft, MAX_ADAPTIVE_DRAFT)
-  limit = min(limit, choose_num_draft(costs, lifted(profile, headroom_odds),
-                                      max_draft=limit).num_draft)
-  alpha = np.asarray(profile.alpha[:limit], np.float64)
-  reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
-  pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))
-  prior = (alpha * reached + PRIOR_SHRINK * pooled) / (reached + PRIOR_SHRINK)
+  parts = [part for part in (profile.head or profile, profile.lookup) if part is not None]
+  limit = min(_draft_limit(costs, part, max_draft, MAX_ADAPTIVE_DRAFT) for part in parts)
+  limit = min(limit, max(choose_num_draft(costs, lifted(part, headroom_odds),
+                                          max_draft=limit).num_draft for part in parts))
+  prior, *copy_prior = [_shrunk_prior(part, limit) for part in parts]
   widths = adaptive_widths(costs, limit)
   round_ms = []
   for k in range(limit + 1):
     width = min(w for w in widths if w >= k + 1)
     catch_up = 0.0 if costs.round_overhead_ms else costs.draft_step_ms
     round_ms.append(costs.round_cost(k, width) + catch_up)
-  return AdaptivePlan(limit, widths, tuple(round_ms), tuple(float(a) for a in prior))
+  return AdaptivePlan(limit, widths, tuple(round_ms), prior,
+                      copy_prior[0] if copy_prior else None)
+
+
+def _shrunk_prior(profile: AcceptanceProfile, limit: int) -> tuple[float, ...]:
+  """The profile's first `limit` acceptances, each shrunk towards their pooled value by
+  `PRIOR_SHRINK` rounds."""
+  alpha = np.asarray(profile.alpha[:limit], np.float64)
+  reached = profile.rounds * np.concatenate([[1.0], np.cumprod(alpha)[:-1]])
+  pooled = float((alpha * reached).sum() / max(reached.sum(), 1.0))
+  prior = (alpha * reached + PRIOR_SHRINK * pooled) / (reached + PRIOR_SHRINK)
+  return tuple(float(a) for a in prior)
 
 
 def load_calibration(directory, backend: str | None = None) -> Calibration:

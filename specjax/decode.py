@@ -69,7 +69,8 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
     measured = costs.resolve_calibration(calibration)
     plan = costs.adaptive_plan(measured.costs, measured.profile,
                                max_draft=getattr(drafter, "max_draft", None))
-    drafter = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior)
+    drafter = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
+                              copy_prior=plan.copy_prior)
     widths = plan.widths if verify_widths is None else verify_widths
     return drafter, plan.max_draft, check_verify_widths(widths, plan.max_draft)
   if isinstance(num_draft, str):

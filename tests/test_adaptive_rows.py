@@ -93,6 +93,26 @@ def test_plan_headroom_for_rows_that_accept_more():
     costs.adaptive_plan(cpu.costs, cpu.profile, headroom_odds=0.5)
 
 
+def test_plan_for_a_hybrid_reads_the_head_and_copy_profiles(tmp_path):
+  """A profile with a head part and a lookup part (what `specjax calibrate` writes for a
+  `HybridDrafter`) round-trips through its file; the plan's prior is the head's, its copy prior
+  the lookup's, and K the larger of their headroom choices. The CPU-like table of the test above:
+  the head at alpha 0.5 (4x odds: 0.8) wants k = 3; copies at alpha 0.9 (4x odds: 0.973) want
+  k = 5 (E[tokens | k] / round_ms = 1.973/13, 2.920/16, 3.841/19, 4.737/22, 5.609/25 = 0.152,
+  0.183, 0.202, 0.215, 0.224 for k = 1..5: still rising at the table's widest)."""
+  cpu = _calibration([10.0, 12.0, 14.0, 16.0, 18.0, 20.0], [0.6] * 5)
+  part = lambda a: dataclasses.replace(cpu.profile, alpha=(a,) * 5)
+  profile = dataclasses.replace(cpu.profile, head=part(0.5), lookup=part(0.9))
+  profile.save(tmp_path)
+  loaded = AcceptanceProfile.load(tmp_path)
+  assert loaded == profile and loaded.lookup.alpha == (0.9,) * 5
+  plan = costs.adaptive_plan(cpu.costs, loaded)
+  assert plan.max_draft == 5
+  np.testing.assert_allclose(plan.prior, 0.5)
+  np.testing.assert_allclose(plan.copy_prior, 0.9)
+  assert costs.adaptive_plan(cpu.costs, cpu.profile).copy_prior is None
+
+
 def test_plan_and_first_choice_hand_worked():
   plan = costs.adaptive_plan(FLAT.costs, FLAT.profile, headroom_odds=1.0)
   # K is the best fixed k: E[tokens | k] / (verify(k + 1) + k draft steps) = 1.6/13, 1.96/14,

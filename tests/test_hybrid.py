@@ -10,7 +10,10 @@
   ids, pooled chi-square against the exact joint, seeded, ALPHA = 1e-3) matches the target at
   T = 0.7 with top-k 5 / top-p 0.9 and at T = 1; a hybrid that forgets to replace the head's q by
   a point mass in lookup rows fails the same test at p < 1e-6.
-* Adaptive length goes around it; bad arguments are refused.
+* Adaptive length goes around it (greedy-identical, and at T = 0.7 by the same harness);
+  around a hybrid it keeps the copy's counts apart from the head's (a greedy round by hand,
+  checked against a slot-by-slot oracle); the calibration's copy counts are hand-worked.
+  Bad arguments are refused.
 """
 
 import dataclasses
@@ -88,6 +91,78 @@ def test_adaptive_length_wraps_the_hybrid(target):
   np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
 
 
+def copy_counts_oracle(copy, emitted, count, found, k):
+  """`(reached, accepted)` per slot of one row's copy, by the rule in `specjax.adaptive`, looped
+  slot by slot: slot j is reached when copies 0..j-1 equal the emitted tokens and j < count."""
+  reached, accepted = np.zeros(k), np.zeros(k)
+  if not found:
+    return reached, accepted
+  for j in range(min(k, count)):
+    reached[j] = 1
+    if copy[j] != emitted[j]:
+      break
+    accepted[j] = 1
+  return reached, accepted
+
+
+def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target):
+  """One greedy round by hand through `draft_step` / `verify_block`. Row 0's last 2 tokens recur
+  and its copies have held (counts set by hand): it proposes its copy, as many tokens as the
+  copy's estimate pays for. Row 1's also recur but its copies have failed: the head drafts.
+  Row 2 has no match: the head drafts. Then the head's counts move only in rows 1 and 2, the
+  copy's in rows 0 and 1 (row 1's from what the target emitted, its copy unproposed)."""
+  k = test_heads.NUM_DRAFT
+  tokens = jnp.array([[5, 9, 2, 7, 5, 9], [3, 8, 1, 4, 3, 8], [11, 4, 6, 1, 0, 0]], jnp.int32)
+  lengths = jnp.array([6, 6, 4], jnp.int32)
+  hybrid = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
+  drafter = AdaptiveDrafter(hybrid, k, (20.0, 21.0, 22.0, 40.0), (0.5, 0.5, 0.5),
+                            copy_prior=(0.5, 0.5, 0.5))
+  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  state = sj.init_state(target, drafter, tokens, lengths, lengths + 8, jnp.int32(-1), seeds,
+                        num_draft=k, capacity=16)
+  held = jnp.array([[40.0, 40.0, 40.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+  reached = jnp.array([[40.0, 40.0, 40.0], [40.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+  start = dataclasses.replace(state.draft_state, copy_accepted=held, copy_reached=reached)
+  state = dataclasses.replace(state, draft_state=start)
+  before = state
+  state, proposal = sj.draft_step(drafter, state, num_draft=k, sampling=sj.Sampling())
+  ds = state.draft_state
+  np.testing.assert_array_equal(ds.found, [True, True, False])
+  np.testing.assert_array_equal(ds.copied, [True, False, False])
+  # Row 0's copies: what followed the earlier "5 9"; all held 40 of 40 times, so its estimate is
+  # above 0.99 at every slot: about 3 tokens for 22 ms (k = 2) beats 4 for 40 ms (k = 3).
+  np.testing.assert_array_equal(proposal.tokens[0], [2, 7, 5])
+  assert int(proposal.num_drafted[0]) == 2
+  state = sj.verify_block(target, drafter, state, proposal, sampling=sj.Sampling())
+  after = state.draft_state
+  emitted = np.asarray(state.tokens)
+  count = np.asarray(state.lengths - before.lengths)
+  for b in range(3):
+    row = emitted[b, int(lengths[b]):int(lengths[b]) + int(count[b])]
+    r, a = copy_counts_oracle(np.asarray(ds.copy_tokens[b]), row, int(count[b]),
+                              bool(ds.found[b]), k)
+    decay = np.where(r > 0, drafter.decay, 1.0)
+    np.testing.assert_allclose(after.copy_reached[b], np.asarray(reached[b]) * decay + r)
+    np.testing.assert_allclose(after.copy_accepted[b], np.asarray(held[b]) * decay + a)
+  np.testing.assert_array_equal(after.reached[0], np.zeros(k))  # row 0 copied: head untouched
+  assert float(after.reached[1, 0]) == 1.0 and float(after.reached[2, 0]) == 1.0
+  assert float(after.copy_reached[1, 0]) > 40.0 * drafter.decay - 1e-6  # unproposed, observed
+
+
+def test_lookup_counts_hand_worked(target):
+  """Row 0: prompt 1 2 3 4, text 1 2 3 9 1 2. Matches at 2 of its 6 positions: after `1 2`
+  (copies 3 4; the text goes on 3 9: slot 1 held, slot 2 not) and after `1 2 3` (copies 4 1,
+  text 9 1: nothing held). Row 1: prompt 7 8, text 7 8 7: one match, after `7 8 7 8` (copies
+  7 8, the text has only 7 left: slot 1 held, slot 2 past the end counts as wrong)."""
+  from specjax.calibrate import lookup_counts
+  hybrid = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
+  tokens = np.array([[1, 2, 3, 4], [7, 8, 0, 0]])
+  new = np.array([[1, 2, 3, 9, 1, 2], [7, 8, 7, 0, 0, 0]])
+  positions, accepted = lookup_counts(hybrid, tokens, [4, 2], new, [6, 3], 2)
+  assert positions == 3
+  np.testing.assert_array_equal(accepted, [2, 0])
+
+
 def test_bad_arguments_are_refused(target):
   head = test_heads.make_drafter(target, "eagle3")
   draft_model = sj.init_params(tiny_config(vocab_size=test_heads.VOCAB), jax.random.key(1))
@@ -150,6 +225,18 @@ def test_hybrid_matches_target_distribution(small_target, name):
   rows = np.concatenate([np.tile(PROMPT, (200, 1)), tokens[:200]], axis=1)
   assert lookup_outcomes(drafter, rows, np.full(200, n), np.full(200, n + 1)) == {True}
   assert False in lookup_outcomes(drafter, rows, np.full(200, n + 1), np.full(200, n + 3))
+  assert p > ALPHA
+
+
+def test_adaptive_hybrid_matches_target_distribution(small_target):
+  """Adaptive length around the hybrid at T = 0.7, top-k 5 / top-p 0.9: copies trusted at first
+  (copy prior 0.9, head prior 0.3), so round 1 copies in every row (the prompt's last tokens
+  recur) and later rounds choose between copy and head from what round 1 showed."""
+  k = hx.NUM_DRAFT
+  drafter = AdaptiveDrafter(HybridDrafter(hx.make_eagle(small_target, "eagle3")), k,
+                            (10.0, 10.5, 11.0), (0.3,) * k, copy_prior=(0.9,) * k)
+  p, _, summary = sampled_pvalue(small_target, drafter, "t0.7_topk5_topp0.9")
+  assert 0.05 < summary["acceptance_rate"] < 0.95
   assert p > ALPHA
 
 

@@ -87,11 +87,17 @@ class HybridDrafter(DrafterWrapper):
                                                self.ngram))(sequence, lengths)
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
-              stop=None):
+              stop=None, copy=None):
+    """The head's proposal, with the copy in the rows that take it.
+
+    `copy`: `(tokens [B, k], rows [B] bool)`, a copy made by `lookup` and the rows that propose
+    it (the `AdaptiveDrafter` passes the rows whose copies it expects to do better than the
+    head; their `num_drafted` it sets itself); default: every row with a match copies.
+    """
     state, proposal = self.drafter.propose(state, sequence, lengths, num_draft=num_draft,
                                            sampling=sampling, seeds=seeds, limits=limits,
                                            stop=stop)
-    copied, found = self.lookup(sequence, lengths, num_draft)
+    copied, found = self.lookup(sequence, lengths, num_draft) if copy is None else copy
     tokens = jnp.where(found[:, None], copied, proposal.tokens)
     logits = proposal.logits
     if logits is not None:
