@@ -128,7 +128,7 @@ def main(argv=None):
   configs[f"adaptive (K={plan.max_draft})"] = lambda t, n: sj.decode(
       target, drafter, t, rng, lengths=n, num_draft="adaptive", calibration=calib_dir, **common)
   rows_only = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
-                              token_stop=False)
+                              token_stop=False, copy_prior=plan.copy_prior)
   configs[f"adaptive rows (K={plan.max_draft})"] = lambda t, n: sj.decode(
       target, rows_only, t, rng, lengths=n, num_draft=plan.max_draft, verify_widths=plan.widths,
       **common)
@@ -199,7 +199,9 @@ def main(argv=None):
                             "auto_k": auto.num_draft, "auto_predicted_speedup": auto.speedup,
                             "adaptive_widths": list(widths)},
             "adaptive_plan": {"max_draft": plan.max_draft, "widths": list(plan.widths),
-                              "round_ms": list(plan.round_ms), "prior": list(plan.prior)},
+                              "round_ms": list(plan.round_ms), "prior": list(plan.prior),
+                              "copy_prior": (list(plan.copy_prior) if plan.copy_prior
+                                             else None)},
             "summary": summary, "best_fixed_chain_per_category": best_fixed,
             "speed_vs_best_fixed_chain": versus_best,
             "records": records, "wall_s": time.perf_counter() - began}

@@ -304,7 +304,10 @@ def run(args) -> int:
   verify = ", ".join(f"{w}: {ms:.2f}" for w, ms in enumerate(table.verify_ms, 1))
   print(f"verify ms by width: {verify}; draft step {table.draft_step_ms:.2f} ms; generate step "
         f"{table.generate_step_ms:.2f} ms; per-round overhead {table.round_overhead_ms:.2f} ms")
-  print(f"alpha: {', '.join(f'{a:.3f}' for a in profile.alpha)}")
+  for name, part in (("alpha", profile), ("head alpha", profile.head),
+                     ("lookup alpha", profile.lookup)):
+    if part is not None:
+      print(f"{name}: {', '.join(f'{a:.3f}' for a in part.alpha)}")
   print(f"num_draft='auto' picks k = {choice.num_draft} (widths {choice.widths}): "
         f"{choice.expected_tokens:.2f} tokens per {choice.round_ms:.2f} ms round, predicted "
         f"speedup {choice.speedup:.2f}x over generate")

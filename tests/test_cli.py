@@ -169,6 +169,7 @@ def test_bench_runs_a_tiny_suite(tmp_path, capsys):
   assert result["pair_records"] and result["pair_records"][0]["num_draft"] == 1
 
 
+@pytest.mark.slow  # loads SmolLM2-135M and compiles two decodes (~1 min): CI's slow step runs it
 def test_demo_runs_with_the_shipped_pair(capsys):
   try:
     sj.load_default()

@@ -228,6 +228,7 @@ def test_hybrid_matches_target_distribution(small_target, name):
   assert p > ALPHA
 
 
+@pytest.mark.slow  # ~20 s; the adaptive rule's own chi-square runs by default (test_adaptive_rows)
 def test_adaptive_hybrid_matches_target_distribution(small_target):
   """Adaptive length around the hybrid at T = 0.7, top-k 5 / top-p 0.9: copies trusted at first
   (copy prior 0.9, head prior 0.3), so round 1 copies in every row (the prompt's last tokens
