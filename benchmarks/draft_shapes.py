@@ -2,7 +2,8 @@
 
 The default pair (`specjax.load_default()`: SmolLM2-135M-Instruct f32 + its EAGLE-3 head, or
 `--head DIR` for another head) on the held-out chat prompts of `benchmarks/prompts/real.json`
-(the first `--per-category` conversations of each category), greedy, batch 1, every prompt padded
+(the first `--per-category` conversations of each category), greedy (or `--temperature T`),
+batch 1, every prompt padded
 to one width (one compile per configuration). Compared, prompt by prompt in turns (so load
 bursts on a shared host hit every configuration alike):
 
@@ -19,8 +20,8 @@ bursts on a shared host hit every configuration alike):
 
 The cost table and the acceptance profile are measured first, on this backend, with prompts from
 the training templates (never the held-out ones), and saved beside the head's checkpoint
-(`--calibration-out`, default: a scratch folder). Every output is checked token-identical to
-`generate`. Wall times on a 2-core CPU are the fastest of `--repeats` per prompt; tau (tokens per
+(`--calibration-out`, default: a scratch folder), under the run's sampling. Every greedy output
+is checked token-identical to `generate` (sampled ones draw their own streams: not compared). Wall times on a 2-core CPU are the fastest of `--repeats` per prompt; tau (tokens per
 round) does not depend on the machine.
 
 Usage: `python -m benchmarks.draft_shapes [--per-category 2] [--max-new-tokens 64]`; writes
@@ -56,14 +57,13 @@ def _prompts(tokenizer, per_category: int):
   return rows, categories
 
 
-def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int):
+def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int, sampling):
   from specjax import costs
   from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
-  from specjax.sampling import GREEDY
   table = measure_costs(target, drafter, max_width=max_width, repeats=5)
   tokens, lengths = profile_prompts(tokenizer)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=max_width - 1,
-                               sampling=GREEDY)
+                               sampling=sampling)
   table.save(out)
   profile.save(out)
   return table, profile
@@ -79,6 +79,8 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--head", help="a head checkpoint instead of the default pair's")
   parser.add_argument("--calibration-out", help="where the cost table and profile go")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="sampling temperature (0: greedy, outputs checked against generate)")
   parser.add_argument("--out", default=str(RESULTS))
   args = parser.parse_args(argv)
 
@@ -99,7 +101,9 @@ def main(argv=None):
   ks = [int(k) for k in args.ks.split(",")]
   began = time.perf_counter()
   calib_dir = pathlib.Path(args.calibration_out or tempfile.mkdtemp(prefix="specjax_calib_"))
-  table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3)
+  sampling = sj.Sampling(temperature=args.temperature)
+  table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3,
+                             sampling=sampling)
   auto = costs.choose_num_draft(table, profile, max_draft=getattr(drafter, "max_draft", None))
   widths = costs.choose_widths(table, max(ks))
   print(json.dumps({"calibration": str(calib_dir), "alpha": profile.alpha,
@@ -111,8 +115,7 @@ def main(argv=None):
 
   rows, categories = _prompts(tokenizer, args.per_category)
   width = max(map(len, rows))
-  greedy = sj.Sampling(temperature=0.0)
-  common = dict(max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
+  common = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, eos_id=eos)
   rng = jax.random.key(0)
   stopping = with_confidence(drafter, args.confidence)
   head = getattr(drafter, "drafter", drafter)  # trees draft with the head alone
@@ -160,7 +163,8 @@ def main(argv=None):
         stats = out.stats
         entry["rounds"] = int(stats.rounds[0])
         entry["drafted"] = int(stats.drafted[0])
-        entry["identical"] = entry["ids"] == records["generate"][i]["ids"]
+        if args.temperature == 0:
+          entry["identical"] = entry["ids"] == records["generate"][i]["ids"]
       records[name].append(entry)
     print(json.dumps({"prompt": i, "category": categories[i], **{
         name: round(r[-1]["tokens"] / r[-1]["seconds"], 1) for name, r in records.items()}}),
@@ -181,7 +185,8 @@ def main(argv=None):
         item["tau"] = tokens / max(sum(e["rounds"] for e in chosen), 1)
         item["drafts_per_round"] = (sum(e.get("drafted", 0) for e in chosen)
                                     / max(sum(e["rounds"] for e in chosen), 1))
-        item["identical_to_generate"] = all(e["identical"] for e in chosen)
+        if args.temperature == 0:
+          item["identical_to_generate"] = all(e["identical"] for e in chosen)
       summary[name][cat] = item
   fixed = [n for n in records if n.startswith("chain")]
   best_fixed = {cat: max(fixed, key=lambda n: summary[n][cat]["tokens_per_s"]) for cat in cats}
@@ -190,6 +195,7 @@ def main(argv=None):
                  for name in records if name != "generate" and not name.startswith("chain")}
   result = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF -> float32), CPU layout",
             "head": head_name, "device": str(jax.devices()[0]), "batch": 1,
+            "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens, "per_category": args.per_category,
             "prompt_width": width, "repeats": args.repeats,
             "calibration": {"alpha": profile.alpha, "verify_ms": table.verify_ms,
@@ -219,7 +225,9 @@ def main(argv=None):
   plot_tau_and_speedup(
       names, [summary[n]["all"]["tau"] for n in names],
       [summary[n]["all"]["speedup_vs_generate"] for n in names], out_dir / "draft_shapes.png",
-      title="SmolLM2-135M + EAGLE-3 head, greedy, held-out chat prompts, 2-core CPU",
+      title=f"SmolLM2-135M + EAGLE-3 head, "
+            f"{f'T = {args.temperature:g}' if args.temperature else 'greedy'}, "
+            "held-out chat prompts, 2-core CPU",
       speedup_label="wall speedup vs generate (batch 1)", figsize=(12, 4.5), rotation=60)
 
 
