@@ -3,9 +3,8 @@
 The default pair (`specjax.load_default()`: SmolLM2-135M-Instruct f32 + its EAGLE-3 head, or
 `--head DIR` for another head) on the held-out chat prompts of `benchmarks/prompts/real.json`
 (the first `--per-category` conversations of each category), greedy (or `--temperature T`),
-batch 1, every prompt padded
-to one width (one compile per configuration). Compared, prompt by prompt in turns (so load
-bursts on a shared host hit every configuration alike):
+batch 1, every prompt padded to one width (one compile per configuration). Compared, prompt by
+prompt in turns (so load bursts on a shared host hit every configuration alike):
 
 * plain `specjax.generate` (the baseline of every speedup);
 * chains with fixed `k` (`--ks`);
@@ -21,8 +20,9 @@ bursts on a shared host hit every configuration alike):
 The cost table and the acceptance profile are measured first, on this backend, with prompts from
 the training templates (never the held-out ones), and saved beside the head's checkpoint
 (`--calibration-out`, default: a scratch folder), under the run's sampling. Every greedy output
-is checked token-identical to `generate` (sampled ones draw their own streams: not compared). Wall times on a 2-core CPU are the fastest of `--repeats` per prompt; tau (tokens per
-round) does not depend on the machine.
+is checked token-identical to `generate` (sampled ones draw their own streams: not compared).
+Wall times on a 2-core CPU are the fastest of `--repeats` per prompt; tau (tokens per round) does
+not depend on the machine.
 
 Usage: `python -m benchmarks.draft_shapes [--per-category 2] [--max-new-tokens 64]`; writes
 `benchmarks/results/draft_shapes.json` and `.png`.

@@ -56,8 +56,8 @@ before `j` and the drafter's distribution at `j`, never on the draft drawn there
 independent of the verify's randomness at every slot of
 this round; given everything before slot `j`, the verify emits there a ratio-test outcome for a
 draft from `q_j` or a direct sample from `p_j`, both distributed as `p_j` (the same argument as
-the confidence stop in `specjax.drafters.model`). Whether a row copies is, likewise, a function of its emitted text and earlier rounds only.
-Greedy stays token-identical to `generate`.
+the confidence stop in `specjax.drafters.model`). Whether a row copies is, likewise, a function
+of its emitted text and earlier rounds only. Greedy stays token-identical to `generate`.
 Everything runs on device inside the decode loop: no host sync, fixed shapes, the verify width
 picked by `lax.switch` among the compiled widths.
 """
@@ -283,18 +283,19 @@ class AdaptiveDrafter(DrafterWrapper):
     batch = lengths.shape[0]
     copy_tokens = jnp.zeros((batch, num_draft), jnp.int32)
     found = copied = jnp.zeros((batch,), jnp.bool_)
+    alpha = self.alpha(state)
     if self.copies:
       copy_tokens, found = self.drafter.lookup(sequence, lengths, num_draft)
       copy_k, copy_rate = self._best(self.copy_alpha(state))
-      head_rate = self._best(self.alpha(state))[1]
+      head_rate = self._best(alpha)[1]
       copied = found & (copy_k > 0) & (copy_rate >= head_rate)
       common["copy"] = (copy_tokens, copied)
     if self.token_stop and takes_stop(self.drafter):
       limits = jnp.full(lengths.shape, num_draft, jnp.int32)
-      stop = CostAwareStop(self.alpha(state), self.confidence_shift(state), self.round_ms)
+      stop = CostAwareStop(alpha, self.confidence_shift(state), self.round_ms)
       inner, proposal = self.drafter.propose(state.inner, sequence, lengths, stop=stop, **common)
     else:
-      limits = self.limits(state)
+      limits = self._best(alpha)[0]
       inner, proposal = self.drafter.propose(state.inner, sequence, lengths, limits=limits,
                                              **common)
     planned = limits if proposal.num_drafted is None else proposal.num_drafted

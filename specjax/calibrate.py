@@ -208,7 +208,6 @@ def lookup_counts(drafter, tokens, lengths, new_tokens, new_lengths, num_draft: 
   greedy this is exactly how often they would be accepted; for sampled text the chance that a
   sample equals a copy is the chance a point-mass draft of it is accepted.
   """
-  import jax
   import jax.numpy as jnp
   import numpy as np
 
@@ -217,13 +216,12 @@ def lookup_counts(drafter, tokens, lengths, new_tokens, new_lengths, num_draft: 
   positions, accepted = 0, np.zeros(num_draft, np.int64)
   for row in range(tokens.shape[0]):
     text = np.concatenate([tokens[row, :lengths[row]], new_tokens[row, :new_lengths[row]]])
-    size = len(text) + num_draft
-    padded = jnp.asarray(np.pad(text, (0, num_draft), constant_values=-1), jnp.int32)
-    starts = jnp.arange(int(lengths[row]), len(text), dtype=jnp.int32)
-    copies, found = drafter.lookup(jnp.broadcast_to(padded, (len(starts), size)), starts,
-                                   num_draft)
-    follows = jax.vmap(lambda s: jax.lax.dynamic_slice(padded, (s,), (num_draft,)))(starts)
-    held = np.cumprod(np.asarray(copies == follows), axis=1) * np.asarray(found)[:, None]
+    padded = np.pad(text, (0, num_draft), constant_values=-1).astype(np.int32)
+    starts = np.arange(int(lengths[row]), len(text), dtype=np.int32)
+    copies, found = drafter.lookup(jnp.broadcast_to(padded, (len(starts), len(padded))),
+                                   jnp.asarray(starts), num_draft)
+    follows = np.lib.stride_tricks.sliding_window_view(padded, num_draft)[starts]
+    held = np.cumprod(np.asarray(copies) == follows, axis=1) * np.asarray(found)[:, None]
     positions += int(np.sum(found))
     accepted += held.sum(0)
   return positions, accepted
