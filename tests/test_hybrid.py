@@ -10,7 +10,8 @@
   ids, pooled chi-square against the exact joint, seeded, ALPHA = 1e-3) matches the target at
   T = 0.7 with top-k 5 / top-p 0.9 and at T = 1; a hybrid that forgets to replace the head's q by
   a point mass in lookup rows fails the same test at p < 1e-6.
-* Adaptive length goes around it (greedy-identical, and at T = 0.7 by the same harness);
+* Adaptive length goes around it (greedy-identical, and at T = 0.7 by the same harness, which a
+  copy choice that peeks at the head's current draw fails at p < 1e-6);
   around a hybrid it keeps the copy's counts apart from the head's (a greedy round by hand,
   checked against a slot-by-slot oracle); the calibration's copy counts are hand-worked.
   Bad arguments are refused.
@@ -201,6 +202,21 @@ class ForgetfulHybrid(HybridDrafter):
     return state, dataclasses.replace(proposal, tokens=tokens)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PeekingCopyChoice(HybridDrafter):
+  """A broken copy choice: a row the adaptive wrapper sends to its copy drafts the head's tokens
+  instead where the head's first draw is its own most likely token, a choice that depends on the
+  current round's draw rather than on tokens already emitted."""
+
+  def propose(self, state, sequence, lengths, *, num_draft, copy=None, **kwargs):
+    _, head = self.drafter.propose(state, sequence, lengths, num_draft=num_draft, **kwargs)
+    copied, rows = self.lookup(sequence, lengths, num_draft) if copy is None else copy
+    rows = rows & (head.tokens[:, 0] != jnp.argmax(head.logits[:, 0], axis=-1))
+    return super().propose(state, sequence, lengths, num_draft=num_draft, copy=(copied, rows),
+                           **kwargs)
+
+
 @pytest.fixture(scope="module")
 def small_target():  # test_heads_exactness.py's target (8 ids, 4 layers)
   return sj.init_params(tiny_config(vocab_size=hx.VOCAB, num_layers=4), jax.random.key(10))
@@ -245,4 +261,16 @@ def test_adaptive_hybrid_matches_target_distribution(small_target):
 def test_head_q_in_lookup_rows_is_detected(small_target):
   drafter = ForgetfulHybrid(hx.make_eagle(small_target, "eagle3"))
   p, _, _ = sampled_pvalue(small_target, drafter, "t1")
+  assert p < POWER_ALPHA
+
+
+@pytest.mark.slow  # a power check: CI runs it in its slow step
+def test_adaptive_copy_choice_that_peeks_at_the_round_is_detected(small_target):
+  """The adaptive wrapper's copy choice must read only emitted tokens: the same wrapper and
+  priors as the test above, with a copy choice that looks at the head's current draw, fail the
+  same harness (N = 20,000, p < 1e-6) under the same sampling."""
+  k = hx.NUM_DRAFT
+  drafter = AdaptiveDrafter(PeekingCopyChoice(hx.make_eagle(small_target, "eagle3")), k,
+                            (10.0, 10.5, 11.0), (0.3,) * k, copy_prior=(0.9,) * k)
+  p, _, _ = sampled_pvalue(small_target, drafter, "t0.7_topk5_topp0.9")
   assert p < POWER_ALPHA
