@@ -188,15 +188,18 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     run = under_auto_axes(functools.partial(
         _decode, sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
         pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-        widths=args.widths, rules=call.rules))
+        widths=args.widths, rules=call.rules,
+        classes=validation.pytree_classes(target, drafter)))
     out = run(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
-                                             "verify_impl", "widths", "rules"))
+                                             "verify_impl", "widths", "rules", "classes"))
 def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling,
-            num_draft, capacity, pad_id, verify_impl, widths=None, rules=None) -> DecodeOutput:
+            num_draft, capacity, pad_id, verify_impl, widths=None, rules=None,
+            classes=()) -> DecodeOutput:
+  del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["decode"] += 1
   with rules_scope(rules):
     seeds = row_seeds(rng, tokens.shape[0])  # [B]

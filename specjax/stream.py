@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import validation
 from specjax.decode import check_decode_arguments
 from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
@@ -26,18 +27,21 @@ from specjax.state import DecodeState, init_state
 __all__ = ["decode_stream"]
 
 
-@functools.partial(jax.jit, static_argnames=("num_draft", "capacity", "rules"))
+@functools.partial(jax.jit, static_argnames=("num_draft", "capacity", "rules", "classes"))
 def _start(target, drafter, tokens, lengths, max_new_tokens, eos, rng, *, num_draft, capacity,
-           rules=None) -> DecodeState:
+           rules=None, classes=()) -> DecodeState:
+  del classes  # a cache key only (`validation.pytree_classes`)
   with rules_scope(rules):
     return init_state(target, drafter, tokens, lengths, max_new_tokens, eos,
                       row_seeds(rng, tokens.shape[0]), num_draft=num_draft, capacity=capacity)
 
 
 @functools.partial(jax.jit, static_argnames=("num_draft", "sampling", "verify_impl", "widths",
-                                             "rules"),
+                                             "rules", "classes"),
                    donate_argnames=("state",))
-def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=None, rules=None):
+def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=None, rules=None,
+           classes=()):
+  del classes  # a cache key only (`validation.pytree_classes`)
   with rules_scope(rules):
     return round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,
                       verify_impl=verify_impl, widths=widths)
@@ -69,13 +73,15 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs
     rules = call.rules
+    classes = validation.pytree_classes(target, drafter)
     state = _start(target, drafter, tokens, lengths, jnp.int32(args.max_new_tokens), eos_ids, rng,
-                   num_draft=args.num_draft, capacity=args.capacity, rules=rules)
+                   num_draft=args.num_draft, capacity=args.capacity, rules=rules,
+                   classes=classes)
   seen = np.asarray(args.lengths)
   while not bool(np.all(np.asarray(state.done))):
     with call_context((target, drafter, state)):
       state = _round(target, drafter, state, num_draft=args.num_draft, sampling=sampling,
-                     verify_impl=verify_impl, widths=args.widths, rules=rules)
+                     verify_impl=verify_impl, widths=args.widths, rules=rules, classes=classes)
     now = np.asarray(state.lengths)
     sequence = np.asarray(state.tokens)
     yield [sequence[b, seen[b]:now[b]] for b in range(len(now))], state

@@ -131,14 +131,16 @@ def decode_tree(target, drafter, tokens, rng, *, tree: TreeSpec, lengths=None,
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   out = _decode_tree(target, draft, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids,
                      spec=tree, sampling=sampling, capacity=capacity,
-                     pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl)
+                     pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
+                     classes=validation.pytree_classes(target, draft))
   return DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "sampling", "capacity", "pad_id",
-                                             "verify_impl"))
+                                             "verify_impl", "classes"))
 def _decode_tree(target, draft, tokens, lengths, rng, max_new_tokens, eos_ids, *, spec, sampling,
-                 capacity, pad_id, verify_impl) -> DecodeOutput:
+                 capacity, pad_id, verify_impl, classes=()) -> DecodeOutput:
+  del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["decode_tree"] += 1
   state = init_tree_state(target, draft, tokens, lengths, max_new_tokens, eos_ids,
                           row_seeds(rng, tokens.shape[0]), spec=spec, capacity=capacity)

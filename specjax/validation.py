@@ -138,3 +138,21 @@ def check_sampling(sampling):
 def resolve_pad_id(model, pad_id: int | None) -> int:
   """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None."""
   return int(getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id)
+
+
+def pytree_classes(*trees) -> tuple[type, ...]:
+  """The classes of every node of `trees`' structures, in order: a static `jax.jit` argument that
+  keeps the compiled programs of two pytree classes apart.
+
+  In jax 0.10 two `PyTreeDef`s whose dataclass nodes differ only in their class (a subclass that
+  keeps its parent's fields, e.g. a drafter that overrides `propose`) compare equal while their
+  hashes differ, so a jitted function's cache can, depending on its contents, hand one class the
+  program compiled for the other. Keyed on these classes (compared by identity), it cannot.
+  """
+  def walk(treedef):
+    data = treedef.node_data()
+    found = () if data is None else (data[0],)
+    for child in treedef.children():
+      found += walk(child)
+    return found
+  return tuple(dict.fromkeys(c for tree in trees for c in walk(jax.tree.structure(tree))))

@@ -78,3 +78,31 @@ def test_model_config_rejects_bad_shapes():
 def test_numpy_inputs_are_accepted(model):
   out = sj.generate(model, np.ones((1, 3), np.int64), jax.random.PRNGKey(0), max_new_tokens=2)
   assert out.tokens.dtype == jnp.int32
+
+
+def test_a_subclass_with_its_parents_fields_gets_its_own_compiled_decode():
+  """jax 0.10's PyTreeDef equality ignores the class of a dataclass node (a subclass that keeps
+  its parent's fields compares equal while hashing differently), so jit caches could hand one
+  drafter class the other's program; `decode` keys its cache on the classes. The two drafters
+  below share fields and weights and differ only in `propose`; each must run its own code."""
+  import dataclasses
+
+  from specjax.drafters.ngram import NGramDrafter
+  from specjax.validation import pytree_classes
+
+  @jax.tree_util.register_dataclass
+  @dataclasses.dataclass(frozen=True)
+  class NoDrafts(NGramDrafter):
+    def propose(self, state, sequence, lengths, *, num_draft, **kwargs):
+      state, proposal = super().propose(state, sequence, lengths, num_draft=num_draft, **kwargs)
+      return state, dataclasses.replace(proposal, num_drafted=jnp.zeros_like(lengths))
+
+  plain, broken = NGramDrafter(), NoDrafts()
+  assert jax.tree.structure(plain) == jax.tree.structure(broken)  # the jax behaviour guarded
+  assert pytree_classes(plain) != pytree_classes(broken)
+  target = sj.init_params(tiny_config(vocab_size=12), jax.random.key(0))
+  tokens = jnp.asarray([[1, 2, 3, 1, 2, 3, 1, 2]], jnp.int32)
+  results = [sj.decode(target, d, tokens, jax.random.key(1), max_new_tokens=8, num_draft=3)
+             for d in (plain, broken, plain, broken)]
+  drafted = [int(np.asarray(r.stats.drafted).sum()) for r in results]
+  assert drafted[1] == drafted[3] == 0 and drafted[0] == drafted[2] > 0
