@@ -16,7 +16,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 FLAG_SETS = ("", "--xla_cpu_use_xnnpack=true", "--xla_cpu_use_onednn=true",
@@ -25,20 +24,12 @@ FLAG_SETS = ("", "--xla_cpu_use_xnnpack=true", "--xla_cpu_use_onednn=true",
 E, Q, F, LAYERS = 576, 960, 1536, 30
 
 
-def _best(fn, reps):
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return min(times)
-
-
 def measure(reps: int = 30) -> dict:
   """This process's numbers (its XLA_FLAGS)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from cpu_forward import best_of  # this file runs as a script (`main` re-runs it per flag set)
   rng = np.random.default_rng(0)
   shapes = {"qkv": (Q, E), "o": (E, E), "gu": (2 * F, E), "d": (E, F)}
   host = [{k: (rng.standard_normal(s, np.float32) * 0.02) for k, s in shapes.items()}
@@ -67,7 +58,7 @@ def measure(reps: int = 30) -> dict:
                                  ("jax_two_halves", two, halves)):
     fn = jax.jit(lambda w, x, product=product: chain(w, x, product))
     jax.block_until_ready(fn(weights, x))
-    seconds = _best(lambda: jax.block_until_ready(fn(weights, x)), reps)
+    seconds = best_of(lambda: jax.block_until_ready(fn(weights, x)), reps)
     out[name] = {"ms": 1e3 * seconds, "gb_per_s": nbytes / seconds / 1e9}
 
   def numpy_chain():
@@ -79,7 +70,7 @@ def measure(reps: int = 30) -> dict:
       v = v + lp["d"] @ (np.tanh(gate_up[:F]) * gate_up[F:])  # bounded: no overflow
     return v
 
-  seconds = _best(numpy_chain, reps)
+  seconds = best_of(numpy_chain, reps)
   out["numpy_loop"] = {"ms": 1e3 * seconds, "gb_per_s": nbytes / seconds / 1e9}
   return out
 

@@ -54,7 +54,8 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   with call_context(inputs) as call:
     model, tokens, lengths, rng, eos_ids = call.inputs
     run = under_auto_axes(functools.partial(_generate, sampling=sampling, capacity=capacity,
-                                            pad_id=int(pad), rules=call.rules))
+                                            pad_id=int(pad), rules=call.rules,
+                                            classes=validation.pytree_classes(model)))
     out = run(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
@@ -64,9 +65,11 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules"))
+@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
+                                             "classes"))
 def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
-              capacity: int, pad_id: int, rules=None) -> DecodeOutput:
+              capacity: int, pad_id: int, rules=None, classes=()) -> DecodeOutput:
+  del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["generate"] += 1
   with rules_scope(rules):
     return _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids,

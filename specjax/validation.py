@@ -149,10 +149,15 @@ def pytree_classes(*trees) -> tuple[type, ...]:
   hashes differ, so a jitted function's cache can, depending on its contents, hand one class the
   program compiled for the other. Keyed on these classes (compared by identity), it cannot.
   """
+  classes = []
+
   def walk(treedef):
     data = treedef.node_data()
-    found = () if data is None else (data[0],)
+    if data is not None:
+      classes.append(data[0])
     for child in treedef.children():
-      found += walk(child)
-    return found
-  return tuple(dict.fromkeys(c for tree in trees for c in walk(jax.tree.structure(tree))))
+      walk(child)
+
+  for tree in trees:
+    walk(jax.tree.structure(tree))
+  return tuple(classes)
