@@ -16,6 +16,9 @@ as one matrix, gate/up as one): a *step* copy `[out, in]` (`<name>_t`) used when
 single row, and a *block* copy of two column halves (`<name>_halves`) used otherwise. A step reads
 only the step copy, so the bytes read per token (the bandwidth floor) are unchanged; the price is
 memory for a second copy of the layer weights. `split_layer` restores the canonical weights.
+
+The one-row product goes through `specjax.kernels.cpu_gemv` (a hand-written XLA FFI kernel,
+compiled on first use) where it can be built, which streams the step copies faster than XLA's dot.
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import cpu_gemv
 from specjax.models.config import ModelConfig
+
+# Blocks of up to this many rows (B * T) go through the kernel when the model uses it: every weight
+# is read once for all rows. Measured on SmolLM2-135M's shapes (30 layers, 2 cores): 1-5 rows
+# 9-15% faster than XLA's dot on the same layout; from 6 rows on XLA's GEMM on the halves is as
+# fast or faster.
+KERNEL_ROWS = 5
 
 # fused name: (canonical parts, concatenated along the output axis)
 _PROJECTIONS = (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w_gate_up", ("w_gate", "w_up")),
@@ -71,10 +81,14 @@ def split_layer(lp: dict, c: ModelConfig) -> dict:
   return out
 
 
-def project(h: jax.Array, lp: dict, fused: str) -> jax.Array:
+def project(h: jax.Array, lp: dict, fused: str, kernel: bool = False) -> jax.Array:
   """`h [B, T, in] -> [B, T, out]` through the CPU layout's projection `fused` (see the module
-  docstring): the step copy for a single row, the two halves otherwise."""
-  if h.shape[0] * h.shape[1] == 1:
+  docstring): the step copy for a single row, the two halves otherwise; with `kernel`, blocks of up
+  to `KERNEL_ROWS` rows read the step copy through `cpu_gemv.matvec`."""
+  rows = h.shape[0] * h.shape[1]
+  if kernel and rows <= KERNEL_ROWS:
+    return cpu_gemv.matvec(h, lp[fused + "_t"])
+  if rows == 1:
     return jnp.einsum("bti,oi->bto", h, lp[fused + "_t"])
   return jnp.concatenate([jnp.einsum("bti,io->bto", h, w) for w in lp[fused + "_halves"]],
                          axis=-1)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import cpu_gemv
 from specjax.cache import KVBlock, KVCache, write_block, write_stacked_block
 from specjax.models import cpu_layout
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
@@ -73,10 +74,15 @@ class Model:
       leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
+    cpu_kernel: whether the CPU layout's one-row products (a batch-1 decode step) go through the
+      hand-written kernel `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to
+      float32 summation order). Static, so a model with and one without it compile apart;
+      `with_fused_projections` turns it on where the kernel builds.
   """
 
   params: dict
   config: ModelConfig = dataclasses.field(metadata=dict(static=True))
+  cpu_kernel: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @property
   def vocab_size(self) -> int:
@@ -119,7 +125,7 @@ class Model:
     layers = self.params["layers"]
     per_layer = tuple({name: w[i] for name, w in layers.items()}
                       for i in range(self.config.num_layers))
-    return Model(dict(self.params, layers=per_layer), self.config)
+    return dataclasses.replace(self, params=dict(self.params, layers=per_layer))
 
   def stacked(self) -> "Model":
     """The same model with per-layer weights stacked on a leading `num_layers` axis (one
@@ -128,7 +134,7 @@ class Model:
       return self
     layers = self.without_fused_projections().params["layers"]
     stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
-    return Model(dict(self.params, layers=stacked), self.config)
+    return dataclasses.replace(self, params=dict(self.params, layers=stacked), cpu_kernel=False)
 
   def for_platform(self, platform: str | None = None) -> "Model":
     """The layout that runs fastest on `platform` (default: JAX's default backend): on CPU
@@ -140,25 +146,31 @@ class Model:
       return self.unstacked().with_fused_projections().with_output_copy()
     return self.stacked().without_output_copy()
 
-  def with_fused_projections(self) -> "Model":
+  def with_fused_projections(self, cpu_kernel: bool | None = None) -> "Model":
     """An unstacked model in the CPU layout (`specjax.models.cpu_layout`): per layer, the
     query/key/value projections fused into one matrix and gate/up into one, each projection kept
     as a step copy `[out, in]` (read by one-row blocks: a batch-1 decode step) and as two
     `[in, out / 2]` column halves (read by every larger block: verify, prefill, batches). XLA:CPU
     runs each form fastest in its own case; a step reads one copy, so the bytes per token are
     unchanged, at the price of a second copy of the layer weights in memory. Same math;
-    `stacked()` and `without_fused_projections()` restore the canonical weights."""
+    `stacked()` and `without_fused_projections()` restore the canonical weights.
+
+    `cpu_kernel` (default: whether `specjax.kernels.cpu_gemv` builds on this machine) sends the
+    one-row products through that hand-written kernel; False keeps XLA's dot."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
+    if cpu_kernel is None:
+      cpu_kernel = cpu_gemv.available()
     layers = tuple(cpu_layout.fuse_layer(lp) for lp in self.params["layers"])
-    return Model(dict(self.params, layers=layers), self.config)
+    return dataclasses.replace(self, params=dict(self.params, layers=layers),
+                               cpu_kernel=bool(cpu_kernel))
 
   def without_fused_projections(self) -> "Model":
     """Splits fused projections (see `with_fused_projections`) back into their named parts."""
     if self.is_stacked:
       return self
     layers = tuple(cpu_layout.split_layer(lp, self.config) for lp in self.params["layers"])
-    return Model(dict(self.params, layers=layers), self.config)
+    return dataclasses.replace(self, params=dict(self.params, layers=layers), cpu_kernel=False)
 
   def with_output_copy(self) -> "Model":
     """A tied model with `params["lm_head"] = embed.T` materialised (same logits up to float32
@@ -167,18 +179,18 @@ class Model:
     if not self.config.tie_embeddings or "lm_head" in self.params:
       return self
     lm_head = jnp.asarray(self.params["embed"]).T.copy()
-    return Model(dict(self.params, lm_head=lm_head), self.config)
+    return dataclasses.replace(self, params=dict(self.params, lm_head=lm_head))
 
   def without_output_copy(self) -> "Model":
     """Drops the `[E, V]` copy of a tied model's output projection (see `with_output_copy`)."""
     if not self.config.tie_embeddings or "lm_head" not in self.params:
       return self
-    return Model({k: v for k, v in self.params.items() if k != "lm_head"}, self.config)
+    return dataclasses.replace(self, params={k: v for k, v in self.params.items() if k != "lm_head"})
 
   def astype(self, dtype) -> "Model":
     """The same model with floating-point weights cast to `dtype`."""
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return Model(jax.tree.map(cast, self.params), self.config)
+    return dataclasses.replace(self, params=jax.tree.map(cast, self.params))
 
 
 def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model:
@@ -261,6 +273,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     `starts .. starts + T - 1` and `lengths = starts + T`.
   """
   c = model.config
+  kernel = model.cpu_kernel
   p = model.params
   taps = check_taps(taps, c.num_layers)
   b, t = tokens.shape
@@ -307,7 +320,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     cpu = cpu_layout.is_cpu_layer(lp)
     if cpu:  # the CPU layout (with_fused_projections)
       n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-      qkv = cpu_layout.project(h, lp, "wqkv")
+      qkv = cpu_layout.project(h, lp, "wqkv", kernel)
       qkv = qkv if "bqkv" not in lp else qkv + lp["bqkv"]
       q, k, v = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
     else:
@@ -329,20 +342,23 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     attn = attention(q, segments, q_pos, window, c)
-    o = cpu_layout.project(attn, lp, "wo") if cpu else jnp.einsum("btf,fe->bte", attn, lp["wo"])
+    if cpu:
+      o = cpu_layout.project(attn, lp, "wo", kernel)
+    else:
+      o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
     if c.post_norms:
       o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
     x = x + o
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
     if cpu:
-      gate_up = cpu_layout.project(h, lp, "w_gate_up")
+      gate_up = cpu_layout.project(h, lp, "w_gate_up", kernel)
       gate, up = gate_up[..., :c.mlp_dim], gate_up[..., c.mlp_dim:]
     else:
       gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
       up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
     if cpu:
-      m = cpu_layout.project(hidden, lp, "w_down")
+      m = cpu_layout.project(hidden, lp, "w_down", kernel)
     else:
       m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
     if c.post_norms:
