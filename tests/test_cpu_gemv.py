@@ -42,6 +42,18 @@ def test_the_kernel_builds_on_this_machine():
   assert ok, why
 
 
+def test_a_fresh_cache_compiles_the_source(tmp_path, monkeypatch):
+  """`build()` into an empty cache runs the compiler (the cache above may already hold the
+  library) and gives a library exporting the handler; a second call reuses it."""
+  import ctypes
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  library = cpu_gemv.build()
+  assert library.parent.parent == tmp_path and library.exists()
+  assert ctypes.cdll.LoadLibrary(str(library)).specjax_cpu_gemv
+  stamp = library.stat().st_mtime_ns
+  assert cpu_gemv.build() == library and library.stat().st_mtime_ns == stamp
+
+
 @pytest.mark.parametrize("out,n", SHAPES)
 def test_matvec_equals_the_float64_product(out, n):
   rng = np.random.default_rng(out * 1000 + n)
