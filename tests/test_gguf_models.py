@@ -99,12 +99,11 @@ def test_greedy_matches_transformers(real):
   _greedy(real, max_new_tokens=8)
 
 
+@pytest.mark.parametrize("real", ["smollm2"], indirect=True)  # one model is enough for the layout
 def test_cpu_layout_greedy_matches_transformers(real):
   """The layout the library runs on CPU (`for_platform("cpu")`: per-layer fused weights, one-row
   steps and small blocks through the hand-written kernel where it builds) at batch 1: the same
   greedy tokens as transformers, and as the stacked scan, on a chat prompt (32 new tokens)."""
-  if real["name"] != "smollm2":
-    pytest.skip("one model is enough for the layout check; Gemma 3's parity is checked above")
   cpu = real["model"].for_platform("cpu")
   from specjax.kernels import cpu_gemv
   assert cpu.cpu_kernel == cpu_gemv.available()
