@@ -2,28 +2,21 @@
 //
 // y[r, o] = sum_i x[r, i] * w[o, i] for a row-major float32 weight w [out, in] and up to eight rows
 // of x at a time: the one-row decode step of the CPU layout and its small verify blocks, which
-// should stream every weight once. The rows of w are split between the calling thread and a small
-// pool of persistent workers that spin briefly between calls (a decode step issues about a hundred
-// of these products back to back, so a sleeping hand-off per product would cost more than the
-// product), then sleep on a condition variable. One row of x: each thread computes four output
-// rows at a time, which keeps four independent weight streams in flight. Several rows of x: each
-// weight load serves all of them.
+// should stream every weight once. The output rows of w are split into one part per thread of
+// XLA's own intra-op pool (the FFI ThreadPool context): the caller takes parts as well, so the
+// product never waits for a busy pool, and no thread of ours competes with XLA's for the cores.
+// One row of x: each part computes four output rows at a time, which keeps four independent
+// weight streams in flight. Several rows of x: each weight load serves all of them.
 //
 // Built by cpu_gemv.py with the host's compiler and -march=native; AVX2 and FMA are required
 // (AVX-512 is used for the several-row case where the host has it).
 
 #include <immintrin.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
-#include <mutex>
-#include <thread>
-#include <vector>
+#include <memory>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -178,10 +171,6 @@ struct Job {
 
 constexpr int64_t kMaxRows = 8;
 
-// How long an idle worker spins before it sleeps: longer than the gap between two products of a
-// decode step (tens of microseconds), short enough not to hold a core from the rest of XLA's work.
-constexpr std::chrono::microseconds kSpin(200);
-
 // The rows of part `i` of `parts`, cut on multiples of four.
 inline void PartRows(const Job& job, int64_t i, int64_t* r0, int64_t* r1) {
   const int64_t quads = (job.out + 3) / 4;
@@ -189,93 +178,29 @@ inline void PartRows(const Job& job, int64_t i, int64_t* r0, int64_t* r1) {
   *r1 = std::min(job.out, 4 * (quads * (i + 1) / job.parts));
 }
 
-class Pool {
- public:
-  explicit Pool(int threads) : pid_(getpid()) {
-    for (int i = 1; i < threads; ++i) std::thread([this, i] { Work(i); }).detach();
-    workers_ = threads - 1;
-  }
+// One product shared between the caller and the tasks it schedules. Whoever comes first claims
+// the next part, so the caller can do every part itself when the pool is busy (no deadlock when
+// XLA runs several of these at once on its own threads); a task that starts late finds nothing
+// left and only touches this (reference-counted) state, never the caller's stack.
+struct Shared {
+  Job job;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
 
-  int64_t threads() const { return workers_ + 1; }
-  pid_t pid() const { return pid_; }
-
-  // Runs `job` on the caller and the workers; false (nothing done) if another caller holds the
-  // pool, in which case the caller computes alone.
-  bool Run(const Job& job) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    if (!busy.owns_lock()) return false;
-    job_ = job;
-    pending_.store(workers_, std::memory_order_relaxed);
-    generation_.fetch_add(1, std::memory_order_seq_cst);
-    if (sleeping_.load(std::memory_order_seq_cst) > 0) {
-      std::lock_guard<std::mutex> lock(sleep_);
-      wake_.notify_all();
-    }
-    int64_t r0, r1;
-    PartRows(job, 0, &r0, &r1);
-    AnyRows(job.w, job.x, job.y, job.n, job.out, job.m, r0, r1);
-    while (pending_.load(std::memory_order_acquire) > 0) _mm_pause();
-    return true;
-  }
-
- private:
-  void Work(int index) {
-    uint64_t seen = 0;
-    for (;;) {
-      auto idle_since = std::chrono::steady_clock::now();
-      int spins = 0;
-      uint64_t now;
-      while ((now = generation_.load(std::memory_order_acquire)) == seen) {
-        _mm_pause();
-        if (++spins < 1024) continue;
-        spins = 0;
-        if (std::chrono::steady_clock::now() - idle_since < kSpin) continue;
-        std::unique_lock<std::mutex> lock(sleep_);
-        sleeping_.fetch_add(1, std::memory_order_seq_cst);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_seq_cst) != seen; });
-        sleeping_.fetch_sub(1, std::memory_order_seq_cst);
-        idle_since = std::chrono::steady_clock::now();
-      }
-      seen = now;
-      const Job job = job_;
+  void Work() {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < job.parts;) {
       int64_t r0, r1;
-      PartRows(job, index, &r0, &r1);
+      PartRows(job, i, &r0, &r1);
       AnyRows(job.w, job.x, job.y, job.n, job.out, job.m, r0, r1);
-      pending_.fetch_sub(1, std::memory_order_acq_rel);
+      done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
-
-  const pid_t pid_;
-  int workers_ = 0;
-  Job job_{};
-  std::mutex busy_;
-  std::mutex sleep_;
-  std::condition_variable wake_;
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> pending_{0};
-  std::atomic<int> sleeping_{0};
 };
-
-int PoolThreads() {
-  const char* env = std::getenv("SPECJAX_CPU_THREADS");
-  int threads = env != nullptr ? std::atoi(env) : 0;
-  if (threads <= 0) threads = static_cast<int>(std::thread::hardware_concurrency());
-  return std::clamp(threads, 1, 64);
-}
-
-std::mutex pool_mutex;
-Pool* pool = nullptr;
-
-// The process's pool (a new one after a fork: a child has none of its parent's threads).
-Pool* GetPool() {
-  std::lock_guard<std::mutex> lock(pool_mutex);
-  if (pool == nullptr || pool->pid() != getpid()) pool = new Pool(PoolThreads());  // never freed
-  return pool;
-}
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // an alias: a macro argument cannot hold its comma
 
-ffi::Error Gemv(ffi::Buffer<ffi::F32> x, Matrix w, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
+                ffi::ResultBuffer<ffi::F32> y) {
   const auto dims = w.dimensions();
   const int64_t out = dims[0], n = dims[1];
   const auto x_dims = x.dimensions();
@@ -286,11 +211,19 @@ ffi::Error Gemv(ffi::Buffer<ffi::F32> x, Matrix w, ffi::ResultBuffer<ffi::F32> y
   if (y->element_count() != static_cast<size_t>(rows * out)) {
     return ffi::Error::InvalidArgument("specjax_cpu_gemv: result has the wrong size");
   }
-  Pool* p = GetPool();
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   for (int64_t r = 0; r < rows; r += kMaxRows) {  // each group of up to 8 rows reads w once
-    Job job{w.typed_data(), x.typed_data() + r * n, y->typed_data() + r * out, n, out,
-            std::min(kMaxRows, rows - r), p->threads()};
-    if (out < 64 || !p->Run(job)) AnyRows(job.w, job.x, job.y, n, out, job.m, 0, out);
+    const Job job{w.typed_data(), x.typed_data() + r * n, y->typed_data() + r * out, n, out,
+                  std::min(kMaxRows, rows - r), out < 64 ? 1 : threads};
+    if (job.parts == 1) {
+      AnyRows(job.w, job.x, job.y, n, out, job.m, 0, out);
+      continue;
+    }
+    auto shared = std::make_shared<Shared>();
+    shared->job = job;
+    for (int64_t i = 1; i < job.parts; ++i) pool.Schedule([shared] { shared->Work(); });
+    shared->Work();
+    while (shared->done.load(std::memory_order_acquire) < job.parts) _mm_pause();
   }
   return ffi::Error::Success();
 }
@@ -299,6 +232,7 @@ ffi::Error Gemv(ffi::Buffer<ffi::F32> x, Matrix w, ffi::ResultBuffer<ffi::F32> y
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_gemv, Gemv,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<Matrix>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -5,16 +5,16 @@ stream their weight at memory bandwidth. XLA:CPU's dot reaches that on one large
 time on every small one (thread hand-offs per op): on SmolLM2-135M's shapes the 30 layers' products
 took 17.5 ms (24 GB/s) where the machine reads 32.8 GB/s; the kernel takes 15.4 ms
 (`benchmarks/cpu_forward.py`). `cpu_gemv.cc` splits each product's output rows between the caller
-and persistent workers that spin between products; a block of up to eight input rows (a verify
-block) reads each weight once for all of them.
+and the threads of XLA's own intra-op pool; a block of up to eight input rows (a verify block)
+reads each weight once for all of them.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ /
 clang++), `-O3 -march=native`, against `jax.ffi.include_dir()`, and cached under
 `$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the source, compiler, flags, jaxlib and
 CPU. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or `SPECJAX_CPU_KERNELS=0`,
 `available()` is False, `status()` says why, and the CPU layout uses XLA's dot: same results up to
-float32 summation order, only slower. `SPECJAX_CPU_THREADS` sets the thread count (default: all
-cores). The choice is made when a function is traced, so set the variables before the first call.
+float32 summation order, only slower. The choice is made once per process, so set the variable
+before the first call.
 
 `matvec` lowers to the kernel only on CPU (`lax.platform_dependent`; elsewhere, and for any other
 dtype, it is `einsum`), differentiates through `einsum` (`custom_jvp`), and is vmapped one call per

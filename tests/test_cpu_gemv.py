@@ -94,8 +94,8 @@ def test_vmap_and_grad_agree_with_einsum():
 
 
 def test_concurrent_callers_get_their_own_products():
-  """Two threads running jitted products at once: one holds the worker pool, the other computes
-  alone; neither sees the other's rows."""
+  """Two threads running jitted products at once, both splitting their rows over XLA's intra-op
+  pool (a caller takes the parts the busy pool has not started): neither sees the other's rows."""
   rng = np.random.default_rng(5)
   ws = [jnp.asarray(rng.standard_normal((512, 256), np.float32)) for _ in range(2)]
   xs = [jnp.asarray(rng.standard_normal((1, 256), np.float32)) for _ in range(2)]
