@@ -17,8 +17,9 @@ single row, and a *block* copy of two column halves (`<name>_halves`) used other
 only the step copy, so the bytes read per token (the bandwidth floor) are unchanged; the price is
 memory for a second copy of the layer weights. `split_layer` restores the canonical weights.
 
-The one-row product goes through `specjax.kernels.cpu_gemv` (a hand-written XLA FFI kernel,
-compiled on first use) where it can be built, which streams the step copies faster than XLA's dot.
+When the model uses it (`Model.cpu_kernel`), one-row products and blocks of up to `KERNEL_ROWS`
+rows read the step copy through `specjax.kernels.cpu_gemv` (a hand-written XLA FFI kernel, compiled
+on first use), which streams it faster than XLA's dot.
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ class Model:
       leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
-    cpu_kernel: whether the CPU layout's one-row products (a batch-1 decode step) go through the
-      hand-written kernel `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to
+    cpu_kernel: whether the CPU layout's one-row products (a batch-1 decode step) and blocks of up
+      to `cpu_layout.KERNEL_ROWS` rows go through the hand-written kernel `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to
       float32 summation order). Static, so a model with and one without it compile apart;
       `with_fused_projections` turns it on where the kernel builds.
   """
