@@ -1,21 +1,29 @@
-// specjax's CPU matrix-vector product, an XLA FFI custom call (see cpu_gemv.py).
+// specjax's CPU matrix-vector products, XLA FFI custom calls (see cpu_gemv.py).
 //
-// y[r, o] = sum_i x[r, i] * w[o, i] for a row-major float32 weight w [out, in] and up to eight rows
-// of x at a time: the one-row decode step of the CPU layout and its small verify blocks, which
-// should stream every weight once. The output rows of w are split into one part per thread of
-// XLA's own intra-op pool (the FFI ThreadPool context): the caller takes parts as well, so the
-// product never waits for a busy pool, and no thread of ours competes with XLA's for the cores.
-// One row of x: each part computes four output rows at a time, which keeps four independent
-// weight streams in flight. Several rows of x: each weight load serves all of them.
+// specjax_cpu_gemv: y[r, o] = sum_i x[r, i] * w[o, i] for a row-major float32 weight w [out, in],
+// up to eight rows of x per pass over w: the decode step of the CPU layout (one row), its verify
+// blocks and a draft model's catch-up (a few rows), which should stream every weight once.
+// specjax_cpu_qgemv: the same product for a quantized weight (int8 or packed int4 per group, see
+// below), read at its narrow width.
+//
+// The output rows of w are split into one part per thread of XLA's own intra-op pool (the FFI
+// ThreadPool context): the caller takes parts as well, so the product never waits for a busy
+// pool, and no thread of ours competes with XLA's for the cores. One row of x: four output rows at
+// a time, four weight streams in flight. Several rows: one weight row at a time against all of
+// them (a single sequential stream, which the hardware prefetcher follows best), with software
+// prefetch ahead of it.
 //
 // Built by cpu_gemv.py with the host's compiler and -march=native; AVX2 and FMA are required
-// (AVX-512 is used for the several-row case where the host has it).
+// (AVX-512 widens the float32 several-row case where the host has it).
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cmath>
+#include <functional>
+#include <vector>
 #include <memory>
 
 #include "xla/ffi/api/ffi.h"
@@ -93,7 +101,6 @@ void Rows(const float* w, const float* x, float* y, int64_t n, int64_t r0, int64
 // widest registers -march=native allows, and `R` weight rows go at a time so that R * M
 // accumulators fit the register file (32 vector registers with AVX-512, 16 without).
 #if defined(__AVX512F__)
-constexpr int kRows[9] = {0, 4, 8, 6, 4, 4, 4, 3, 2};
 using Vec = __m512;
 constexpr int64_t kWidth = 16;
 inline Vec VecLoad(const float* p) { return _mm512_loadu_ps(p); }
@@ -101,7 +108,6 @@ inline Vec VecZero() { return _mm512_setzero_ps(); }
 inline Vec VecFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float VecSum(Vec v) { return _mm512_reduce_add_ps(v); }
 #else
-constexpr int kRows[9] = {0, 4, 4, 3, 2, 2, 2, 1, 1};
 using Vec = __m256;
 constexpr int64_t kWidth = 8;
 inline Vec VecLoad(const float* p) { return _mm256_loadu_ps(p); }
@@ -110,38 +116,64 @@ inline Vec VecFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float VecSum(Vec v) { return HorizontalSum(v); }
 #endif
 
-// Output rows [r0, r1) of y = x w^T for `M` rows of x (2 <= M <= 8), `R` weight rows at a time.
-template <int M, int R>
-void BlockRows(const float* w, const float* x, float* y, int64_t n, int64_t out, int64_t r0,
-               int64_t r1) {
+// How far ahead of the rows being read the kernel asks for the next bytes: the hardware
+// prefetcher alone leaves a stream that is consumed slower than DRAM delivers it latency-bound
+// (int8 out of cache: 5 GB/s per core without, 13 in cache).
+#ifndef SPECJAX_PREFETCH
+#define SPECJAX_PREFETCH 1024
+#endif
+constexpr int64_t kPrefetchBytes = SPECJAX_PREFETCH;
+#ifndef SPECJAX_PREFETCH_F32
+#define SPECJAX_PREFETCH_F32 true
+#endif
+
+// y[m, r + k] for `R` weight rows starting at row r and `M` rows of x: R * M accumulators; each
+// weight load serves M rows of x, each x load R weight rows.
+template <int M, int R, bool Prefetch>
+inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t out, int64_t r) {
   const int64_t nv = n - n % kWidth;
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    Vec acc[R][M];
+  Vec acc[R][M];
 #pragma GCC unroll 8
-    for (int k = 0; k < R; ++k)
+  for (int k = 0; k < R; ++k)
 #pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) acc[k][m] = VecZero();
-    for (int64_t i = 0; i < nv; i += kWidth) {
-      Vec wv[R];
+    for (int m = 0; m < M; ++m) acc[k][m] = VecZero();
+  for (int64_t i = 0; i < nv; i += kWidth) {
+    Vec wv[R];
 #pragma GCC unroll 8
-      for (int k = 0; k < R; ++k) wv[k] = VecLoad(w + (r + k) * n + i);
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        const Vec xv = VecLoad(x + m * n + i);
-#pragma GCC unroll 8
-        for (int k = 0; k < R; ++k) acc[k][m] = VecFma(wv[k], xv, acc[k][m]);
-      }
-    }
     for (int k = 0; k < R; ++k) {
-      for (int m = 0; m < M; ++m) {
-        float total = VecSum(acc[k][m]);
-        for (int64_t i = nv; i < n; ++i) total += w[(r + k) * n + i] * x[m * n + i];
-        y[m * out + r + k] = total;
+      const float* row = w + (r + k) * n + i;
+      if constexpr (Prefetch) {
+        if (i % 16 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        }
       }
+      wv[k] = VecLoad(row);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const Vec xv = VecLoad(x + m * n + i);
+#pragma GCC unroll 8
+      for (int k = 0; k < R; ++k) acc[k][m] = VecFma(wv[k], xv, acc[k][m]);
     }
   }
-  if constexpr (R > 1) BlockRows<M, 1>(w, x, y, n, out, r, r1);
+  for (int k = 0; k < R; ++k) {
+    for (int m = 0; m < M; ++m) {
+      float total = VecSum(acc[k][m]);
+      for (int64_t i = nv; i < n; ++i) total += w[(r + k) * n + i] * x[m * n + i];
+      y[m * out + r + k] = total;
+    }
+  }
+}
+
+// Output rows [r0, r1) of y = x w^T for `M` rows of x (2 <= M <= 8): one weight row at a time
+// against all M rows of x (M accumulators), so the weight is read as one sequential stream.
+// Measured against R = 2..4 weight rows at a time (fewer loads of x per FMA) on 2 cores of an
+// AMD EPYC, out of cache: one row is 10-30% faster for M = 2..6 and as fast for 7-8; the
+// interleaved streams of several rows defeat the hardware prefetcher.
+template <int M>
+void BlockRows(const float* w, const float* x, float* y, int64_t n, int64_t out, int64_t r0,
+               int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) Tile<M, 1, SPECJAX_PREFETCH_F32>(w, x, y, n, out, r);
 }
 
 // Output rows [r0, r1) for `m` rows of x (1 <= m <= 8).
@@ -149,27 +181,164 @@ void AnyRows(const float* w, const float* x, float* y, int64_t n, int64_t out, i
              int64_t r0, int64_t r1) {
   switch (m) {
     case 1: return Rows(w, x, y, n, r0, r1);
-    case 2: return BlockRows<2, kRows[2]>(w, x, y, n, out, r0, r1);
-    case 3: return BlockRows<3, kRows[3]>(w, x, y, n, out, r0, r1);
-    case 4: return BlockRows<4, kRows[4]>(w, x, y, n, out, r0, r1);
-    case 5: return BlockRows<5, kRows[5]>(w, x, y, n, out, r0, r1);
-    case 6: return BlockRows<6, kRows[6]>(w, x, y, n, out, r0, r1);
-    case 7: return BlockRows<7, kRows[7]>(w, x, y, n, out, r0, r1);
-    default: return BlockRows<8, kRows[8]>(w, x, y, n, out, r0, r1);
+    case 2: return BlockRows<2>(w, x, y, n, out, r0, r1);
+    case 3: return BlockRows<3>(w, x, y, n, out, r0, r1);
+    case 4: return BlockRows<4>(w, x, y, n, out, r0, r1);
+    case 5: return BlockRows<5>(w, x, y, n, out, r0, r1);
+    case 6: return BlockRows<6>(w, x, y, n, out, r0, r1);
+    case 7: return BlockRows<7>(w, x, y, n, out, r0, r1);
+    default: return BlockRows<8>(w, x, y, n, out, r0, r1);
   }
 }
 
-struct Job {
-  const float* w;
-  const float* x;
-  float* y;
-  int64_t n;
-  int64_t out;
-  int64_t m;  // rows of x (and y), at most kMaxRows
-  int64_t parts;
-};
+// ---------------------------------------------------------------------------------------------
+// Quantized weights. A weight row holds symmetric integers q per group of `group` input columns
+// (a multiple of 32) with float32 scales [out, in / group]. int8: one signed byte per weight,
+// row-major [out, in]. int4: [out, in / 2] bytes; in each run of 32 weights, byte j holds weight j
+// in its low nibble and weight j + 16 in its high nibble, both stored as q + 8 (0..15).
+//
+// The rows of x are quantized too, per group of the same columns (symmetric int8: scale =
+// max|x| / 127, q = round-half-even(x * (127 / max|x|))), and each run of 32 products is an
+// integer dot product (vpmaddubsw + vpmaddwd, exact in int32) scaled by weight scale x row scale.
+// That is the product `quant_reference` in cpu_gemv.py defines, and the arithmetic llama.cpp's
+// CPU path uses for its 8-bit formats: widening every weight to float32 in registers cost three
+// times the instructions and left the kernel compute-bound at half the memory bandwidth.
+
+// Rows of x quantized per group: values [m, n] int8, scales [m, n / group].
+void QuantizeRows(const float* x, int64_t m, int64_t n, int64_t group, int8_t* xq, float* xs) {
+  const int64_t groups = n / group;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* v = x + r * n + g * group;
+      float top = 0.0f;
+      for (int64_t i = 0; i < group; ++i) top = std::max(top, std::fabs(v[i]));
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      xs[r * groups + g] = top / 127.0f;
+      for (int64_t i = 0; i < group; ++i) {
+        const float t = std::nearbyint(v[i] * inverse);  // round half to even
+        xq[r * n + g * group + i] = static_cast<int8_t>(std::clamp(t, -127.0f, 127.0f));
+      }
+    }
+  }
+}
+
+// 32 weights of a row as signed bytes, starting at weight i.
+template <int Bits>
+inline __m256i LoadWeights32(const uint8_t* row, int64_t i) {
+  if constexpr (Bits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(b, mask);                       // weights i .. i + 15
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);   // weights i + 16 .. i + 31
+    return _mm256_sub_epi8(_mm256_set_m128i(high, low), _mm256_set1_epi8(8));
+  }
+}
+
+// Eight int32 partial sums of w . x over 32 signed bytes each (|w|, |x| <= 127: the int16 pair
+// sums of vpmaddubsw cannot saturate).
+inline __m256i Dot32(__m256i abs_w, __m256i w, __m256i x) {
+  const __m256i signed_x = _mm256_sign_epi8(x, w);  // x * sign(w): |w| * that = w * x
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, signed_x), _mm256_set1_epi16(1));
+}
+
+// y[m, r + k] for R weight rows from row r and M (<= 4) quantized rows of x.
+template <int Bits, int M, int R, bool Prefetch>
+inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
+                    float* y, int64_t n, int64_t out, int64_t group, int64_t r) {
+  const int64_t row_bytes = Bits == 8 ? n : n / 2;
+  const int64_t groups = n / group;
+  __m256 acc[R][M];
+#pragma GCC unroll 8
+  for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[k][m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256i sums[R][M];
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) sums[k][m] = _mm256_setzero_si256();
+    for (int64_t i = g * group; i < (g + 1) * group; i += 32) {
+      __m256i xv[M];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + m * n + i));
+#pragma GCC unroll 8
+      for (int k = 0; k < R; ++k) {
+        const uint8_t* row = q + (r + k) * row_bytes;
+        if constexpr (Prefetch) {
+          _mm_prefetch(reinterpret_cast<const char*>(row + (Bits == 8 ? i : i / 2)) +
+                           kPrefetchBytes, _MM_HINT_T0);
+        }
+        const __m256i w = LoadWeights32<Bits>(row, i);
+        const __m256i abs_w = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m)
+          sums[k][m] = _mm256_add_epi32(sums[k][m], Dot32(abs_w, w, xv[m]));
+      }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k) {
+      const float ws = scale[(r + k) * groups + g];
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m)
+        acc[k][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k][m]),
+                                    _mm256_set1_ps(ws * xs[m * groups + g]), acc[k][m]);
+    }
+  }
+  for (int k = 0; k < R; ++k)
+    for (int m = 0; m < M; ++m) y[m * out + r + k] = HorizontalSum(acc[k][m]);
+}
+
+template <int Bits, int M, int R, int M0>
+inline void IntPasses(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
+                      float* y, int64_t n, int64_t out, int64_t group, int64_t r) {
+  if constexpr (M0 < M) {
+    constexpr int mm = M - M0 < 4 ? M - M0 : 4;
+    const int64_t groups = n / group;
+    IntTile<Bits, mm, R, M0 == 0>(q, scale, xq + M0 * n, xs + M0 * groups, y + M0 * out, n, out,
+                                  group, r);
+    IntPasses<Bits, M, R, M0 + 4>(q, scale, xq, xs, y, n, out, group, r);
+  }
+}
+
+// Output rows [r0, r1) for M rows of x: R weight rows at a time (one row of x: four, two rows:
+// two, else one), the rows of x in passes of at most four over the same (L1-resident) weights.
+template <int Bits, int M>
+void IntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs, float* y,
+             int64_t n, int64_t out, int64_t group, int64_t r0, int64_t r1) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  int64_t r = r0;
+  for (; r + R <= r1; r += R) IntPasses<Bits, M, R, 0>(q, scale, xq, xs, y, n, out, group, r);
+  for (; r < r1; ++r) IntPasses<Bits, M, 1, 0>(q, scale, xq, xs, y, n, out, group, r);
+}
+
+template <int Bits>
+void AnyIntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
+                float* y, int64_t n, int64_t out, int64_t group, int64_t m, int64_t r0,
+                int64_t r1) {
+  switch (m) {
+    case 1: return IntRows<Bits, 1>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 2: return IntRows<Bits, 2>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 3: return IntRows<Bits, 3>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 4: return IntRows<Bits, 4>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 5: return IntRows<Bits, 5>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 6: return IntRows<Bits, 6>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 7: return IntRows<Bits, 7>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    default: return IntRows<Bits, 8>(q, scale, xq, xs, y, n, out, group, r0, r1);
+  }
+}
 
 constexpr int64_t kMaxRows = 8;
+
+// One block of up to kMaxRows rows of x: a function of an output-row range.
+struct Job {
+  std::function<void(int64_t, int64_t)> rows;  // computes output rows [r0, r1) for every x row
+  int64_t out;
+  int64_t parts;
+};
 
 // The rows of part `i` of `parts`, cut on multiples of four.
 inline void PartRows(const Job& job, int64_t i, int64_t* r0, int64_t* r1) {
@@ -191,11 +360,28 @@ struct Shared {
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < job.parts;) {
       int64_t r0, r1;
       PartRows(job, i, &r0, &r1);
-      AnyRows(job.w, job.x, job.y, job.n, job.out, job.m, r0, r1);
+      job.rows(r0, r1);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
 };
+
+// Runs `job` over the caller and XLA's intra-op pool and returns when every part is done.
+void Run(ffi::ThreadPool& pool, Job job) {
+  if (job.parts <= 1) {
+    job.rows(0, job.out);
+    return;
+  }
+  auto shared = std::make_shared<Shared>();
+  shared->job = std::move(job);
+  for (int64_t i = 1; i < shared->job.parts; ++i) pool.Schedule([shared] { shared->Work(); });
+  shared->Work();
+  while (shared->done.load(std::memory_order_acquire) < shared->job.parts) _mm_pause();
+}
+
+int64_t Parts(ffi::ThreadPool& pool, int64_t out) {
+  return out < 64 ? 1 : std::max<int64_t>(1, pool.num_threads());
+}
 
 using Matrix = ffi::Buffer<ffi::F32, 2>;  // an alias: a macro argument cannot hold its comma
 
@@ -211,19 +397,62 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
   if (y->element_count() != static_cast<size_t>(rows * out)) {
     return ffi::Error::InvalidArgument("specjax_cpu_gemv: result has the wrong size");
   }
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   for (int64_t r = 0; r < rows; r += kMaxRows) {  // each group of up to 8 rows reads w once
-    const Job job{w.typed_data(), x.typed_data() + r * n, y->typed_data() + r * out, n, out,
-                  std::min(kMaxRows, rows - r), out < 64 ? 1 : threads};
-    if (job.parts == 1) {
-      AnyRows(job.w, job.x, job.y, n, out, job.m, 0, out);
-      continue;
-    }
-    auto shared = std::make_shared<Shared>();
-    shared->job = job;
-    for (int64_t i = 1; i < job.parts; ++i) pool.Schedule([shared] { shared->Work(); });
-    shared->Work();
-    while (shared->done.load(std::memory_order_acquire) < job.parts) _mm_pause();
+    const float* wp = w.typed_data();
+    const float* xp = x.typed_data() + r * n;
+    float* yp = y->typed_data() + r * out;
+    const int64_t m = std::min(kMaxRows, rows - r);
+    Run(pool, Job{[=](int64_t r0, int64_t r1) { AnyRows(wp, xp, yp, n, out, m, r0, r1); }, out,
+                  Parts(pool, out)});
+  }
+  return ffi::Error::Success();
+}
+
+using Scales = ffi::Buffer<ffi::F32, 2>;
+
+// x [..., in] float32, q [out, in] (int8 as bytes) or [out, in / 2] (int4), scales
+// [out, in / group] float32 -> y [..., out] float32.
+ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                     Scales scales, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group) {
+  if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("specjax_cpu_qgemv: bits 8 or 4");
+  const auto type = q.element_type();
+  if ((bits == 8 && type != ffi::DataType::S8) || (bits == 4 && type != ffi::DataType::U8) ||
+      q.dimensions().size() != 2) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv: q must be 2-D int8 (8 bits) or uint8 (4)");
+  }
+  const int64_t out = q.dimensions()[0];
+  const int64_t n = bits == 8 ? q.dimensions()[1] : 2 * q.dimensions()[1];
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() == 0 || x_dims.back() != n) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv: x's last axis must match q's");
+  }
+  if (group <= 0 || group % 32 != 0 || n % group != 0 || scales.dimensions()[0] != out ||
+      scales.dimensions()[1] != n / group) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv: group or scales do not fit q");
+  }
+  const int64_t rows = n == 0 ? 0 : static_cast<int64_t>(x.element_count()) / n;
+  if (y->element_count() != static_cast<size_t>(rows * out)) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv: result has the wrong size");
+  }
+  const int64_t groups = n / group;
+  std::vector<int8_t> xq(rows * n);
+  std::vector<float> xs(rows * groups);
+  QuantizeRows(x.typed_data(), rows, n, group, xq.data(), xs.data());
+  for (int64_t r = 0; r < rows; r += kMaxRows) {
+    const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data());
+    const float* sp = scales.typed_data();
+    const int8_t* xp = xq.data() + r * n;
+    const float* xsp = xs.data() + r * groups;
+    float* yp = y->typed_data() + r * out;
+    const int64_t m = std::min(kMaxRows, rows - r);
+    auto fn = bits == 8
+        ? std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
+            AnyIntRows<8>(qp, sp, xp, xsp, yp, n, out, group, m, r0, r1);
+          })
+        : std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
+            AnyIntRows<4>(qp, sp, xp, xsp, yp, n, out, group, m, r0, r1);
+          });
+    Run(pool, Job{std::move(fn), out, Parts(pool, out)});
   }
   return ffi::Error::Success();
 }
@@ -236,3 +465,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_gemv, Gemv,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<Matrix>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_qgemv, QuantGemv,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scales>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group"));

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_gemv.cc")
 TARGET = "specjax_cpu_gemv"
+QUANT_TARGET = "specjax_cpu_qgemv"
 _log = logging.getLogger(__name__)
 
 
@@ -97,8 +98,10 @@ def status() -> tuple[bool, str]:
     return False, "disabled by SPECJAX_CPU_KERNELS"
   try:
     library = build()
-    handler = ctypes.cdll.LoadLibrary(str(library)).specjax_cpu_gemv
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+    loaded = ctypes.cdll.LoadLibrary(str(library))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_gemv), platform="cpu")
+    jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_qgemv),
+                                platform="cpu")
   except Exception as error:  # noqa: BLE001 - any failure means "use XLA's dot"
     _log.warning("specjax: the CPU matrix-vector kernel is unavailable (%s); XLA's dot is used",
                  error)
@@ -143,3 +146,98 @@ def matvec(x: jax.Array, w: jax.Array) -> jax.Array:
   if not usable(x, w):
     return _reference(x, w)
   return _matvec(x, w)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantized weights (`specjax.models.quant.QuantizedWeight`): int8 `[out, in]` or packed int4
+# `[out, in / 2]` with float32 scales `[out, in / group]`, widened and scaled in registers.
+
+
+def dequantize(values: jax.Array, scales: jax.Array, *, bits: int, group: int,
+               dtype=jnp.float32) -> jax.Array:
+  """The float weight `[..., out, in]` that quantized `values` and `scales` stand for (the format's
+  reference: see `specjax.models.quant`). int4 bytes hold, per run of 32 weights, weight j in the
+  low nibble of byte j and weight j + 16 in the high nibble, each as q + 8."""
+  if bits == 8:
+    q = values.astype(dtype)
+  else:
+    low = (values & 15).astype(jnp.int32) - 8
+    high = (values >> 4).astype(jnp.int32) - 8
+    shape = values.shape[:-1] + (values.shape[-1] // 16, 16)
+    q = jnp.concatenate([low.reshape(shape), high.reshape(shape)], axis=-1)
+    q = q.reshape(values.shape[:-1] + (2 * values.shape[-1],)).astype(dtype)
+  n = q.shape[-1]
+  grouped = q.reshape(q.shape[:-1] + (n // group, group)) * scales[..., None].astype(dtype)
+  return grouped.reshape(q.shape)
+
+
+def quantize_rows(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+  """Rows of x quantized per group of `group` columns, as the kernel does: int8 `[..., in]`
+  (round half to even of `x * (127 / max|x|)`) and float32 scales `[..., in / group]`
+  (`max|x| / 127`)."""
+  grouped = x.astype(jnp.float32).reshape(x.shape[:-1] + (x.shape[-1] // group, group))
+  top = jnp.max(jnp.abs(grouped), axis=-1)
+  inverse = jnp.where(top > 0, jnp.float32(127.0) / jnp.where(top > 0, top, 1.0), 0.0)
+  q = jnp.clip(jnp.round(grouped * inverse[..., None]), -127, 127).astype(jnp.int8)
+  return q.reshape(x.shape), top / jnp.float32(127.0)
+
+
+def quant_reference(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
+                    group: int) -> jax.Array:
+  """The CPU product of a quantized weight, in jnp (the kernel's oracle): the rows of x quantized
+  per group (`quantize_rows`), exact integer dot products per group, scaled by weight scale x row
+  scale and summed. `[..., in] -> [..., out]` float32."""
+  xq, xs = quantize_rows(x, group)
+  n = x.shape[-1]
+  wq = dequantize(values, jnp.ones_like(scales), bits=bits, group=group, dtype=jnp.int32)
+  wq = wq.reshape(wq.shape[:-1] + (n // group, group))  # [out, G, g]
+  xg = xq.astype(jnp.int32).reshape(xq.shape[:-1] + (n // group, group))  # [..., G, g]
+  dots = jnp.einsum("...gi,ogi->...og", xg, wq, preferred_element_type=jnp.int32)
+  return jnp.sum(dots.astype(jnp.float32) * (scales * xs[..., None, :]), axis=-1)
+
+
+def dequant_product(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
+                    group: int) -> jax.Array:
+  """The TPU/GPU product of a quantized weight: `x . dequantize(values, scales)^T` with float
+  activations (XLA fuses the convert and scale into the dot's operand). Also its derivative
+  everywhere."""
+  w = dequantize(values, scales, bits=bits, group=group, dtype=x.dtype)
+  return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+
+
+def quant_usable(x: jax.Array, bits: int, group: int) -> bool:
+  """Whether `quant_matvec` would reach the kernel on CPU for this input."""
+  return x.dtype == jnp.float32 and bits in (4, 8) and group % 32 == 0 and available()
+
+
+def _quant_kernel(x, values, scales, *, bits, group):
+  out = jax.ShapeDtypeStruct(x.shape[:-1] + (values.shape[0],), jnp.float32)
+  return jax.ffi.ffi_call(QUANT_TARGET, out, vmap_method="sequential")(
+      x, values, scales, bits=bits, group=group)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _quant_matvec(x, values, scales, bits, group, kernel):
+  cpu = functools.partial(_quant_kernel if kernel else quant_reference, bits=bits, group=group)
+  default = functools.partial(dequant_product, bits=bits, group=group)
+  return jax.lax.platform_dependent(x, values, scales, cpu=cpu, default=default)
+
+
+@_quant_matvec.defjvp
+def _quant_matvec_jvp(bits, group, kernel, primals, tangents):
+  (x, values, scales), (dx, _, dscales) = primals, tangents
+  out = _quant_matvec(x, values, scales, bits, group, kernel)
+  return out, (dequant_product(dx, values, scales, bits=bits, group=group)
+               + dequant_product(x, values, dscales, bits=bits, group=group))
+
+
+def quant_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
+                 group: int) -> jax.Array:
+  """`x [..., in]` times a quantized `[out, in]` weight -> `[..., out]` float32.
+
+  On CPU the rows of x are quantized per group as well and the dot products are integer
+  (`quant_reference`): the kernel where `quant_usable` (the weight is read at its narrow width),
+  else the same arithmetic in jnp. On TPU/GPU the weight is dequantized inside the dot and x stays
+  float (`dequant_product`). Derivatives follow `dequant_product`. `values` int8 `[out, in]`
+  (bits 8) or uint8 `[out, in / 2]` (bits 4); `scales` float32 `[out, in / group]`."""
+  return _quant_matvec(x, values, scales, bits, group, quant_usable(x, bits, group))

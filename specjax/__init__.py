@@ -3,12 +3,13 @@
 from specjax.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
 from specjax.decode import DecodeState, decode, draft_step, init_state
-from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal
+from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.io.eagle3 import load_eagle3
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
+from specjax.models.quant import QuantizedWeight, dequantize_model, quantize
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling, row_seeds
 from specjax.stream import decode_stream
@@ -27,6 +28,7 @@ __all__ = [
     "generate", "init_params",
     "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
     "init_state", "round_step", "row_seeds", "verify_block", "decode_stream",
+    "self_drafter", "QuantizedWeight", "quantize", "dequantize_model",
     "EagleDrafter", "MedusaDrafter", "HybridDrafter", "load_eagle3", "TreeSpec", "decode_tree",
     "from_gguf", "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",

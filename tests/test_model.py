@@ -202,10 +202,11 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
   the stacked `lax.scan` computes: same logits, taps and cached keys, prefill and steps."""
   stacked = _model(name)
   unstacked = stacked.unstacked()
-  fused = unstacked.with_fused_projections()  # CPU: step copies [out, in] and block halves
+  fused = unstacked.with_fused_projections()  # CPU: one fused [out, in] copy per projection
   assert stacked.is_stacked and not unstacked.is_stacked
-  assert {f"{n}_{copy}" for n in ("wqkv", "wo", "w_gate_up", "w_down") for copy in ("t", "halves")
-          } <= set(fused.params["layers"][0])
+  layer = set(fused.params["layers"][0])
+  assert {f"{n}_t" for n in ("wqkv", "wo", "w_gate_up", "w_down")} <= layer
+  assert not any(name.endswith("_halves") for name in layer)  # one copy of each weight
   assert not {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"} & set(fused.params["layers"][0])
   assert unstacked.init_cache(2, 16).per_layer and not stacked.init_cache(2, 16).per_layer
   tokens = _tokens(2, 10, stacked.vocab_size, seed=11)
@@ -224,7 +225,7 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
   for other in ("unstacked", "fused"):
     for a, b in zip(outs["stacked"], outs[other]):
       np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-  # Batch 1: the CPU layout's one-row steps take the step copies, its prefill the halves.
+  # Batch 1: the CPU layout's one-row steps and its prefill read the same single copy.
   out = step(fused, tokens[:1, :6], jnp.zeros(1, jnp.int32), fused.init_cache(1, 16), taps=(0, 1, 2))
   logits = [out.logits]
   for i in range(6, 10):
@@ -275,20 +276,25 @@ def test_for_platform_picks_the_layout():
 
 
 def test_output_copy_of_a_tied_model_gives_the_same_logits_and_tokens():
-  """CPU's `for_platform` carries an `[E, V]` copy of a tied output projection: same logits (up
-  to float32 summation order), same greedy tokens; TPU/GPU layouts drop it; untied models have
-  nothing to copy."""
+  """Without the CPU kernel, CPU's `for_platform` carries an `[E, V]` copy of a tied output
+  projection (with it, the kernel reads the embedding as it lies and there is no copy): same
+  logits (up to float32 summation order), same greedy tokens either way; TPU/GPU layouts drop
+  it; untied models have nothing to copy."""
   model = _model("llama_tied_bias_qknorm")
   assert model.config.tie_embeddings and "lm_head" not in model.params
   cpu = model.for_platform("cpu")
-  np.testing.assert_array_equal(cpu.params["lm_head"], np.asarray(model.params["embed"]).T)
-  assert "lm_head" not in cpu.for_platform("tpu").params
+  assert ("lm_head" in cpu.params) == (not cpu.cpu_kernel)
+  copied = model.unstacked().with_fused_projections(cpu_kernel=False).with_output_copy()
+  np.testing.assert_array_equal(copied.params["lm_head"], np.asarray(model.params["embed"]).T)
+  assert "lm_head" not in copied.for_platform("tpu").params
   tokens = _tokens(2, 9, model.vocab_size, seed=3)
   zeros = jnp.zeros(2, jnp.int32)
-  np.testing.assert_allclose(forward(cpu, tokens, zeros).logits, forward(model, tokens, zeros).logits,
-                             atol=1e-5, rtol=1e-5)
   key = jax.random.key(1)
-  np.testing.assert_array_equal(sj.generate(cpu, tokens, key, max_new_tokens=10).tokens,
-                                sj.generate(model, tokens, key, max_new_tokens=10).tokens)
+  reference = sj.generate(model, tokens, key, max_new_tokens=10).tokens
+  for variant in (cpu, copied):
+    np.testing.assert_allclose(forward(variant, tokens, zeros).logits,
+                               forward(model, tokens, zeros).logits, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(sj.generate(variant, tokens, key, max_new_tokens=10).tokens,
+                                  reference)
   untied = sj.init_params(tiny_config(vocab_size=97, tie_embeddings=False), jax.random.key(2))
   assert untied.with_output_copy() is untied

@@ -4,11 +4,11 @@ Feature heads live in `specjax.drafters.heads`; `specjax.drafters.hybrid` puts p
 front of one."""
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.model import ModelDrafter
+from specjax.drafters.model import ModelDrafter, self_drafter
 from specjax.drafters.ngram import NGramDrafter
 from specjax.state import Proposal
 
-__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "as_drafter"]
+__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "as_drafter", "self_drafter"]
 
 
 def as_drafter(draft) -> Drafter:

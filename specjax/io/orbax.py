@@ -31,6 +31,7 @@ import numpy as np
 
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model, init_params
+from specjax.models import quant
 
 CONFIG_FILE = "specjax_model.json"
 PARAMS_DIR = "params"
@@ -99,10 +100,26 @@ def save(model: Model, path: str | os.PathLike, *, overwrite: bool = False) -> p
   # The config is written last: a directory without it is an interrupted save.
   if jax.process_index() == 0:
     record = {"format_version": FORMAT_VERSION, "config": config_to_dict(model.config)}
+    quantization = quant.quantization_of(model)
+    if quantization is not None:
+      record["quantization"] = quantization
     tmp = path / (CONFIG_FILE + ".tmp")
     tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     tmp.replace(path / CONFIG_FILE)
   return path
+
+
+def read_quantization(path: str | os.PathLike) -> dict | None:
+  """The quantization settings recorded by `save` for a quantized model, or None."""
+  record = json.loads((pathlib.Path(path) / CONFIG_FILE).read_text())
+  quantization = record.get("quantization")
+  if quantization is None:
+    return None
+  try:
+    return {"bits": int(quantization["bits"]), "group": int(quantization["group"]),
+            "embeddings": bool(quantization["embeddings"])}
+  except (KeyError, TypeError, ValueError) as error:
+    raise ValueError(f"corrupt {pathlib.Path(path) / CONFIG_FILE}: quantization {error!r}") from None
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -132,7 +149,8 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def path_name(key_path) -> str:
-  return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in key_path)
+  return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+                  for k in key_path)
 
 
 def flatten(tree) -> dict[str, Any]:
@@ -145,9 +163,11 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   return {name: tuple(leaf.shape) for name, leaf in flatten(abstract).items()}
 
 
-def check_param_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, where: str):
-  """Raises a ValueError naming every missing, unexpected or mis-shaped tensor."""
-  expected = expected_shapes(config)
+def check_param_shapes(found: dict[str, tuple[int, ...]], config: ModelConfig, where: str,
+                       expected: dict[str, tuple[int, ...]] | None = None):
+  """Raises a ValueError naming every missing, unexpected or mis-shaped tensor (against
+  `expected`, default the float parameters `config` implies)."""
+  expected = expected_shapes(config) if expected is None else expected
   missing = sorted(set(expected) - set(found))
   unexpected = sorted(set(found) - set(expected))
   wrong = [f"{name}: expected {expected[name]}, found {tuple(found[name])}"
@@ -229,14 +249,19 @@ def load(path: str | os.PathLike, sharding=None, dtype=None) -> Model:
                        f"({type(error).__name__}: {error})") from None
     if not stored:
       raise ValueError(f"corrupt checkpoint {params_dir}: no tensors found")
-    check_param_shapes({k: tuple(v.shape) for k, v in stored.items()}, config, str(params_dir))
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
+    quantization = read_quantization(path)
+    if quantization is not None:
+      abstract = quant.abstract_quantized(abstract, config, **quantization)
+    check_param_shapes({k: tuple(v.shape) for k, v in stored.items()}, config, str(params_dir),
+                       expected={name: tuple(leaf.shape) for name, leaf in flatten(abstract).items()})
     shardings = resolve_sharding(sharding, abstract)
 
     def target(name, leaf, leaf_sharding):
       stored_dtype = jnp.dtype(stored[name].dtype)
       want = stored_dtype
-      if dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating):
+      if (dtype is not None and jnp.issubdtype(stored_dtype, jnp.floating)
+          and not name.endswith("/scales")):  # quantization scales stay float32 (the CPU kernel)
         want = jnp.dtype(dtype)
       return jax.ShapeDtypeStruct(leaf.shape, want, sharding=leaf_sharding)
 

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.kernels import cpu_gemv
 from specjax.cache import KVBlock, KVCache, write_block, write_stacked_block
-from specjax.models import cpu_layout
+from specjax.models import cpu_layout, quant
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig
@@ -74,9 +74,10 @@ class Model:
       leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
-    cpu_kernel: whether the CPU layout's one-row products (a batch-1 decode step) and blocks of up
-      to `cpu_layout.KERNEL_ROWS` rows go through the hand-written kernel `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to
-      float32 summation order). Static, so a model with and one without it compile apart;
+    cpu_kernel: whether the CPU layout's blocks of up to `cpu_layout.KERNEL_ROWS` rows (a decode
+      step, a verify block) and a tied output projection go through the hand-written kernel
+      `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to float32 summation
+      order). Static, so a model with and one without it compile apart;
       `with_fused_projections` turns it on where the kernel builds.
   """
 
@@ -123,7 +124,7 @@ class Model:
     if not self.is_stacked:
       return self
     layers = self.params["layers"]
-    per_layer = tuple({name: w[i] for name, w in layers.items()}
+    per_layer = tuple({name: jax.tree.map(lambda w: w[i], w) for name, w in layers.items()}
                       for i in range(self.config.num_layers))
     return dataclasses.replace(self, params=dict(self.params, layers=per_layer))
 
@@ -133,30 +134,32 @@ class Model:
     if self.is_stacked:
       return self
     layers = self.without_fused_projections().params["layers"]
-    stacked = {name: jnp.stack([lp[name] for lp in layers]) for name in layers[0]}
+    stacked = {name: jax.tree.map(lambda *ws: jnp.stack(ws), *[lp[name] for lp in layers])
+               for name in layers[0]}
     return dataclasses.replace(self, params=dict(self.params, layers=stacked), cpu_kernel=False)
 
   def for_platform(self, platform: str | None = None) -> "Model":
     """The layout that runs fastest on `platform` (default: JAX's default backend): on CPU
-    unstacked layers and, for a tied model, an `[E, V]` copy of the output projection
-    (`with_output_copy`); elsewhere stacked layers (`lax.scan`: TPU/GPU compile time, sharding)
-    and no copy."""
+    unstacked layers with fused projections (`with_fused_projections`), and, where the CPU kernel
+    is not built, an `[E, V]` copy of a tied output projection (`with_output_copy`); elsewhere
+    stacked layers (`lax.scan`: TPU/GPU compile time, sharding) and no copy."""
     platform = platform or jax.default_backend()
     if platform == "cpu":
-      return self.unstacked().with_fused_projections().with_output_copy()
+      fused = self.unstacked().with_fused_projections()
+      # The kernel reads a tied embedding `[V, E]` as the output projection as it lies; XLA's dot
+      # wants the `[E, V]` copy.
+      return fused if fused.cpu_kernel else fused.with_output_copy()
     return self.stacked().without_output_copy()
 
   def with_fused_projections(self, cpu_kernel: bool | None = None) -> "Model":
     """An unstacked model in the CPU layout (`specjax.models.cpu_layout`): per layer, the
-    query/key/value projections fused into one matrix and gate/up into one, each projection kept
-    as a step copy `[out, in]` (read by one-row blocks: a batch-1 decode step) and as two
-    `[in, out / 2]` column halves (read by every larger block: verify, prefill, batches). XLA:CPU
-    runs each form fastest in its own case; a step reads one copy, so the bytes per token are
-    unchanged, at the price of a second copy of the layer weights in memory. Same math;
-    `stacked()` and `without_fused_projections()` restore the canonical weights.
+    query/key/value projections fused into one matrix and gate/up into one, each kept once,
+    row-major `[out, in]`. Same math; `stacked()` and `without_fused_projections()` restore the
+    canonical weights.
 
-    `cpu_kernel` (default: whether `specjax.kernels.cpu_gemv` builds on this machine) sends the
-    one-row products through that hand-written kernel; False keeps XLA's dot."""
+    `cpu_kernel` (default: whether `specjax.kernels.cpu_gemv` builds on this machine) sends blocks
+    of up to `cpu_layout.KERNEL_ROWS` rows, and a tied model's output projection, through that
+    hand-written kernel; False keeps XLA's dot."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
     if cpu_kernel is None:
@@ -176,7 +179,8 @@ class Model:
     """A tied model with `params["lm_head"] = embed.T` materialised (same logits up to float32
     summation order). XLA:CPU contracts `[B, T, E] x [E, V]` about 3x faster than the embedding
     as it lies (`[V, E]`, contracting its minor axis); it costs one more `V x E` buffer."""
-    if not self.config.tie_embeddings or "lm_head" in self.params:
+    if (not self.config.tie_embeddings or "lm_head" in self.params
+        or quant.is_quantized(self.params["embed"])):  # a quantized table is read as it lies
       return self
     lm_head = jnp.asarray(self.params["embed"]).T.copy()
     return dataclasses.replace(self, params=dict(self.params, lm_head=lm_head))
@@ -285,7 +289,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   if positions is not None:
     q_pos = jnp.asarray(positions, jnp.int32)
 
-  x = p["embed"][tokens]
+  x = quant.take_rows(p["embed"], tokens)
   if c.scale_embeddings:
     x = x * jnp.asarray(math.sqrt(c.embed_dim), x.dtype)
   x = constrain(x, RESIDUAL_AXES)  # constrain() is a no-op unless a mesh is active
@@ -312,7 +316,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
 
   def project(h, w, bias):
-    out = jnp.einsum("bte,ef->btf", h, w)
+    out = quant.linear(h, w)  # w: [in, out] float, or a QuantizedWeight
     return out if bias is None else out + bias
 
   def block(x, lp, window, layer_k, layer_v):
@@ -345,7 +349,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if cpu:
       o = cpu_layout.project(attn, lp, "wo", kernel)
     else:
-      o = jnp.einsum("btf,fe->bte", attn, lp["wo"])
+      o = quant.linear(attn, lp["wo"])
     if c.post_norms:
       o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
     x = x + o
@@ -354,13 +358,13 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       gate_up = cpu_layout.project(h, lp, "w_gate_up", kernel)
       gate, up = gate_up[..., :c.mlp_dim], gate_up[..., c.mlp_dim:]
     else:
-      gate = jnp.einsum("bte,ef->btf", h, lp["w_gate"])
-      up = jnp.einsum("bte,ef->btf", h, lp["w_up"])
+      gate = quant.linear(h, lp["w_gate"])
+      up = quant.linear(h, lp["w_up"])
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
     if cpu:
       m = cpu_layout.project(hidden, lp, "w_down", kernel)
     else:
-      m = jnp.einsum("btf,fe->bte", hidden, lp["w_down"])
+      m = quant.linear(hidden, lp["w_down"])
     if c.post_norms:
       m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
     return constrain(x + m, RESIDUAL_AXES), k, v, attn
@@ -423,7 +427,12 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
 
   x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
   if c.tie_embeddings and "lm_head" not in p:  # `embed.T` inside jit would copy [E, V] per call
-    logits = jnp.einsum("bte,ve->btv", x, p["embed"], preferred_element_type=jnp.float32)
+    if kernel and not quant.is_quantized(p["embed"]):
+      logits = cpu_gemv.matvec(x, p["embed"])  # the CPU kernel reads `[V, E]` as it lies
+    else:
+      logits = quant.linear_t(x, p["embed"])  # [V, E], float or quantized
+  elif quant.is_quantized(p["lm_head"]):  # quantized untied head (stored [V, E])
+    logits = p["lm_head"].matmul(x)
   else:  # untied, or a tied model carrying its `[E, V]` copy (`with_output_copy`)
     logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)

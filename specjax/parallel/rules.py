@@ -155,6 +155,10 @@ _PARAM_AXES: dict[str, LogicalAxes] = {
 }
 
 
+_QUANTIZED_PARTS = ("values", "scales")  # the leaves of `specjax.models.quant.QuantizedWeight`
+_STORED_OUT_IN = ("embed", "embed_tokens", "wte")  # float tables already `[out, in]` (`[V, E]`)
+
+
 def logical_axes(name: str, ndim: int, rules: ShardingRules = DEFAULT_RULES) -> LogicalAxes:
   """The logical axes of a parameter from its name.
 
@@ -173,6 +177,12 @@ def logical_axes(name: str, ndim: int, rules: ShardingRules = DEFAULT_RULES) -> 
   components = [c for c in name.split("/") if c]
   if any("norm" in c for c in components):
     return (None,) * ndim
+  if len(components) > 1 and components[-1] in _QUANTIZED_PARTS:
+    # A `QuantizedWeight`'s integers and scales lie `[out, in]` (`in` packed or grouped): they
+    # take the axes of the float weight they replace, in that order.
+    axes = logical_axes("/".join(components[:-1]), ndim, rules)
+    transposed = components[-2] not in _STORED_OUT_IN
+    return axes[:-2] + axes[-2:][::-1] if transposed and ndim >= 2 else axes
   table = {**_PARAM_AXES, **dict(rules.param_axes)}
   axes = None
   for component in reversed(components):

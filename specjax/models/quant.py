@@ -1,0 +1,276 @@
+"""Quantized weights as a leaf type, and `quantize(model)`.
+
+A `QuantizedWeight` replaces one float matrix of a `specjax.Model`: symmetric integers per group of
+`group` input columns (int8, or int4 packed two to a byte) and one float32 scale per group,
+stored `[..., out, in]` so that each group is contiguous. It knows its own product
+(`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.kernels.cpu_gemv`) reads the
+integers at their narrow width and widens them in registers, so a batch-1 step reads 1/4 (int8)
+or about 1/7 (int4) of the float32 bytes; on TPU/GPU, and wherever the kernel is not built, the
+product is `einsum(x, dequantize(w))`, whose convert and scale XLA fuses into the dot's operand.
+No float copy of the weights is kept. The layer body does not branch on the backend: it calls
+`linear(h, w)` for whatever leaf it holds.
+
+Quantization: per group, `scale = max|w| / (2^(bits-1) - 1)`, `q = round(w / scale)` (int8:
+-127..127; int4: -7..7, stored as q + 8). Exactness of speculative decoding does not depend on it:
+a quantized copy of the target is a draft model like any other, whose q is its own distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels import cpu_gemv
+
+__all__ = ["BITS", "QuantizedWeight", "abstract_quantized", "dequantize_model", "is_quantized",
+           "linear", "linear_t", "quantization_of", "quantize", "quantize_weight", "take_rows"]
+
+BITS = (8, 4)  # supported widths
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+  """A quantized `[..., out, in]` matrix (a pytree leaf type: `values` and `scales` are leaves).
+
+  Attributes:
+    values: int8 `[..., out, in]` (bits 8) or uint8 `[..., out, in / 2]` (bits 4: in each run of
+      32 weights, byte j holds weight j in its low nibble and weight j + 16 in its high nibble,
+      each stored as q + 8).
+    scales: float32 `[..., out, in / group]`.
+    bits: 8 or 4 (static).
+    group: input columns per scale, a multiple of 32 (static).
+  """
+
+  values: jax.Array
+  scales: jax.Array
+  bits: int = dataclasses.field(metadata=dict(static=True))
+  group: int = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def in_features(self) -> int:
+    return self.values.shape[-1] * (8 // self.bits)
+
+  @property
+  def out_features(self) -> int:
+    return self.values.shape[-2]
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The float matrix's shape, `[..., out, in]`."""
+    return self.values.shape[:-1] + (self.in_features,)
+
+  @property
+  def dtype(self):
+    return self.scales.dtype
+
+  @property
+  def nbytes(self) -> int:
+    return int(self.values.nbytes) + int(self.scales.nbytes)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """The float `[..., out, in]` matrix these integers and scales stand for."""
+    return cpu_gemv.dequantize(self.values, self.scales, bits=self.bits, group=self.group,
+                               dtype=dtype)
+
+  def matmul(self, x: jax.Array) -> jax.Array:
+    """`x [..., in] -> [..., out]` (contracting `in`); a single (2-D) weight."""
+    if self.values.ndim != 2:
+      raise ValueError(f"matmul needs a single 2-D weight, got values {self.values.shape}")
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"x's last axis {x.shape[-1]} != the weight's input size "
+                       f"{self.in_features}")
+    return cpu_gemv.quant_matvec(x, self.values, self.scales, bits=self.bits, group=self.group)
+
+
+def _check(bits, group, in_features: int | None = None) -> None:
+  if bits not in BITS:
+    raise ValueError(f"bits must be one of {BITS} (int8 or int4), got {bits!r}")
+  if not isinstance(group, int) or group <= 0 or group % 32:
+    raise ValueError(f"group must be a positive multiple of 32, got {group!r}")
+  if in_features is not None and in_features % group:
+    raise ValueError(f"group {group} does not divide the weight's input size {in_features}")
+
+
+def quantize_weight(w, bits: int = 8, group: int = 32) -> QuantizedWeight:
+  """Quantizes a float `[..., out, in]` matrix (groups along `in`). Runs in numpy, once, at load.
+
+  Raises:
+    ValueError: unsupported `bits`, a `group` that is not a positive multiple of 32, or one that
+      does not divide `in`.
+  """
+  w = np.asarray(w, np.float32)
+  if w.ndim < 2:
+    raise ValueError(f"quantize_weight needs a matrix, got shape {w.shape}")
+  _check(bits, group, w.shape[-1])
+  top = 2 ** (bits - 1) - 1  # 127 or 7
+  grouped = w.reshape(w.shape[:-1] + (w.shape[-1] // group, group))
+  scales = np.abs(grouped).max(axis=-1) / top  # [..., out, in / group]
+  safe = np.where(scales > 0, scales, 1.0)
+  q = np.clip(np.rint(grouped / safe[..., None]), -top, top).astype(np.int32).reshape(w.shape)
+  if bits == 8:
+    values = q.astype(np.int8)
+  else:
+    runs = (q + 8).astype(np.uint8).reshape(w.shape[:-1] + (w.shape[-1] // 32, 2, 16))
+    values = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(w.shape[:-1] + (w.shape[-1] // 2,))
+  return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales.astype(np.float32)), bits, group)
+
+
+def is_quantized(w) -> bool:
+  return isinstance(w, QuantizedWeight)
+
+
+def linear(h: jax.Array, w) -> jax.Array:
+  """`h [..., in]` times a weight `[in, out]` (a float array) or a `QuantizedWeight` -> `[..., out]`."""
+  if isinstance(w, QuantizedWeight):
+    return w.matmul(h)
+  return jnp.einsum("...i,io->...o", h, w)
+
+
+def linear_t(h: jax.Array, w) -> jax.Array:
+  """`h [..., in]` times a weight stored `[out, in]` (a float array, e.g. a tied embedding) or a
+  `QuantizedWeight` -> `[..., out]` float32."""
+  if isinstance(w, QuantizedWeight):
+    return w.matmul(h)
+  return jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
+
+
+def take_rows(w, ids: jax.Array) -> jax.Array:
+  """Rows `ids` of an `[n, d]` table (an embedding), float or quantized (dequantized rows)."""
+  if isinstance(w, QuantizedWeight):
+    rows = QuantizedWeight(w.values[ids], w.scales[ids], w.bits, w.group)
+    return rows.dequantize(w.dtype)
+  return w[ids]
+
+
+# Which float matrices `quantize` replaces, and how each lies: canonical per-layer weights are
+# `[in, out]` (transposed to `[out, in]` here); the CPU layout's step copies `<name>_t` already
+# are `[out, in]`, and their column halves are dropped (a quantized weight has one copy).
+_CANONICAL = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+_CPU_FUSED = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def _quantize_layers(layers, bits, group, stacked: bool):
+  def one(lp: dict) -> dict:
+    out = dict(lp)
+    if "wqkv_t" in lp:  # the CPU layout
+      for name in _CPU_FUSED:
+        out[name + "_t"] = quantize_weight(lp[name + "_t"], bits, group)
+        out.pop(name + "_halves", None)
+    else:
+      for name in _CANONICAL:
+        out[name] = quantize_weight(np.swapaxes(np.asarray(lp[name]), -1, -2), bits, group)
+    return out
+
+  return one(layers) if stacked else tuple(one(lp) for lp in layers)
+
+
+def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
+  """A copy of `model` whose projection matrices (and, with `embeddings`, the embedding table and
+  output projection) are `QuantizedWeight`s; norms, biases and the architecture are unchanged.
+
+  The layout is kept: a stacked model stays stacked (TPU/GPU: XLA dequantizes inside the dot), a
+  model in the CPU layout (`for_platform("cpu")`) keeps its fused projections with one quantized
+  copy each (read by the CPU kernel). Quantize once, at load: it runs in numpy.
+
+  Args:
+    model: a `specjax.Model` with float weights.
+    bits: 8 or 4.
+    group: input columns per scale, a positive multiple of 32 dividing every quantized matrix's
+      input size.
+    embeddings: also quantize the embedding table and output projection (the largest single
+      matrix of a small model).
+
+  Raises:
+    ValueError: unsupported `bits` or `group`, a group that does not divide a dimension, or an
+      already quantized model.
+  """
+  if not (hasattr(model, "params") and hasattr(model, "config") and hasattr(model, "is_stacked")):
+    raise ValueError(f"quantize needs a specjax.Model, got {type(model).__name__}")
+  _check(bits, group)
+  if any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(
+      model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
+    raise ValueError("the model is already quantized")
+  c = model.config
+  sizes = {"embed_dim": c.embed_dim, "mlp_dim": c.mlp_dim, "num_heads * head_dim":
+           c.num_heads * c.head_dim}
+  bad = {name: size for name, size in sizes.items() if size % group}
+  if bad:
+    raise ValueError(f"group {group} does not divide the model's {bad}")
+  p = dict(model.params)
+  p["layers"] = _quantize_layers(p["layers"], bits, group, model.is_stacked)
+  if embeddings:
+    p["embed"] = quantize_weight(p["embed"], bits, group)  # [V, E]: out = V, in = E
+    if "lm_head" in p:
+      if c.tie_embeddings:
+        del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept
+      else:
+        p["lm_head"] = quantize_weight(np.asarray(p["lm_head"]).T, bits, group)  # [E, V] -> [V, E]
+  return dataclasses.replace(model, params=p)
+
+
+def dequantize_model(model):
+  """The float model a quantized one stands for (its `QuantizedWeight`s dequantized, in the same
+  layout and orientation as `quantize` found them). The CPU layout's column halves are not rebuilt:
+  call `without_fused_projections()` then `for_platform()` for them."""
+  p = dict(model.params)
+
+  def layer(lp: dict) -> dict:
+    out = dict(lp)
+    for name, w in lp.items():
+      if isinstance(w, QuantizedWeight):
+        dense = w.dequantize()
+        out[name] = dense if name.endswith("_t") else jnp.swapaxes(dense, -1, -2)
+    return out
+
+  p["layers"] = layer(p["layers"]) if model.is_stacked else tuple(layer(lp) for lp in p["layers"])
+  if isinstance(p["embed"], QuantizedWeight):
+    p["embed"] = p["embed"].dequantize()
+  if isinstance(p.get("lm_head"), QuantizedWeight):
+    p["lm_head"] = p["lm_head"].dequantize().T
+  return dataclasses.replace(model, params=p)
+
+
+def quantization_of(model) -> dict | None:
+  """`{"bits", "group", "embeddings"}` of a model made by `quantize`, or None for a float model
+  (what `specjax.save` records so that `specjax.load` can rebuild the leaf types)."""
+  leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+  found = [leaf for leaf in leaves if isinstance(leaf, QuantizedWeight)]
+  if not found:
+    return None
+  if len({(w.bits, w.group) for w in found}) != 1:
+    raise ValueError("a model whose weights mix quantization settings cannot be described")
+  return {"bits": found[0].bits, "group": found[0].group,
+          "embeddings": isinstance(model.params["embed"], QuantizedWeight)}
+
+
+def abstract_quantized(abstract_params: dict, config, bits: int, group: int,
+                       embeddings: bool) -> dict:
+  """The shapes `quantize` gives the canonical stacked parameters `abstract_params` (a tree of
+  `jax.ShapeDtypeStruct`s), as `QuantizedWeight`s of `ShapeDtypeStruct`s: the restore target of
+  a quantized checkpoint."""
+  _check(bits, group)
+
+  def q(leaf, transpose: bool) -> QuantizedWeight:
+    shape = tuple(leaf.shape)
+    if transpose:
+      shape = shape[:-2] + (shape[-1], shape[-2])
+    out_in = shape
+    values = jax.ShapeDtypeStruct(out_in[:-1] + (out_in[-1] * bits // 8,),
+                                  jnp.int8 if bits == 8 else jnp.uint8)
+    scales = jax.ShapeDtypeStruct(out_in[:-1] + (out_in[-1] // group,), jnp.float32)
+    return QuantizedWeight(values, scales, bits, group)
+
+  p = dict(abstract_params)
+  layers = dict(p["layers"])
+  for name in _CANONICAL:
+    layers[name] = q(layers[name], True)
+  p["layers"] = layers
+  if embeddings:
+    p["embed"] = q(p["embed"], False)
+    if "lm_head" in p:
+      p["lm_head"] = q(p["lm_head"], True)
+  return p
