@@ -18,7 +18,7 @@ from specjax.trees import TreeSpec
 from specjax.round import round_step, verify_block
 from specjax.parallel import ShardingRules, make_mesh, shard
 from specjax.io.tokenizer import Tokenizer, load_tokenizer
-from specjax.default import DefaultPair, load_default
+from specjax.default import PAIRS, DefaultPair, load_default, load_pair
 from specjax.audit import AuditReport, audit
 
 __version__ = "0.1.0"
@@ -33,6 +33,6 @@ __all__ = [
     "from_gguf", "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",
-    "DefaultPair", "load_default",
+    "DefaultPair", "PAIRS", "load_default", "load_pair",
     "AuditReport", "audit",
 ]

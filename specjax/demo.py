@@ -1,6 +1,7 @@
-"""`specjax demo`: chat with SmolLM2-135M-Instruct and its EAGLE-3 head, and measure the speedup.
+"""`specjax demo`: chat with a shipped pair (`specjax.load_pair`) and measure the speedup.
 
-Loads the default pair (`specjax.load_default()`), streams the answer to a chat question with
+Loads the pair (`--pair`; default SmolLM2-135M-Instruct drafting with its own int8 copy, the
+fastest exact configuration measured on CPU), streams the answer to a chat question with
 `specjax.decode_stream` (greedy, `--num-draft` drafts per round), prints the acceptance
 statistics, then times `specjax.decode` against `specjax.generate` on the same prompt after a
 warm-up call of each (compilation is not counted), prints the ratio and checks that both produce
@@ -29,15 +30,19 @@ def _num_draft(text: str):
 
 def add_subcommand(subparsers, handler):
   """Registers `demo` (called by `specjax.cli`, which passes its error-handling `handler`)."""
+  from specjax.default import PAIRS
   parser = subparsers.add_parser(
-      "demo", help="chat with SmolLM2-135M-Instruct and its EAGLE-3 head; show the speedup")
+      "demo", help="chat with a shipped target/drafter pair; show the speedup")
+  parser.add_argument("--pair", default="smollm2-int8", choices=sorted(PAIRS),
+                      help="what runs (default: SmolLM2-135M-Instruct drafting with its own int8 "
+                      "copy); the qwen2.5-coder pairs need their chunk packages installed")
   parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,
                       help="drafts per round: a number, 'auto' (the cost table beside the head "
                       "picks k) or 'adaptive' (each row its own k every round, draft by draft); "
-                      "default: adaptive where this backend has a cost table beside the head, "
-                      "else 4")
+                      "default: the pair's measured best k, else adaptive where this backend has "
+                      "a cost table beside the head, else 4")
   parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
   parser.set_defaults(func=handler)
 
@@ -61,14 +66,10 @@ def run(args) -> int:
 
   console = Console()
   start = time.perf_counter()
-  pair = sj.load_default()
+  pair = sj.load_pair(args.pair)
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
-  head_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(draft.head.params))
-  console.print(f"[dim]loaded SmolLM2-135M-Instruct ({target.config.num_params() / 1e6:.0f}M "
-                f"params) and its EAGLE-3 head ({head_params / 1e6:.1f}M, draft vocabulary "
-                f"{draft.head.config.draft_vocab_size}; prompt lookup where the text repeats) in "
-                f"{time.perf_counter() - start:.1f}s"
-                "[/dim]")
+  console.print(f"[dim]loaded {pair.description} ({target.config.num_params() / 1e6:.0f}M target "
+                f"params) in {time.perf_counter() - start:.1f}s[/dim]")
   ids = np.asarray([tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])],
                    np.int32)
   lengths = np.asarray([ids.shape[1]], np.int32)
@@ -76,8 +77,10 @@ def run(args) -> int:
   greedy = sj.Sampling(temperature=0.0)
   eos = tuple(tokenizer.eos_ids) or None
   common = dict(lengths=lengths, max_new_tokens=args.max_new_tokens, sampling=greedy, eos_id=eos)
-  num_draft = args.num_draft if args.num_draft is not None else (
-      "adaptive" if pair.calibration is not None else 4)
+  num_draft = args.num_draft
+  if num_draft is None:
+    num_draft = (pair.num_draft if pair.num_draft is not None
+                 else "adaptive" if pair.calibration is not None else 4)
   if isinstance(num_draft, str):
     if pair.calibration is None:
       raise ValueError(f"--num-draft {num_draft} needs a cost table for this backend beside the "

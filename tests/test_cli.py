@@ -180,8 +180,12 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
   out = capsys.readouterr().out
   assert "acceptance rate" in out and "output identical to generate: True" in out
+  assert "own int8 copy" in out and "k = 4" in out  # the default: the measured best k
+  head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8"]
+  assert cli.main(head) == 0
+  out = capsys.readouterr().out
   assert "adaptive (each round up to K = " in out  # the cost table beside the head is used
-  assert cli.main(["demo", "--max-new-tokens", "8", "--num-draft", "auto"]) == 0
+  assert cli.main([*head, "--num-draft", "auto"]) == 0
   out = capsys.readouterr().out
   assert "auto (k = " in out and "output identical to generate: True" in out
   with pytest.raises(SystemExit):

@@ -269,3 +269,9 @@ def test_bad_weights_and_models_raise(target):
   w = quant.quantize_weight(np.ones((8, 64), np.float32), 8)
   with pytest.raises(ValueError, match="input size 64"):
     w.matmul(jnp.ones((1, 32)))
+
+
+def test_an_unknown_pair_name_lists_the_known_ones():
+  with pytest.raises(ValueError, match="unknown pair 'nope'; known: smollm2-int8"):
+    sj.load_pair("nope")
+  assert {"smollm2-int8", "smollm2-head", "qwen2.5-coder"} <= set(sj.PAIRS)
