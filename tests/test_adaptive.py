@@ -274,8 +274,10 @@ def test_a_narrow_verify_width_verifies_as_the_full_width(chain_target, ragged, 
       # [(L,) B, KVH, S, D]: compare each row's valid prefix (slots past it are scratch).
       slots = np.arange(a.shape[-2])[None] < np.asarray(full.lengths)[:, None] - 1  # [B, S]
       mask = slots[:, None, :, None]
+      # The CPU layout reads blocks of up to 8 rows through its kernel and larger ones through
+      # XLA's dot: the same products up to float32 summation order (~1e-6 on keys of ~0.01).
       np.testing.assert_allclose(np.asarray(a) * mask, np.asarray(b) * mask, rtol=1e-5,
-                                 atol=1e-6)
+                                 atol=5e-6)
 
 
 @pytest.mark.parametrize("layout", ["stacked", "cpu"])
