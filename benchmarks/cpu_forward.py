@@ -155,6 +155,7 @@ def step_breakdown(model, reps, context=128):
   starts = jnp.full((1,), context, jnp.int32)
 
   q_dim, f = c.num_heads * c.head_dim, c.mlp_dim
+  from specjax.kernels import cpu_gemv
 
   def matmuls(layers, x, kernel):  # the CPU layout's four per layer (step copies, one row)
     from specjax.models import cpu_layout
@@ -191,7 +192,9 @@ def step_breakdown(model, reps, context=128):
       "layer matmuls (4 per layer), kernel": (jax.jit(partial(matmuls, kernel=model.cpu_kernel)),
                                               (layers, x)),
       "attention over the cache": (jax.jit(attention), (cache.k, cache.v, q)),
-      "output head ([E, V] copy)": (jax.jit(head), (x[None], model.params["lm_head"])),
+      **({"output head ([E, V] copy)": (jax.jit(head), (x[None], model.params["lm_head"]))}
+         if "lm_head" in model.params else  # the kernel reads the tied embedding as it lies
+         {"output head (kernel, [V, E])": (jax.jit(cpu_gemv.matvec), (x[None], model.params["embed"]))}),
       "cache writes (2 per layer)": (jax.jit(writes), (cache.k, cache.v, block, starts)),
       "whole step": (full, (model, jnp.ones((1, 1), jnp.int32), starts, cache)),
   }
