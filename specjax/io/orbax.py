@@ -252,7 +252,7 @@ def load(path: str | os.PathLike, sharding=None, dtype=None) -> Model:
     abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
     quantization = read_quantization(path)
     if quantization is not None:
-      abstract = quant.abstract_quantized(abstract, config, **quantization)
+      abstract = quant.abstract_quantized(abstract, **quantization)
     check_param_shapes({k: tuple(v.shape) for k, v in stored.items()}, config, str(params_dir),
                        expected={name: tuple(leaf.shape) for name, leaf in flatten(abstract).items()})
     shardings = resolve_sharding(sharding, abstract)

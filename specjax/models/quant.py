@@ -4,9 +4,10 @@ A `QuantizedWeight` replaces one float matrix of a `specjax.Model`: symmetric in
 `group` input columns (int8, or int4 packed two to a byte) and one float32 scale per group,
 stored `[..., out, in]` so that each group is contiguous. It knows its own product
 (`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.kernels.cpu_gemv`) reads the
-integers at their narrow width and widens them in registers, so a batch-1 step reads 1/4 (int8)
-or about 1/7 (int4) of the float32 bytes; on TPU/GPU, and wherever the kernel is not built, the
-product is `einsum(x, dequantize(w))`, whose convert and scale XLA fuses into the dot's operand.
+integers at their narrow width, so a batch-1 step reads 1/4 (int8) or about 1/7 (int4) of the
+float32 bytes, and quantizes the rows of x per group too (integer dot products; where the kernel
+is not built, `cpu_gemv.quant_reference` does the same arithmetic in jnp); on TPU/GPU the product
+is `einsum(x, dequantize(w))` with float x, whose convert and scale XLA fuses into the dot.
 No float copy of the weights is kept. The layer body does not branch on the backend: it calls
 `linear(h, w)` for whatever leaf it holds.
 
@@ -247,21 +248,19 @@ def quantization_of(model) -> dict | None:
           "embeddings": isinstance(model.params["embed"], QuantizedWeight)}
 
 
-def abstract_quantized(abstract_params: dict, config, bits: int, group: int,
-                       embeddings: bool) -> dict:
+def abstract_quantized(abstract_params: dict, bits: int, group: int, embeddings: bool) -> dict:
   """The shapes `quantize` gives the canonical stacked parameters `abstract_params` (a tree of
   `jax.ShapeDtypeStruct`s), as `QuantizedWeight`s of `ShapeDtypeStruct`s: the restore target of
   a quantized checkpoint."""
   _check(bits, group)
 
   def q(leaf, transpose: bool) -> QuantizedWeight:
-    shape = tuple(leaf.shape)
+    shape = tuple(leaf.shape)  # [..., out, in] once transposed
     if transpose:
       shape = shape[:-2] + (shape[-1], shape[-2])
-    out_in = shape
-    values = jax.ShapeDtypeStruct(out_in[:-1] + (out_in[-1] * bits // 8,),
+    values = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] * bits // 8,),
                                   jnp.int8 if bits == 8 else jnp.uint8)
-    scales = jax.ShapeDtypeStruct(out_in[:-1] + (out_in[-1] // group,), jnp.float32)
+    scales = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // group,), jnp.float32)
     return QuantizedWeight(values, scales, bits, group)
 
   p = dict(abstract_params)
