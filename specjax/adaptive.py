@@ -19,6 +19,17 @@ plain target step (verify width 1) when drafting does not pay for that row; the 
 whether its first draft would have matched (the drafter makes it anyway), so it starts drafting
 again when it would pay.
 
+**Rounds without the drafter.** Around a drafter that can catch up on tokens it did not see
+(`catches_up`: a draft model), a round in which every row's history says `k = 0` skips the
+drafter entirely (`lax.cond`): a plain target step at verify width 1, where running the drafter
+only to learn from its unproposed first draft would cost a draft step per round (on a GPU, where
+a small model's forward is launch-bound, that halved the throughput). Every `probe_every` skipped
+rounds one round runs it again (the wait doubles after each probe that finds every row still at
+0, up to `probe_max`), so rows can start drafting when the text turns predictable. The skip
+reads only the rows' counts from earlier rounds, so it keeps the output law. When the calibration
+says no `k >= 1` can beat a plain step even for rows far above the profile
+(`specjax.costs.AdaptivePlan.plain`), the drafter is never run.
+
 **Token-level stop** (`AdaptiveDrafter.token_stop`, on by default for drafters whose `propose`
 takes `stop=`: every built-in head and draft model). The history says how a row has done, the
 drafter's own confidence says how sure it is of the draft in hand. So instead of fixing `k_b`
@@ -98,6 +109,10 @@ class AdaptiveState:
       the prompt-lookup copy of a `HybridDrafter` (zero for any other drafter).
     copy_tokens: `[B, K]` int32 the row's copy this round; found: `[B]` bool it had one;
       copied: `[B]` bool it proposed it (the head's counts are not updated then).
+    skipped: `[B]` bool the drafter was not run this round (every row's choice was 0 and it was
+      not a probe round); nothing is learned from such a round.
+    idle: `[B]` int32 (equal across rows) rounds skipped since the drafter last ran.
+    wait: `[B]` int32 (equal across rows) skipped rounds before the next probe.
   """
 
   inner: Any
@@ -112,6 +127,9 @@ class AdaptiveState:
   copy_tokens: jax.Array
   found: jax.Array
   copied: jax.Array
+  skipped: jax.Array
+  idle: jax.Array
+  wait: jax.Array
 
 
 def _log_odds(a: jax.Array) -> jax.Array:
@@ -182,6 +200,15 @@ class AdaptiveDrafter(DrafterWrapper):
       drafter supports it; False: each row's `k` is fixed at the start of the round (`limits`).
     copy_prior: `K` acceptances of a `HybridDrafter`'s prompt-lookup copies a row starts from
       (None: `prior`); read only around a `HybridDrafter`.
+    probe_every: with a drafter that catches up on rounds it missed (`catches_up`: a draft
+      model), a round in which every row would draft 0 does not run the drafter at all (a plain
+      target step); after `probe_every` such rounds one round runs it again (its first draft,
+      unproposed, tells each row whether drafting would pay again), and each probe that finds
+      every row still at 0 doubles the wait, up to `probe_max`. A round in which a row drafts
+      resets it.
+    plain: never run a drafter that catches up (the calibration says no `k >= 1` can beat a
+      plain target step, even for rows accepting far more than the profile): every round is a
+      target step.
   """
 
   drafter: Any
@@ -193,6 +220,9 @@ class AdaptiveDrafter(DrafterWrapper):
   token_stop: bool = dataclasses.field(default=True, metadata=dict(static=True))
   copy_prior: tuple[float, ...] | None = dataclasses.field(default=None,
                                                            metadata=dict(static=True))
+  probe_every: int = dataclasses.field(default=8, metadata=dict(static=True))
+  probe_max: int = dataclasses.field(default=128, metadata=dict(static=True))
+  plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   def __post_init__(self):
     k = self.max_draft
@@ -207,6 +237,10 @@ class AdaptiveDrafter(DrafterWrapper):
     if self.copy_prior is not None and (len(self.copy_prior) != k
                                         or not all(0 <= a <= 1 for a in self.copy_prior)):
       raise ValueError(f"copy_prior must be {k} acceptances in [0, 1], got {self.copy_prior}")
+    if not (isinstance(self.probe_every, int) and isinstance(self.probe_max, int)
+            and 1 <= self.probe_every <= self.probe_max):
+      raise ValueError(f"need ints 1 <= probe_every <= probe_max, got {self.probe_every} and "
+                       f"{self.probe_max}")
     if not (self.prior_weight > 0 and 0 < self.decay <= 1):
       raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
                        f"and {self.decay}")
@@ -218,7 +252,13 @@ class AdaptiveDrafter(DrafterWrapper):
     no = jnp.zeros((batch,), jnp.bool_)
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
                          ints, ints, zeros, zeros, zeros, zeros,
-                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no)
+                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints,
+                         ints + self.probe_every)
+
+  @property
+  def skips(self) -> bool:
+    """Whether rounds in which no row drafts skip the drafter (it catches up later)."""
+    return bool(getattr(self.drafter, "catches_up", False)) and not self.copies
 
   @property
   def copies(self) -> bool:
@@ -279,6 +319,42 @@ class AdaptiveDrafter(DrafterWrapper):
     if num_draft != self.max_draft:
       raise ValueError(f"an AdaptiveDrafter drafts up to max_draft={self.max_draft}, "
                        f"not num_draft={num_draft}")
+    draft = lambda state: self._draft(state, sequence, lengths, num_draft=num_draft,
+                                      sampling=sampling, seeds=seeds)
+    if not self.skips:
+      return draft(state)
+    shapes = jax.eval_shape(draft, state)
+
+    def skip(state):
+      # A plain target step: no drafts (num_drafted 0, verify width 1), the drafter untouched.
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+      state = dataclasses.replace(zeros[0], inner=state.inner, accepted=state.accepted,
+                                  reached=state.reached, believed=state.believed,
+                                  copy_accepted=state.copy_accepted,
+                                  copy_reached=state.copy_reached, idle=state.idle + 1,
+                                  wait=state.wait, skipped=jnp.ones_like(state.skipped))
+      return state, zeros[1]
+
+    if self.plain:
+      return skip(state)
+    # Every row's history says: draft nothing (under the token stop too: a row whose history
+    # says draft but whose confidences stop it runs the drafter, and learns from its unproposed
+    # first draft how far to trust them, `confidence_shift`).
+    idle = jnp.all(self.limits(state) == 0)
+    probe = state.idle[0] >= state.wait[0]
+
+    def run(state):
+      state, proposal = draft(state)
+      wait = jnp.where(idle, jnp.minimum(2 * state.wait, self.probe_max), self.probe_every)
+      return dataclasses.replace(state, idle=jnp.zeros_like(state.idle), wait=wait,
+                                 skipped=jnp.zeros_like(state.skipped)), proposal
+
+    # The decision reads only earlier rounds' outcomes (exactness: module docstring). The
+    # drafter's state passes through the conditional; a draft model's cache is only read in the
+    # skipping branch.
+    return jax.lax.cond(idle & ~probe, skip, run, state)
+
+  def _draft(self, state, sequence, lengths, *, num_draft, sampling, seeds):
     common = dict(num_draft=num_draft, sampling=sampling, seeds=seeds)
     batch = lengths.shape[0]
     copy_tokens = jnp.zeros((batch, num_draft), jnp.int32)
@@ -318,7 +394,8 @@ class AdaptiveDrafter(DrafterWrapper):
     hit = tested & (j < accepted)
     # A row that proposed nothing still made its first draft: did the target's token match it?
     unproposed = (state.planned == 0)[:, None] & (j == 0)
-    tested = (tested | unproposed) & live[:, None] & ~state.copied[:, None]
+    tested = ((tested | unproposed) & live[:, None] & ~state.copied[:, None]
+              & ~state.skipped[:, None])
     hit = (hit | (unproposed & (emitted[:, :1] == state.first[:, None]))) & tested
     decay = jnp.where(tested, self.decay, 1.0)
     state = dataclasses.replace(

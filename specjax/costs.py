@@ -299,6 +299,10 @@ class AdaptivePlan:
       shrunk towards the pooled acceptance by `PRIOR_SHRINK` rounds (deep positions are
       measured on few rounds).
     copy_prior: the same from the profile's `lookup` part, or None.
+    plain: no `k >= 1` promises more tokens per millisecond than `generate`'s step, even for a
+      row whose acceptance odds are `headroom_odds` times the profile's (a large batch on CPU,
+      where a verify block and the drafter's multi-row steps are compute-bound): `decode` then
+      runs `generate`'s loop, with no drafter and no round bookkeeping.
   """
 
   max_draft: int
@@ -306,6 +310,7 @@ class AdaptivePlan:
   round_ms: tuple[float, ...]
   prior: tuple[float, ...]
   copy_prior: tuple[float, ...] | None = None
+  plain: bool = False
 
 
 PRIOR_SHRINK = 10.0
@@ -355,8 +360,11 @@ def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
     width = min(w for w in widths if w >= k + 1)
     catch_up = 0.0 if costs.round_overhead_ms else costs.draft_step_ms
     round_ms.append(costs.round_cost(k, width) + catch_up)
+  step_rate = 1.0 / costs.generate_step_ms
+  best_rate = max(expected_tokens(lifted(part, headroom_odds).alpha, k) / round_ms[k]
+                  for part in parts for k in range(1, limit + 1))
   return AdaptivePlan(limit, widths, tuple(round_ms), prior,
-                      copy_prior[0] if copy_prior else None)
+                      copy_prior[0] if copy_prior else None, plain=best_rate <= step_rate)
 
 
 def _shrunk_prior(profile: AcceptanceProfile, limit: int) -> tuple[float, ...]:

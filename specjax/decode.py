@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from specjax import costs, validation
 from specjax.adaptive import AdaptiveDrafter
 from specjax.drafters import as_drafter
+from specjax.generate import generate
 from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
 from specjax.round import check_verify_widths, draft_step, round_step, verify_block
@@ -70,7 +71,7 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
     plan = costs.adaptive_plan(measured.costs, measured.profile,
                                max_draft=getattr(drafter, "max_draft", None))
     drafter = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
-                              copy_prior=plan.copy_prior)
+                              copy_prior=plan.copy_prior, plain=plan.plain)
     widths = plan.widths if verify_widths is None else verify_widths
     return drafter, plan.max_draft, check_verify_widths(widths, plan.max_draft)
   if isinstance(num_draft, str):
@@ -182,6 +183,11 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
                                 verify_widths=verify_widths, calibration=calibration)
+  if getattr(args.drafter, "plain", False):
+    # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
+    # target's own loop, which is the target's distribution by definition.
+    return generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                    sampling=sampling, eos_id=eos_id, pad_id=pad_id)
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs

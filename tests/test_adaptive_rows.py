@@ -369,3 +369,136 @@ def test_adaptive_needs_a_calibration(target, ragged):
   with pytest.raises(ValueError, match="already adaptive"):
     AdaptiveDrafter(AdaptiveDrafter(sj.NGramDrafter(), 1, (1.0, 2.0), (0.5,)), 1, (1.0, 2.0),
                     (0.5,))
+
+
+# --- Rounds in which no row drafts skip the drafter ------------------------------------------
+
+def _lagging(model, tokens, lengths, lag):
+  """A `ModelDrafter` cache `lag` tokens behind a normal round's (it missed `lag` rounds)."""
+  drafter = sj.ModelDrafter(model)
+  cache = drafter.init(tokens, lengths, 32, None)
+  return drafter, cache.with_lengths(lengths - 1 - lag)
+
+
+@pytest.mark.parametrize("lag", [1, 2, 3])
+def test_a_draft_model_catches_up_on_the_rounds_it_missed(target, ragged, lag):
+  # The drafter's cache was filled on the prompt; the sequence then grew by `lag` tokens that it
+  # never saw (skipped rounds). Its proposal equals that of a drafter prefilled on the whole
+  # longer sequence (lag <= k + 1 = 3: the catch-up covers every missed token).
+  tokens, lengths = ragged
+  drafter = sj.ModelDrafter(target)
+  sequence = jnp.pad(tokens, ((0, 0), (0, 24)))
+  longer = lengths + lag
+  grown = jax.random.randint(jax.random.key(5), (3, 24), 0, VOCAB)
+  sequence = jnp.where(jnp.arange(32)[None] >= lengths[:, None], jnp.pad(grown, ((0, 0), (8, 0))),
+                       sequence)
+  behind = drafter.init(sequence[:, :8], lengths, 40, None)  # lengths - 1 seen
+  behind = behind.with_lengths(lengths - 1)
+  fresh = drafter.init(sequence, longer, 40, None)  # longer - 1 seen
+  seeds = jnp.arange(3, dtype=jnp.uint32)
+  common = dict(num_draft=2, sampling=sj.Sampling(), seeds=seeds)
+  caught, late = drafter.propose(behind, sequence, longer, **common)
+  _, ref = drafter.propose(fresh, sequence, longer, **common)
+  np.testing.assert_array_equal(late.tokens, ref.tokens)
+
+
+def test_a_long_lag_leaves_a_gap_and_still_drafts(target, ragged):
+  tokens, lengths = ragged
+  drafter = sj.ModelDrafter(target)
+  sequence = jnp.pad(tokens, ((0, 0), (0, 24)))
+  cache = drafter.init(tokens, lengths, 40, None).with_lengths(lengths - 1)
+  longer = lengths + 9  # 9 missed tokens, more than the catch-up width k + 1 = 3
+  cache, proposal = drafter.propose(cache, sequence, longer, num_draft=2,
+                                    sampling=sj.Sampling(), seeds=jnp.zeros(3, jnp.uint32))
+  # One catch-up forward of 3 tokens, the round's block of 2, one more draft step: the cache
+  # now holds everything before the last draft.
+  np.testing.assert_array_equal(cache.lengths, longer + 1)
+  assert proposal.tokens.shape == (3, 2)
+
+
+def _idle_drafter(draft, prior=(0.05, 0.05), token_stop=False, **kwargs):
+  # Costs and a prior under which every row's best k is 0 from the start (1 / 1.0 beats
+  # 1.05 / 1.4 and 1.1 / 1.5), until a probe finds its first draft matching the target's token.
+  return AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), prior,
+                         prior_weight=1.0, decay=1.0, token_stop=token_stop, **kwargs)
+
+
+def test_skipped_rounds_probe_with_a_doubling_wait(target, ragged):
+  tokens, lengths = ragged
+  drafter = _idle_drafter(target, probe_every=2, probe_max=4)
+  state = drafter.init(tokens, lengths, 40, None)
+  sequence = jnp.pad(tokens, ((0, 0), (0, 32)))
+  ran = []
+  for round_ in range(12):
+    before = state.inner.lengths
+    state, proposal = drafter.propose(state, sequence, lengths + round_, num_draft=2,
+                                      sampling=sj.Sampling(), seeds=jnp.zeros(3, jnp.uint32))
+    np.testing.assert_array_equal(proposal.num_drafted, 0)  # every row's history says 0
+    skipped = bool(state.skipped[0])
+    if skipped:  # the drafter's cache is untouched
+      np.testing.assert_array_equal(state.inner.lengths, before)
+    ran.append(not skipped)
+  # Skip twice, probe; the probe found every row still at 0 (nothing observed here), so the
+  # wait doubles to 4, then stays at probe_max = 4.
+  assert ran == [False, False, True, False, False, False, False, True,
+                 False, False, False, False]
+
+
+@pytest.mark.parametrize("token_stop", [False, True])
+def test_greedy_with_skipped_rounds_equals_generate(target, ragged, token_stop):
+  # Every row starts idle under the prior (0.05, 0.05); with the token stop too (the skip reads
+  # the rows' history, not the stop's decisions).
+  tokens, lengths = ragged
+  stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
+  drafter = _idle_drafter(stranger, token_stop=token_stop, probe_every=1, probe_max=4)
+  out = sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths,
+                  max_new_tokens=40, num_draft=2, verify_widths=(1, 2, 3))
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=40)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
+  calls, rounds = np.asarray(out.stats.draft_calls), np.asarray(out.stats.rounds)
+  assert np.all(calls < 2 * rounds) and np.all(calls > 0)  # it skipped rounds and probed
+
+
+def test_a_plan_where_drafting_never_pays_runs_plain_steps(target, ragged):
+  tokens, lengths = ragged
+  # A verify of 2 tokens costs 3 steps and a draft step 5: no k pays even at 4x the odds
+  # (best: k = 2, 1 + 0.97 + 0.95 tokens / (40 + 2 * 50) ms, against 1 token / 10 ms).
+  dear = _calibration([10.0, 30.0, 40.0], [0.9, 0.9], draft_step_ms=50.0)
+  plan = costs.adaptive_plan(dear.costs, dear.profile)
+  assert plan.plain
+  assert not costs.adaptive_plan(FLAT.costs, FLAT.profile).plain
+  # The bar is generate's step, not decode's own k = 0 round: a round overhead that makes every
+  # round dearer than a step (here 10 ms + 30 ms) cannot make drafting look good.
+  costly = _calibration([10.0, 11.0, 12.0], [0.9, 0.9], draft_step_ms=5.0, round_overhead_ms=30.0)
+  assert costs.adaptive_plan(costly.costs, costly.profile).plain
+  out = sj.decode(target, sj.ModelDrafter(target), tokens, jax.random.key(0), lengths=lengths,
+                  max_new_tokens=12, num_draft="adaptive", calibration=dear)
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  summary = out.stats.summary()
+  assert summary["drafted"] == 0 and summary["draft_calls"] == 0
+
+
+@pytest.mark.parametrize("name, power", [("t1", False), ("t1", True)])
+def test_sampled_decode_with_skipped_rounds_matches_target_distribution(name, power):
+  """Round 1 skips the drafter for every row, round 2 probes it, and in round 3 the rows whose
+  unproposed first draft matched draft 2: the pooled chi-square of tests/test_exactness.py at
+  ALPHA on 3 N = 60,000 rows (only the third token of about a third of the rows is drafted, so
+  the broken rule, which must fail at POWER_ALPHA, needs three times the harness's N)."""
+  from test_exactness import VOCAB as GOF_VOCAB
+  sampling = SETTINGS[name]
+  gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
+  draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
+  drafter = _idle_drafter(draft, probe_every=1, probe_max=1)
+  tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (3 * N, 1))
+  impl = DRAFT_MODEL_BROKEN[name] if power else "auto"
+  out = sj.decode(gof_target, drafter, tokens, jax.random.key(3), max_new_tokens=NEW,
+                  num_draft=2, sampling=sampling, verify_impl=impl, verify_widths=(1, 2, 3))
+  drafted = np.asarray(out.stats.drafted)
+  assert 0.05 < np.mean(drafted > 0) < 0.95  # some rows drafted after the probe, some did not
+  pvalue = chi_square_pvalue(np.asarray(out.tokens), exact_joint(gof_target, sampling))
+  if power:
+    assert pvalue < POWER_ALPHA
+  else:
+    assert pvalue > ALPHA

@@ -12,15 +12,18 @@
   layouts); sampled decode matches the target's distribution (chi-square, the harness of
   `test_exactness.py`), and a broken variant (the verify told the float target's q while the
   int4 copy drafts) is rejected by the same test.
+* A self-draft starts from the target's keys/values over the prompt (one prefill, not two); a
+  draft model of another shape runs its own.
 * Bad input: unsupported bits or group, a group that does not divide a dimension, a model quantized
   twice: a clear ValueError, before anything is compiled.
 """
 
-import numpy as np
-import pytest
+import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import specjax as sj
 from specjax.kernels import cpu_gemv
@@ -208,6 +211,31 @@ def test_greedy_self_draft_equals_generate(target, bits, layout):
     out = sj.decode(model, drafter, tokens, key, lengths=lengths, max_new_tokens=24, num_draft=k)
     np.testing.assert_array_equal(out.tokens, want.tokens)
     assert out.stats.summary()["accepted"] > 0
+
+
+@pytest.mark.parametrize("layout", ["stacked", "cpu"])
+def test_a_self_draft_starts_from_the_targets_prompt_cache(target, layout):
+  model = target if layout == "stacked" else target.for_platform("cpu")
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
+  lengths = jnp.array([7, 3], jnp.int32)
+  prefill = model(tokens, jnp.zeros(2, jnp.int32), model.init_cache(2, 16))
+  shared = sj.self_drafter(model, 8)
+  assert shared.share_prompt
+  cache = shared.init(tokens, lengths, 16, prefill)
+  for mine, its in zip(jax.tree.leaves((cache.k, cache.v)),
+                       jax.tree.leaves((prefill.cache.k, prefill.cache.v))):
+    np.testing.assert_array_equal(mine, its)  # the target's keys and values, not recomputed
+  np.testing.assert_array_equal(cache.lengths, lengths - 1)
+  # Without sharing (or without a prefill) the copy runs its own: different keys (quantized).
+  own = dataclasses.replace(shared, share_prompt=False).init(tokens, lengths, 16, prefill)
+  assert not np.array_equal(np.asarray(jax.tree.leaves(own.k)[0]),
+                            np.asarray(jax.tree.leaves(cache.k)[0]))
+  fallback = shared.init(tokens, lengths, 16, None)
+  np.testing.assert_array_equal(jax.tree.leaves(fallback.k)[0], jax.tree.leaves(own.k)[0])
+  # A draft model of another shape cannot share the target's cache: it runs its own prefill.
+  other = sj.init_params(tiny_config(vocab_size=96, num_layers=1), jax.random.key(8))
+  small = sj.ModelDrafter(other, share_prompt=True).init(tokens, lengths, 16, prefill)
+  assert jax.tree.leaves(small.k)[0].shape != jax.tree.leaves(prefill.cache.k)[0].shape
 
 
 @pytest.fixture(scope="module")

@@ -34,12 +34,13 @@ def rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling
 
 
 def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
-                        positions):
+                        positions, num_drafted=None):
   """The ratio test and residual use the draft's distribution without the temperature."""
   if draft_logits is not None and not sampling.greedy:
     draft_logits = draft_logits * sampling.temperature
+  extra = {} if num_drafted is None else dict(num_drafted=num_drafted)
   return verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                          seeds=seeds, positions=positions)
+                          seeds=seeds, positions=positions, **extra)
 
 
 BROKEN_RULES = {
