@@ -15,7 +15,9 @@ never used for training; greedy, batch 1, in one process:
     per-token time: the difference of two lengths, so prefill cancels), one draft step (the same for
     the quantized copy alone), and one verify block of k + 1 tokens (a jitted forward against a
     128-token cache); then per round: drafting = k draft steps, verify = the block, and overhead =
-    the measured round time minus both (the rule, bookkeeping and everything else);
+    the measured round time minus both (the rule, bookkeeping and everything else), where the
+    round time is decode's time less the prefills (the target's, and the draft model's unless
+    it shares the target's prompt cache), each timed apart, over the rounds;
   * the analytic bound for the measured acceptance: tau / (k * c + v) with c = draft step / target
     step and v = verify block / target step, and the measured speedup's efficiency against it.
 
@@ -67,6 +69,22 @@ def per_token(model, ids, lengths, reps, n1=16, n2=64) -> float:
   run = lambda n: sj.generate(model, ids, key, lengths=lengths, max_new_tokens=n).tokens
   run(n1), run(n2)
   return (best_of(lambda: run(n2), reps) - best_of(lambda: run(n1), reps)) / (n2 - n1)
+
+
+_PREFILL = {}
+
+
+def prefill_ms(model, ids, reps: int = 3) -> float:
+  """Milliseconds of one forward over the prompt `ids` into an empty cache (batch 1)."""
+  key = (id(model), ids.shape)
+  if key not in _PREFILL:
+    cache = model.init_cache(ids.shape[0], ids.shape[1] + 8)
+    starts = jnp.zeros((ids.shape[0],), jnp.int32)
+    run = jax.jit(lambda m, t, s, c: m(t, s, c).logits)
+    tokens = jnp.asarray(ids)
+    jax.block_until_ready(run(model, tokens, starts, cache))
+    _PREFILL[key] = best_of(lambda: run(model, tokens, starts, cache), reps) * 1e3
+  return _PREFILL[key]
 
 
 def verify_block(model, rows: int, reps: int, context: int = 128) -> float:
@@ -156,13 +174,19 @@ def main():
         v = costs["verify_ms"][k + 1] / costs["target_step_ms"]
         bound = tau / (k * c + v)
         rounds = int(stats["rounds"])
-        round_ms = decode_s * 1e3 / rounds
+        # Both sides include the target's prefill, and decode also the drafter's (none for a
+        # self-draft, which starts from the target's prompt cache): neither is a round's cost.
+        prefill = prefill_ms(target, ids)
+        draft_prefill = 0.0 if getattr(drafter, "share_prompt", False) else prefill_ms(
+            drafter.model, ids)
+        round_ms = (decode_s * 1e3 - prefill - draft_prefill) / rounds
         row = {"question": question, "drafter": name, "k": k,
                "same_as_generate": bool(np.array_equal(out.tokens, reference.tokens)),
                "tokens": int(out.num_tokens[0]), "rounds": rounds, "tau": tau,
                "acceptance": stats["acceptance_rate"], "decode_ms": decode_s * 1e3,
                "generate_ms": generate_s * 1e3, "speedup": generate_s / decode_s,
                "bound": bound, "efficiency": (generate_s / decode_s) / bound,
+               "prefill_ms": prefill, "draft_prefill_ms": draft_prefill,
                "round_ms": round_ms, "draft_ms": k * costs["draft_step_ms"][name],
                "verify_ms": costs["verify_ms"][k + 1],
                "overhead_ms": round_ms - k * costs["draft_step_ms"][name]
