@@ -145,7 +145,9 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       on the host before compilation; or "adaptive": every round each row drafts its own `k` in
       `0 .. K` (0 = a plain target step), the one that maximises its expected tokens per unit
       time under the calibration's costs and the row's own running acceptance
-      (`specjax.adaptive`), chosen on device.
+      (`specjax.adaptive`), chosen on device; rounds in which no row drafts skip a draft
+      model altogether, and where the calibration says no `k` can beat a plain step
+      (`specjax.costs.AdaptivePlan.plain`) this runs `specjax.generate`.
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
