@@ -238,6 +238,24 @@ def test_a_self_draft_starts_from_the_targets_prompt_cache(target, layout):
   assert jax.tree.leaves(small.k)[0].shape != jax.tree.leaves(prefill.cache.k)[0].shape
 
 
+def test_a_self_draft_streams_and_calibrates_with_donated_state(target):
+  # The shared prompt cache is a copy: the loop state's two caches are separate buffers, so the
+  # stream (state donated every round) and the calibration (draft state donated) run.
+  from specjax.calibrate import measure_costs
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
+  lengths = jnp.array([7, 3], jnp.int32)
+  drafter = sj.self_drafter(target, 8)
+  want = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
+  rows = [[], []]
+  for new, _ in sj.decode_stream(target, drafter, tokens, jax.random.key(0), lengths=lengths,
+                                 max_new_tokens=12, num_draft=3):
+    for b in range(2):
+      rows[b].extend(np.asarray(new[b]).tolist())
+  np.testing.assert_array_equal(np.asarray(rows), want.tokens)
+  table = measure_costs(target, drafter, batch=2, max_width=3, context=8, repeats=1)
+  assert table.draft_step_ms > 0
+
+
 @pytest.fixture(scope="module")
 def small_target():
   from tests.test_exactness import VOCAB

@@ -171,7 +171,9 @@ class ModelDrafter:
           x.shape == y.shape and x.dtype == y.dtype
           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
       if target_cache is not None and same(target_cache, own):
-        return target_cache.with_lengths(lengths - 1)
+        # A copy: the target's cache and this one are separate buffers in the loop state, which
+        # callers donate (`decode_stream`, `specjax.calibrate`).
+        return jax.tree.map(jnp.copy, target_cache).with_lengths(lengths - 1)
     cache = self.model.init_cache(batch, buffer_len)
     cache = self.model(tokens, jnp.zeros((batch,), jnp.int32), cache).cache
     return cache.with_lengths(lengths - 1)  # the last prompt token is fed with the first draft
