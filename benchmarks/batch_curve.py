@@ -1,6 +1,6 @@
 """Speculation against batch size on CPU: the default pair (SmolLM2 + its int8 copy) at B = 1..64.
 
-    python benchmarks/batch_curve.py [--batches 1,8,32,64] [--new 48] [--reps 2]
+    python -m benchmarks.batch_curve [--batches 1,8,32,64] [--new 48] [--reps 2]
 
 For each batch B, on ragged chat prompts (the 36 conversations of `benchmarks/prompts/real.json`,
 chat-templated, cycled to B rows) and in one process, alternating the sides:
@@ -46,13 +46,6 @@ def chat_rows(tokenizer, batch: int):
   return ids, np.asarray([len(r) for r in rows], np.int32)
 
 
-def timed(fn):
-  start = time.perf_counter()
-  out = fn()
-  jax.block_until_ready(out.tokens)
-  return time.perf_counter() - start, out
-
-
 def main():
   import specjax as sj
   from specjax import costs
@@ -60,6 +53,8 @@ def main():
   from specjax.default import GGUF_NAME
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
+
+  from benchmarks.timing import time_alternately
 
   parser = argparse.ArgumentParser()
   parser.add_argument("--batches", default="1,8,32,64")
@@ -104,14 +99,9 @@ def main():
         "adaptive": lambda: sj.decode(target, drafter, ids, key, num_draft="adaptive",
                                       calibration=calibration, **common),
     }
-    best, outs = {}, {}
-    for name, fn in sides.items():  # compile
-      outs[name] = fn()
-      jax.block_until_ready(outs[name].tokens)
-    for _ in range(args.reps):  # alternate, so that load changes hit every side
-      for name, fn in sides.items():
-        seconds, outs[name] = timed(fn)
-        best[name] = min(best.get(name, float("inf")), seconds)
+    timed = time_alternately(sides, args.reps)  # one warm-up (compile), then alternating
+    best = {name: entry["seconds"] for name, entry in timed.items()}
+    outs = {name: entry["result"] for name, entry in timed.items()}
     tokens = int(np.sum(np.asarray(outs["generate"].num_tokens)))
     row = {"batch": batch, "tokens": tokens, "calibrate_s": calibrate_s,
            "plan": {"max_draft": plan.max_draft, "plain": plan.plain,
