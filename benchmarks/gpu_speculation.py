@@ -207,14 +207,20 @@ def main():
     from specjax.costs import Calibration
     target = model(small, jnp.bfloat16, 0)
     drafter = sj.self_drafter(target, 8)
+    from specjax.costs import adaptive_plan
     adaptive = {}
-    for b in (batches[0], batches[-1]):
+    for b in batches:
       ids, lengths = prompts(b, small["vocab_size"], seed=b)
       table = measure_costs(target, drafter, batch=b, max_width=6, repeats=3)
       profile = measure_acceptance(target, drafter, ids, lengths, num_draft=5,
                                    sampling=sj.Sampling(), max_new_tokens=64)
+      plan = adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
       adaptive[b] = race(target, drafter, ids, lengths, args.new, "adaptive", args.reps,
                          calibration=Calibration(table, profile))
+      adaptive[b]["plan"] = {"max_draft": plan.max_draft, "plain": plan.plain,
+                             "round_ms": list(plan.round_ms), "prior": list(plan.prior),
+                             "generate_step_ms": table.generate_step_ms,
+                             "profile_alpha": list(profile.alpha)}
       save("adaptive", adaptive)
 
   if "costs" in parts:

@@ -23,10 +23,14 @@ again when it would pay.
 (`catches_up`: a draft model), a round in which every row's history says `k = 0` skips the
 drafter entirely (`lax.cond`): a plain target step at verify width 1, where running the drafter
 only to learn from its unproposed first draft would cost a draft step per round (on a GPU, where
-a small model's forward is launch-bound, that halved the throughput). Every `probe_every` skipped
+a small model's forward is launch-bound, that halved the throughput). So does a round in which
+every row has, for `stop_rounds` rounds in a row, run the drafter and proposed nothing: its
+history says draft, but the token stop below refused every first draft (a drafter whose
+confidences are far below its acceptance). When the drafter runs again it first feeds the tokens
+it missed, `k + 1` per forward, so its drafts read the whole context. Every `probe_every` skipped
 rounds one round runs it again (the wait doubles after each probe that finds every row still at
 0, up to `probe_max`), so rows can start drafting when the text turns predictable. The skip
-reads only the rows' counts from earlier rounds, so it keeps the output law. When the calibration
+reads only what earlier rounds left (the rows' counts and stops), so it keeps the output law. When the calibration
 says no `k >= 1` can beat a plain step even for rows far above the profile
 (`specjax.costs.AdaptivePlan.plain`), the drafter is never run.
 
@@ -103,14 +107,19 @@ class AdaptiveState:
     first: `[B]` int32 the row's first draft this round (made even when not proposed).
     confidence: `[B, K]` float32 the drafter's top probability at each slot this round (0 where
       the drafter reports none).
-    believed: `[B, K]` float32 decayed sum of those confidences over the tested slots (beside
-      `accepted`: how often the row's drafts were accepted vs how sure the drafter was).
+    believed: `[B, K]` float32 decayed sum of those confidences' log-odds over the tested slots
+      (beside `accepted`: how often the row's drafts were accepted vs how sure the drafter
+      was). Log-odds, not probabilities: a drafter whose confidences are tiny yet whose drafts
+      match (a quantized copy of the target where it is unsure, under greedy verification)
+      gets a shift as large as that gap, where a mean probability near 0 would cap it.
     copy_accepted, copy_reached: `[B, K]` float32 the same counts as `accepted`, `reached` for
       the prompt-lookup copy of a `HybridDrafter` (zero for any other drafter).
     copy_tokens: `[B, K]` int32 the row's copy this round; found: `[B]` bool it had one;
       copied: `[B]` bool it proposed it (the head's counts are not updated then).
     skipped: `[B]` bool the drafter was not run this round (every row's choice was 0 and it was
       not a probe round); nothing is learned from such a round.
+    stopped: `[B]` int32 consecutive rounds in which the drafter ran and the row proposed
+      nothing (its history said draft, its confidences stopped it).
     idle: `[B]` int32 (equal across rows) rounds skipped since the drafter last ran.
     wait: `[B]` int32 (equal across rows) skipped rounds before the next probe.
   """
@@ -128,6 +137,7 @@ class AdaptiveState:
   found: jax.Array
   copied: jax.Array
   skipped: jax.Array
+  stopped: jax.Array
   idle: jax.Array
   wait: jax.Array
 
@@ -202,7 +212,10 @@ class AdaptiveDrafter(DrafterWrapper):
       (None: `prior`); read only around a `HybridDrafter`.
     probe_every: with a drafter that catches up on rounds it missed (`catches_up`: a draft
       model), a round in which every row would draft 0 does not run the drafter at all (a plain
-      target step); after `probe_every` such rounds one round runs it again (its first draft,
+      target step), and so does a round in which every row either would draft 0 or has
+      proposed nothing in each of its last `stop_rounds` rounds (its confidences stopped every
+      draft: running the drafter only to propose nothing costs a draft step per round); after
+      `probe_every` such rounds one round runs it again (its first draft,
       unproposed, tells each row whether drafting would pay again), and each probe that finds
       every row still at 0 doubles the wait, up to `probe_max`. A round in which a row drafts
       resets it.
@@ -223,6 +236,7 @@ class AdaptiveDrafter(DrafterWrapper):
   probe_every: int = dataclasses.field(default=8, metadata=dict(static=True))
   probe_max: int = dataclasses.field(default=128, metadata=dict(static=True))
   plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  stop_rounds: int = dataclasses.field(default=4, metadata=dict(static=True))
 
   def __post_init__(self):
     k = self.max_draft
@@ -238,9 +252,10 @@ class AdaptiveDrafter(DrafterWrapper):
                                         or not all(0 <= a <= 1 for a in self.copy_prior)):
       raise ValueError(f"copy_prior must be {k} acceptances in [0, 1], got {self.copy_prior}")
     if not (isinstance(self.probe_every, int) and isinstance(self.probe_max, int)
-            and 1 <= self.probe_every <= self.probe_max):
-      raise ValueError(f"need ints 1 <= probe_every <= probe_max, got {self.probe_every} and "
-                       f"{self.probe_max}")
+            and 1 <= self.probe_every <= self.probe_max and isinstance(self.stop_rounds, int)
+            and self.stop_rounds >= 1):
+      raise ValueError(f"need ints 1 <= probe_every <= probe_max and stop_rounds >= 1, got "
+                       f"{self.probe_every}, {self.probe_max} and {self.stop_rounds}")
     if not (self.prior_weight > 0 and 0 < self.decay <= 1):
       raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
                        f"and {self.decay}")
@@ -252,7 +267,7 @@ class AdaptiveDrafter(DrafterWrapper):
     no = jnp.zeros((batch,), jnp.bool_)
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
                          ints, ints, zeros, zeros, zeros, zeros,
-                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints,
+                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints, ints,
                          ints + self.probe_every)
 
   @property
@@ -266,13 +281,13 @@ class AdaptiveDrafter(DrafterWrapper):
     return isinstance(self.drafter, HybridDrafter)
 
   def confidence_shift(self, state: AdaptiveState) -> jax.Array:
-    """`[B]` log-odds of the row's accepted drafts minus those of their confidences, over its
-    tested slots, each side shrunk towards 1/2 by `prior_weight` pseudo-slots (0 with no
-    history: the confidence is taken at its word)."""
+    """`[B]` the log-odds of the row's acceptance rate over its tested slots minus the mean
+    log-odds of their confidences, each shrunk towards 1/2 (log-odds 0) by `prior_weight`
+    pseudo-slots (0 with no history: the confidence is taken at its word)."""
     weight = self.prior_weight
     tested = jnp.sum(state.reached, axis=1) + weight
-    rate = lambda x: jnp.clip((jnp.sum(x, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
-    return _log_odds(rate(state.accepted)) - _log_odds(rate(state.believed))
+    rate = jnp.clip((jnp.sum(state.accepted, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
+    return _log_odds(rate) - jnp.sum(state.believed, axis=1) / tested
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position (of the head's drafts, around a
@@ -331,23 +346,26 @@ class AdaptiveDrafter(DrafterWrapper):
       state = dataclasses.replace(zeros[0], inner=state.inner, accepted=state.accepted,
                                   reached=state.reached, believed=state.believed,
                                   copy_accepted=state.copy_accepted,
-                                  copy_reached=state.copy_reached, idle=state.idle + 1,
+                                  copy_reached=state.copy_reached, stopped=state.stopped,
+                                  idle=state.idle + 1,
                                   wait=state.wait, skipped=jnp.ones_like(state.skipped))
       return state, zeros[1]
 
     if self.plain:
       return skip(state)
-    # Every row's history says: draft nothing (under the token stop too: a row whose history
-    # says draft but whose confidences stop it runs the drafter, and learns from its unproposed
-    # first draft how far to trust them, `confidence_shift`).
-    idle = jnp.all(self.limits(state) == 0)
+    # Every row's history says: draft nothing, or its confidences have stopped its every draft
+    # for `stop_rounds` rounds (until then such a row runs the drafter and learns from its
+    # unproposed first draft how far to trust them, `confidence_shift`; probes go on teaching it).
+    idle = jnp.all((self.limits(state) == 0) | (state.stopped >= self.stop_rounds))
     probe = state.idle[0] >= state.wait[0]
 
     def run(state):
       state, proposal = draft(state)
       wait = jnp.where(idle, jnp.minimum(2 * state.wait, self.probe_max), self.probe_every)
+      stopped = jnp.where(state.planned == 0, state.stopped + 1, 0)
       return dataclasses.replace(state, idle=jnp.zeros_like(state.idle), wait=wait,
-                                 skipped=jnp.zeros_like(state.skipped)), proposal
+                                 skipped=jnp.zeros_like(state.skipped),
+                                 stopped=stopped), proposal
 
     # The decision reads only earlier rounds' outcomes (exactness: module docstring). The
     # drafter's state passes through the conditional; a draft model's cache is only read in the
@@ -402,7 +420,8 @@ class AdaptiveDrafter(DrafterWrapper):
         state, inner=inner,
         accepted=state.accepted * decay + hit.astype(jnp.float32),
         reached=state.reached * decay + tested.astype(jnp.float32),
-        believed=state.believed * decay + jnp.where(tested, state.confidence, 0.0))
+        believed=state.believed * decay + jnp.where(tested, _log_odds(jnp.clip(
+            state.confidence, 1e-6, 1.0 - 1e-6)), 0.0))
     if not self.copies:
       return state
     # The copy's counts, from the emitted tokens (module docstring): copy j is reached when the

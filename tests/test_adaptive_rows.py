@@ -185,19 +185,34 @@ def test_cost_aware_stop_hand_worked():
 
 
 def test_confidence_shift_hand_worked():
-  """Log-odds of (accepted + 1) / (tested + 2) minus those of (confidence sum + 1) / (tested + 2)
-  with prior_weight 2: a row that accepted 6 of 8 tested drafts whose confidences summed to 2
-  gets log(7/3) - log(3/7) = 1.695; one with no history 0; one accepted less than it believed
-  (1 of 8, confidences 6) a negative shift."""
+  """Log-odds of (accepted + 1) / (tested + 2) minus the confidences' log-odds summed over
+  tested + 2 slots, with prior_weight 2: a row that accepted 6 of 8 tested drafts whose
+  confidences' log-odds summed to -3 gets log(7/3) + 3/10 = 1.147; one with no history 0; one
+  accepted less than it believed (1 of 8, log-odds summing to 6) log(2/8) - 6/10."""
   drafter = AdaptiveDrafter(sj.NGramDrafter(), 2, (1.0, 1.4, 1.5), (0.5, 0.5))
   state = drafter.init(jnp.zeros((3, 4), jnp.int32), jnp.full(3, 4, jnp.int32), 16, None)
   state = dataclasses.replace(
       state, reached=jnp.array([[5.0, 3.0], [0, 0], [5.0, 3.0]]),
       accepted=jnp.array([[4.0, 2.0], [0, 0], [1.0, 0.0]]),
-      believed=jnp.array([[1.2, 0.8], [0, 0], [3.5, 2.5]]))
+      believed=jnp.array([[-2.0, -1.0], [0, 0], [3.5, 2.5]]))
   np.testing.assert_allclose(drafter.confidence_shift(state),
-                             [np.log(7 / 3) - np.log(3 / 7), 0.0, np.log(2 / 8) - np.log(7 / 3)],
-                             rtol=1e-5)
+                             [np.log(7 / 3) + 0.3, 0.0, np.log(2 / 8) - 0.6], rtol=1e-5)
+
+
+def test_confidence_shift_learns_a_drafter_that_is_right_when_unsure():
+  """A drafter whose every confidence is 1e-4 (log-odds -9.21) and whose every tested draft is
+  accepted (here 18 slots, the decay's limit): the shift must lift those confidences to the
+  row's acceptance, (18 + 1) / 20 = 0.95; a mean of probabilities, capped at 0.01, would leave
+  them at sigmoid(-9.21 + log(0.95 / 0.05) - log(0.01 / 0.99)) = 0.16."""
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), 2, (1.0, 1.4, 1.5), (0.5, 0.5))
+  state = drafter.init(jnp.zeros((1, 4), jnp.int32), jnp.full(1, 4, jnp.int32), 16, None)
+  lo = float(np.log(1e-4) - np.log1p(-1e-4))
+  state = dataclasses.replace(state, reached=jnp.array([[9.0, 9.0]]),
+                              accepted=jnp.array([[9.0, 9.0]]), believed=jnp.full((1, 2), 9 * lo))
+  lifted = jax.nn.sigmoid(lo + drafter.confidence_shift(state))
+  # log-odds: -9.21 * 18 / 20 + ... leaves 1/10 of the confidences' own log-odds unshifted.
+  np.testing.assert_allclose(lifted, jax.nn.sigmoid(np.log(0.95 / 0.05) + lo / 10), rtol=1e-5)
+  assert float(lifted[0]) > 0.5
 
 
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20,
@@ -380,11 +395,11 @@ def _lagging(model, tokens, lengths, lag):
   return drafter, cache.with_lengths(lengths - 1 - lag)
 
 
-@pytest.mark.parametrize("lag", [1, 2, 3])
+@pytest.mark.parametrize("lag", [1, 2, 3, 9, 16])
 def test_a_draft_model_catches_up_on_the_rounds_it_missed(target, ragged, lag):
   # The drafter's cache was filled on the prompt; the sequence then grew by `lag` tokens that it
-  # never saw (skipped rounds). Its proposal equals that of a drafter prefilled on the whole
-  # longer sequence (lag <= k + 1 = 3: the catch-up covers every missed token).
+  # never saw (skipped rounds). Its proposal, and its q, equal those of a drafter prefilled on
+  # the whole longer sequence (lag > k + 1 = 3: several catch-up forwards, no gap left).
   tokens, lengths = ragged
   drafter = sj.ModelDrafter(target)
   sequence = jnp.pad(tokens, ((0, 0), (0, 24)))
@@ -396,24 +411,14 @@ def test_a_draft_model_catches_up_on_the_rounds_it_missed(target, ragged, lag):
   behind = behind.with_lengths(lengths - 1)
   fresh = drafter.init(sequence, longer, 40, None)  # longer - 1 seen
   seeds = jnp.arange(3, dtype=jnp.uint32)
-  common = dict(num_draft=2, sampling=sj.Sampling(), seeds=seeds)
+  common = dict(num_draft=2, sampling=sj.Sampling(temperature=1.0), seeds=seeds)
   caught, late = drafter.propose(behind, sequence, longer, **common)
   _, ref = drafter.propose(fresh, sequence, longer, **common)
   np.testing.assert_array_equal(late.tokens, ref.tokens)
-
-
-def test_a_long_lag_leaves_a_gap_and_still_drafts(target, ragged):
-  tokens, lengths = ragged
-  drafter = sj.ModelDrafter(target)
-  sequence = jnp.pad(tokens, ((0, 0), (0, 24)))
-  cache = drafter.init(tokens, lengths, 40, None).with_lengths(lengths - 1)
-  longer = lengths + 9  # 9 missed tokens, more than the catch-up width k + 1 = 3
-  cache, proposal = drafter.propose(cache, sequence, longer, num_draft=2,
-                                    sampling=sj.Sampling(), seeds=jnp.zeros(3, jnp.uint32))
-  # One catch-up forward of 3 tokens, the round's block of 2, one more draft step: the cache
-  # now holds everything before the last draft.
-  np.testing.assert_array_equal(cache.lengths, longer + 1)
-  assert proposal.tokens.shape == (3, 2)
+  np.testing.assert_allclose(late.logits, ref.logits, rtol=1e-4, atol=1e-4)
+  # The round's block of 2 and one more draft step: the cache holds everything before the last
+  # draft.
+  np.testing.assert_array_equal(caught.lengths, longer + 1)
 
 
 def _idle_drafter(draft, prior=(0.05, 0.05), token_stop=False, **kwargs):
@@ -444,6 +449,34 @@ def test_skipped_rounds_probe_with_a_doubling_wait(target, ragged):
                  False, False, False, False]
 
 
+def test_rounds_whose_confidences_stop_every_draft_skip_the_drafter(target, ragged):
+  # History says draft (prior 0.9: k = 2 pays), but the drafter's top probabilities (a random
+  # 64-token model: well under the 0.26 that drafting needs at costs 1 / 1.4 / 1.5 with no
+  # history to shift them) stop every draft: after stop_rounds = 2 such rounds the drafter is
+  # skipped and probed like an idle one (wait 2, then 4).
+  tokens, lengths = ragged
+  drafter = AdaptiveDrafter(sj.ModelDrafter(target), 2, (1.0, 1.4, 1.5), (0.9, 0.9),
+                            prior_weight=1.0, decay=1.0, token_stop=True, probe_every=2,
+                            probe_max=4, stop_rounds=2)
+  state = drafter.init(tokens, lengths, 40, None)
+  sequence = jnp.pad(tokens, ((0, 0), (0, 32)))
+  ran = []
+  for round_ in range(12):
+    state, proposal = drafter.propose(state, sequence, lengths + round_, num_draft=2,
+                                      sampling=sj.Sampling(), seeds=jnp.zeros(3, jnp.uint32))
+    np.testing.assert_array_equal(proposal.num_drafted, 0)
+    np.testing.assert_array_equal(drafter.limits(state), 2)  # the history alone says draft
+    ran.append(not bool(state.skipped[0]))
+  assert ran == [True, True, False, False, True, False, False, False, False, True, False, False]
+  # Without the stop rounds' rule (a limit no run reaches) the drafter runs every round.
+  never = dataclasses.replace(drafter, stop_rounds=1000)
+  state = never.init(tokens, lengths, 40, None)
+  for round_ in range(6):
+    state, _ = never.propose(state, sequence, lengths + round_, num_draft=2,
+                             sampling=sj.Sampling(), seeds=jnp.zeros(3, jnp.uint32))
+    assert not bool(state.skipped[0])
+
+
 @pytest.mark.parametrize("token_stop", [False, True])
 def test_greedy_with_skipped_rounds_equals_generate(target, ragged, token_stop):
   # Every row starts idle under the prior (0.05, 0.05); with the token stop too (the skip reads
@@ -472,6 +505,13 @@ def test_a_plan_where_drafting_never_pays_runs_plain_steps(target, ragged):
   # round dearer than a step (here 10 ms + 30 ms) cannot make drafting look good.
   costly = _calibration([10.0, 11.0, 12.0], [0.9, 0.9], draft_step_ms=5.0, round_overhead_ms=30.0)
   assert costs.adaptive_plan(costly.costs, costly.profile).plain
+  # Drafting must promise 10% over a step (PLAIN_MARGIN): with 8 ms draft steps the best is k = 2
+  # at (1 + 0.973 + 0.947) / (11 + 2 * 8 + 0.5) = 0.106 tokens/ms, 6% over 1 / 10 ms: plain;
+  # with 6 ms steps 2.92 / 23.5 = 0.124 (24% over): it drafts.
+  near = lambda step: _calibration([10.0, 10.5, 11.0], [0.9, 0.9], draft_step_ms=step,
+                                   round_overhead_ms=0.5)
+  assert costs.adaptive_plan(near(8.0).costs, near(8.0).profile).plain
+  assert not costs.adaptive_plan(near(6.0).costs, near(6.0).profile).plain
   out = sj.decode(target, sj.ModelDrafter(target), tokens, jax.random.key(0), lengths=lengths,
                   max_new_tokens=12, num_draft="adaptive", calibration=dear)
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)

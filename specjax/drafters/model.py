@@ -184,21 +184,19 @@ class ModelDrafter:
 
   def catch_up(self, cache, sequence, lengths, width: int):
     """The cache fed the tokens it missed, up to `lengths - 2` (the last two are the round's first
-    block): when some row lags by more, one forward of `width` tokens at `[s, s + width)` with
-    `s = max(cache.lengths, lengths - 2 - width)`. A lag longer than `width` (a long stretch of
-    skipped rounds) leaves the entries before `s` stale: the drafts read a gap in their context
-    for the rest of the decode, which can lower acceptance but never changes the output (the
-    verify is exact whatever the drafter proposes); it keeps a probe after a long stretch at one
-    forward instead of one per `width` missed tokens. A `lax.while_loop` that runs 0 or 1 times:
-    no copy of the cache in a conditional branch, nothing run when no row lags."""
+    block): while some row lags, one forward of `width` tokens at each lagging row's
+    `[cache.lengths, cache.lengths + width)` (rows that do not lag rewrite their last entries
+    with the same tokens). A lag of `n` tokens costs `ceil(n / width)` forwards of `width`
+    tokens: after a stretch of skipped rounds the drafts read the whole context again, not a gap
+    in it. A `lax.while_loop`: no copy of the cache in a conditional branch, nothing run when
+    no row lags."""
     def body(carry):
       cache, _ = carry
       lag = cache.lengths < lengths - 2
-      start = jnp.where(lag, jnp.maximum(cache.lengths, lengths - 2 - width),
-                        jnp.minimum(cache.lengths, lengths - 1))
+      start = jnp.where(lag, cache.lengths, jnp.minimum(cache.lengths, lengths - 1))
       out = self.model(gather_tokens(sequence, start, width), start, cache)
-      caught = jnp.where(lag, lengths - 2, cache.lengths)
-      return out.cache.with_lengths(caught), jnp.bool_(False)
+      caught = jnp.where(lag, jnp.minimum(start + width, lengths - 2), cache.lengths)
+      return out.cache.with_lengths(caught), jnp.any(caught < lengths - 2)
 
     todo = jnp.any(cache.lengths < lengths - 2)
     cache, _ = jax.lax.while_loop(lambda carry: carry[1], body, (cache, todo))
