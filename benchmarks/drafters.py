@@ -51,18 +51,27 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
-  The n-gram (prompt lookup) drafter needs no weights. A trained head joins the list when the
-  library ships one for this target (`specjax.load_default()` whose target has `target`'s
-  config); it is named by its kind (`eagle3`, `mtp`, `medusa`).
+  The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
+  `self-int4`: `specjax.self_drafter`, symmetric per group of 32, the prompt's cache shared)
+  need no training. A trained head joins the list when the library ships one for this target
+  (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
+  (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
+  empty): a quantized copy costs memory.
   """
   import specjax as sj
 
+  wanted = lambda name: not names or name in names
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
                           "prompt lookup (n-gram 3..1, no weights)")]
-  if not names or set(names) - {"ngram"}:
+  for bits in (8, 4):
+    if wanted(f"self-int{bits}"):
+      entries.append(DrafterEntry(
+          f"self-int{bits}", sj.self_drafter(target, bits), num_draft, None,
+          f"the target's own weights quantized to int{bits} (groups of 32), no training"))
+  if not names or set(names) - {"ngram", "self-int8", "self-int4"}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
-  known = {e.name for e in entries}
+  known = {e.name for e in entries} | {"self-int8", "self-int4"}
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")

@@ -169,8 +169,10 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
       export_hf(target, tmp_path / "hf"), dtype=torch.float32).eval()
   cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6)),
            real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
-  drafters = drafters_module.library_drafters(target, num_draft=2)
-  assert [d.name for d in drafters] == ["ngram"]
+  everything = drafters_module.library_drafters(target, num_draft=2)
+  assert [d.name for d in everything] == ["ngram", "self-int8", "self-int4"]
+  drafters = drafters_module.library_drafters(target, num_draft=2, names=("ngram", "self-int8"))
+  assert [d.name for d in drafters] == ["ngram", "self-int8"]
   with pytest.raises(ValueError, match="not available"):
     drafters_module.library_drafters(target, num_draft=2, names=("eagle-nonexistent",))
   measured = real.measure_suite(
@@ -180,7 +182,7 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   assert len(measured["records"]) == 2 * len(cases)
   for record in measured["records"]:
     assert record["width"] == 32 and record["calls"]["generate"]["new_tokens"] >= 1
-    assert set(record["calls"]) == {"generate", "ngram"}
+    assert set(record["calls"]) == {"generate", "ngram", "self-int8"}
   summary = measured["summary"]
   assert {(r["sampling"], r["category"]) for r in summary} == {
       (s, c) for s in ("greedy", "T=1") for c in ("code", "math", "all")}
@@ -230,6 +232,7 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
                              target, draft_ids)
   medusa.save_medusa(heads, tmp_path / "medusa")
   drafters = drafters_module.library_drafters(target, num_draft=3,
+                                   names=("ngram", "eagle3", "medusa"),
                                    heads=(tmp_path / "eagle", tmp_path / "medusa"))
   assert [(d.name, d.num_draft) for d in drafters] == [("ngram", 3), ("eagle3", 3), ("medusa", 2)]
   with pytest.raises(ValueError, match="no head checkpoint"):
