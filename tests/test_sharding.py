@@ -569,3 +569,89 @@ def test_decode_inside_the_callers_jit_on_an_explicit_mesh_equals_one_device():
     got, got_generate = step(t, d, tokens, lengths, jax.random.key(3))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_generate), np.asarray(want_generate))
+
+
+# --------------------------------------------------------------------------------------------
+# Inside the caller's own jit with no mesh context: the mesh comes from the arguments' types.
+# --------------------------------------------------------------------------------------------
+
+def _mesh_of_kind(kind: str, shape):
+  if kind == "auto":  # sj.make_mesh: Auto axes, the arrays' types carry the mesh, open specs
+    return sj.make_mesh(shape)
+  return jax.make_mesh(shape, ("data", "model"))  # Explicit axes: specs in the types too
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_decode_inside_the_callers_jit_without_a_mesh_context_equals_one_device(
+    models, prompts, single_device, kind):
+  """`jax.jit(step)(sj.shard(target, mesh), ...)` with no `jax.set_mesh`: before the library
+  read the mesh from the arguments' types, Explicit axes failed to trace (a gather without an
+  output sharding) and Auto axes failed to export for TPU (see the next test)."""
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = _mesh_of_kind(kind, (2, 4))
+  t, d = sj.shard(target, mesh), sj.shard(draft, mesh)
+
+  @jax.jit
+  def step(t, d, tokens, lengths):
+    out = sj.decode(t, d, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=NEW_TOKENS,
+                    num_draft=3, sampling=SAMPLED)
+    return out.tokens, sj.generate(t, tokens, jax.random.key(2), lengths=lengths,
+                                   max_new_tokens=NEW_TOKENS).tokens
+
+  got, got_generate = step(t, d, jnp.asarray(tokens), jnp.asarray(lengths))
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(single_device["decode_sampled"]))
+  np.testing.assert_array_equal(np.asarray(got_generate), np.asarray(single_device["generate"]))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("shape", [(8, 1), (1, 8), (2, 4)])
+def test_export_for_tpu_inside_the_callers_jit_without_a_mesh_context(models, kind, shape):
+  """The default decode (verify_impl "auto": the fused Pallas kernel on TPU) over `sj.shard`
+  weights, inside the caller's jit, exported for TPU with no mesh active: the kernel runs per
+  shard inside the verify's shard_map (a Mosaic custom call in the module), where GSPMD alone
+  raised "Mosaic kernels cannot be automatically partitioned"."""
+  target, draft = models
+  mesh = _mesh_of_kind(kind, shape)
+  t, d = sj.shard(target, mesh), sj.shard(draft, mesh)
+
+  def step(t, d, tokens, rng):
+    return sj.decode(t, ModelDrafter(d), tokens, rng, max_new_tokens=4, num_draft=2,
+                     sampling=SAMPLED).tokens
+
+  tokens = jnp.ones((8, 6), jnp.int32)
+  exported = jax.export.export(jax.jit(step), platforms=["tpu"])(t, d, tokens, jax.random.key(0))
+  text = exported.mlir_module()
+  assert exported.nr_devices == 8
+  assert "tpu_custom_call" in text and "sdy.manual_computation" in text
+
+
+def test_decode_inside_the_callers_shard_map_equals_one_device(models, prompts, single_device):
+  """Inside the caller's `shard_map` (rows split over 8 devices, weights replicated) each device
+  decodes its own row with no collective: the single-device tokens, and it exports for TPU with
+  the fused kernel."""
+  target, draft = models
+  tokens, lengths = prompts
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+  def rows(t, d, tokens, lengths):
+    return sj.decode(t, ModelDrafter(d), tokens, jax.random.key(0), lengths=lengths,
+                     max_new_tokens=NEW_TOKENS, num_draft=3, sampling=SAMPLED).tokens
+
+  specs = dict(mesh=mesh, in_specs=(P(), P(), P("data"), P("data")), out_specs=P("data"))
+  run = jax.jit(jax.shard_map(rows, check_vma=False, **specs))
+  got = run(target, draft, jnp.asarray(tokens), jnp.asarray(lengths))
+  # A row's streams are keyed by (rng, row index): on one device per row every row is row 0, so
+  # compare with the single-device run of each row alone.
+  for row in range(tokens.shape[0]):
+    alone = sj.decode(target, draft, tokens[row:row + 1], jax.random.key(0),
+                      lengths=lengths[row:row + 1], max_new_tokens=NEW_TOKENS, num_draft=3,
+                      sampling=SAMPLED).tokens
+    np.testing.assert_array_equal(np.asarray(got[row:row + 1]), np.asarray(alone))
+  exported = jax.export.export(run, platforms=["tpu"])(target, draft, jnp.asarray(tokens),
+                                                        jnp.asarray(lengths))
+  assert "tpu_custom_call" in exported.mlir_module()
+  # With shard_map's default check_vma=True the loop's carry would mix per-device and replicated
+  # types: one clear error before anything is traced, saying what to do.
+  with pytest.raises(ValueError, match="check_vma=False"):
+    jax.jit(jax.shard_map(rows, **specs))(target, draft, jnp.asarray(tokens), jnp.asarray(lengths))

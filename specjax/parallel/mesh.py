@@ -277,6 +277,54 @@ def _retype(tree, mesh: jax.sharding.Mesh, views: jax.sharding.Mesh | None = Non
   return jax.tree.map(leaf, tree)
 
 
+def traced_mesh(trees) -> jax.sharding.AbstractMesh | None:
+  """The mesh that the tracers among `trees` carry in their types, or None.
+
+  Inside a caller's `jax.jit` with no `jax.set_mesh`, nothing is active, but every argument's
+  type still names the mesh its array lives on (`jax.typeof(x).sharding.mesh`; an array placed
+  by `shard` with Auto axes too, with an open spec). Reading it there lets the library's program
+  be partitioned like the caller's arrays (the verify's `shard_map` around the fused kernel,
+  which GSPMD cannot partition itself) instead of failing in the compiler.
+
+  Raises:
+    ValueError: tracers on different meshes.
+  """
+  meshes = {}
+  for leaf in jax.tree.leaves(trees):
+    if not isinstance(leaf, jax.core.Tracer):
+      continue
+    mesh = getattr(getattr(jax.typeof(leaf), "sharding", None), "mesh", None)
+    if mesh is None or mesh.empty or mesh.size == 1:
+      continue
+    meshes.setdefault(as_auto(mesh), mesh)
+  if len(meshes) > 1:
+    described = "; ".join(str(dict(m.shape)) for m in meshes)
+    raise ValueError("the target, the drafter and the prompts must share one device mesh "
+                     f"(shard every model with the same mesh), got {len(meshes)}: {described}")
+  return next(iter(meshes.values())) if meshes else None
+
+
+def _check_manual(trees) -> None:
+  """Inside the caller's `shard_map` each device runs the library on its own rows, which works
+  with `check_vma=False`; under the default `check_vma=True` the decode loop's carry would mix
+  per-device and replicated types and fail deep inside the trace, so say so first."""
+  abstract = jax.sharding.get_abstract_mesh()
+  if abstract is None or abstract.empty or AxisType.Manual not in abstract.axis_types:
+    return
+  for leaf in jax.tree.leaves(trees):
+    if not isinstance(leaf, jax.core.Tracer):
+      continue
+    aval = jax.typeof(leaf)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; `vma` before
+    varying = getattr(manual, "varying", None) if manual is not None else getattr(aval, "vma",
+                                                                                   None)
+    if varying:
+      raise ValueError(
+          "specjax inside jax.shard_map needs check_vma=False (each device decodes its own rows; "
+          "the decode loop mixes per-device and replicated values, which the varying-axes check "
+          f"rejects): an argument varies over {sorted(varying)}")
+
+
 class CallContext(NamedTuple):
   """What `call_context` yields."""
 
@@ -296,7 +344,9 @@ def call_context(inputs):
   Validates that the arrays of `inputs` (models, drafter, prompts, keys) and the active mesh agree
   on one mesh, views that mesh with `Auto` axes (Explicit and mixed meshes included), re-types the
   arrays onto it, activates it when a mesh was active, and reads the sharding rules for the jitted
-  function's static `rules=` argument. Results go back to the caller's mesh with
+  function's static `rules=` argument. Called inside the caller's own `jax.jit` with no mesh
+  active, it activates the abstract mesh the arguments' types carry (`traced_mesh`), so the
+  program is partitioned as with `jax.set_mesh`. Results go back to the caller's mesh with
   `CallContext.output`, so they compose with the caller's own Explicit-mesh code.
 
   Yields:
@@ -309,8 +359,16 @@ def call_context(inputs):
   mesh = check_meshes(inputs, ambient)
   rules = active_rules()
   rules = None if rules == DEFAULT_RULES else rules
+  _check_manual(inputs)
   if mesh is None:
-    yield CallContext(rules, inputs, None)
+    abstract = jax.sharding.get_abstract_mesh()
+    inside = None if abstract is not None and not abstract.empty else traced_mesh(inputs)
+    if inside is None:  # no mesh, or the caller's jax.set_mesh (the verify reads it itself)
+      yield CallContext(rules, inputs, None)
+      return
+    # Inside the caller's jit without jax.set_mesh: the mesh the arguments' types name.
+    with jax.sharding.use_abstract_mesh(inside):
+      yield CallContext(rules, inputs, None)
     return
   original = ambient if ambient is not None else next(iter(_leaf_meshes(inputs)))
   context = CallContext(rules, _retype(inputs, mesh), original)
