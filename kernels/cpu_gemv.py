@@ -11,7 +11,9 @@ reads each weight once for all of them.
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ /
 clang++), `-O3 -march=native`, against `jax.ffi.include_dir()`, and cached under
 `$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the source, compiler, flags, jaxlib and
-CPU. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or `SPECJAX_CPU_KERNELS=0`,
+CPU, beside the SHA-256 of the built file: a cached library whose bytes do not match it (a
+truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
+per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or `SPECJAX_CPU_KERNELS=0`,
 `available()` is False, `status()` says why, and the CPU layout uses XLA's dot: same results up to
 float32 summation order, only slower. The choice is made once per process, so set the variable
 before the first call.
@@ -32,6 +34,7 @@ import pathlib
 import platform
 import shutil
 import subprocess
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -78,22 +81,51 @@ def build() -> pathlib.Path:
                                   _cpu_signature()]).encode()).hexdigest()[:16]
   directory = _cache_dir() / "cpu_kernels"
   library = directory / f"cpu_gemv-{key}.so"
-  if library.exists():
+  digest = library.with_name(library.name + ".sha256")
+  with _BUILD_LOCK:
+    if library.exists() and digest.exists():
+      if digest.read_text().strip() == _sha256(library):
+        return library
+      _log.warning("specjax: %s does not match the SHA-256 recorded when it was built; "
+                   "rebuilding it", library)
+    directory.mkdir(parents=True, exist_ok=True)
+    partial = directory / f".cpu_gemv-{key}.{os.getpid()}.{threading.get_ident()}.so"
+    done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(partial)], capture_output=True,
+                          text=True, timeout=600)
+    if done.returncode != 0:
+      partial.unlink(missing_ok=True)
+      raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
+    # The digest first, then the library, each renamed into place atomically: a concurrent build
+    # of the same key by another process writes the same bytes; a reader that finds a library
+    # whose digest does not match rebuilds instead of loading it.
+    partial_digest = partial.with_name(partial.name + ".sha256")
+    partial_digest.write_text(_sha256(partial) + "\n")
+    os.replace(partial_digest, digest)
+    os.replace(partial, library)
     return library
-  directory.mkdir(parents=True, exist_ok=True)
-  partial = directory / f".cpu_gemv-{key}.{os.getpid()}.so"
-  done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(partial)], capture_output=True,
-                        text=True, timeout=600)
-  if done.returncode != 0:
-    partial.unlink(missing_ok=True)
-    raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
-  os.replace(partial, library)  # atomic: a concurrent build of the same key is harmless
-  return library
+
+
+def _sha256(path: pathlib.Path) -> str:
+  return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+_BUILD_LOCK = threading.Lock()
+
+
+def status() -> tuple[bool, str]:
+  """(whether the kernel is built and registered, and a line saying where or why not).
+
+  Decided once per process; threads that ask at the same time wait for the first answer (one
+  build, one registration)."""
+  with _STATUS_LOCK:
+    return _status()
+
+
+_STATUS_LOCK = threading.Lock()
 
 
 @functools.cache
-def status() -> tuple[bool, str]:
-  """(whether the kernel is built and registered, and a line saying where or why not)."""
+def _status() -> tuple[bool, str]:
   if os.environ.get("SPECJAX_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
     return False, "disabled by SPECJAX_CPU_KERNELS"
   try:

@@ -24,6 +24,10 @@ def is_concrete(x) -> bool:
 def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
   """Validates a right-padded prompt batch.
 
+  Only the ids before each row's length must be in the vocabulary: what pads a row (0, -1, a
+  pad id) is never read as a token, and is replaced by 0 in the returned array, so no padding
+  value can reach an embedding lookup.
+
   Returns:
     `(tokens [B, T] int32, lengths [B] int32)`.
   """
@@ -37,13 +41,8 @@ def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
   if batch == 0 or width == 0:
     raise ValueError(f"{name} is empty (shape {tuple(tokens.shape)}): every row needs a prompt "
                      "of at least one token")
-  if is_concrete(tokens):
-    values = np.asarray(tokens)
-    low, high = int(values.min()), int(values.max())
-    if low < 0 or high >= vocab_size:
-      raise ValueError(f"{name} holds ids outside [0, {vocab_size}): min {low}, max {high}")
   if lengths is None:
-    lengths = jnp.full((batch,), width, jnp.int32)
+    lengths = np.full((batch,), width, np.int32)
   else:
     if not hasattr(lengths, "dtype"):
       lengths = np.asarray(lengths)
@@ -58,7 +57,19 @@ def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
         raise ValueError(f"empty prompt: lengths must be >= 1, got {values.tolist()}")
       if values.max() > width:
         raise ValueError(f"lengths ({values.max()}) exceed the token array width ({width})")
-  return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
+  if is_concrete(tokens) and is_concrete(lengths):
+    values = np.asarray(tokens)
+    inside = np.arange(width)[None] < np.asarray(lengths)[:, None]
+    prompt = values[inside]
+    low, high = int(prompt.min()), int(prompt.max())
+    if low < 0 or high >= vocab_size:
+      row = int(np.argmax(np.any(inside & ((values < 0) | (values >= vocab_size)), axis=1)))
+      raise ValueError(f"{name} holds ids outside [0, {vocab_size}) within the prompts (before "
+                       f"lengths): min {low}, max {high} (first in row {row})")
+  lengths = jnp.asarray(lengths, jnp.int32)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  tokens = jnp.where(jnp.arange(width, dtype=jnp.int32)[None] < lengths[:, None], tokens, 0)
+  return tokens, lengths
 
 
 def check_count(value, name: str, minimum: int = 1) -> int:
@@ -136,8 +147,18 @@ def check_sampling(sampling):
 
 
 def resolve_pad_id(model, pad_id: int | None) -> int:
-  """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None."""
-  return int(getattr(getattr(model, "config", None), "pad_id", 0) if pad_id is None else pad_id)
+  """`pad_id`, or the model config's `pad_id` (0 when the model has no config) when None.
+
+  It only fills the output after each row's end, so any int32 value is allowed (-1 is a common
+  marker); it must be a Python or NumPy int, not a float, a bool or an array.
+  """
+  if pad_id is None:
+    return int(getattr(getattr(model, "config", None), "pad_id", 0))
+  if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+    raise ValueError(f"pad_id must be an int (or None for the model's own), got {pad_id!r}")
+  if not -2**31 <= int(pad_id) < 2**31:
+    raise ValueError(f"pad_id must fit in int32, got {pad_id}")
+  return int(pad_id)
 
 
 def pytree_classes(*trees) -> tuple[type, ...]:

@@ -1,5 +1,8 @@
 """Test set-up: 8 simulated CPU devices (for sharding tests), float32, default matmul precision.
 
+`JAX_PLATFORMS` defaults to `cpu`, except in a run that selects the compiled-kernel tests
+(`pytest -m tpu` or `-m gpu` on a TPU VM or GPU machine), where JAX picks the accelerator.
+
 No global `jax_default_matmul_precision` pin: the tests run at the precision users get (on CPU,
 float32 matmuls are exact float32 either way; on TPU/GPU the greedy-identity tests then check what
 users run). With `SPECJAX_STRICT_IMPORTS=1` (CI), a test module or test skipped because an
@@ -7,8 +10,22 @@ optional dependency could not be imported (the transformers peer, notebook tools
 """
 
 import os
+import re
+import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+def _accelerator_run() -> bool:
+  """Whether this run selects the compiled-kernel tests (`pytest -m tpu`, `-m "gpu or tpu"`):
+  then JAX may pick the accelerator; otherwise everything runs on CPU's 8 simulated devices."""
+  args = sys.argv[1:]
+  marks = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-m"]
+  marks += [a[2:] for a in args if a.startswith("-m") and len(a) > 2]
+  return any(re.search(r"\b(tpu|gpu)\b", m) and not re.search(r"\bnot\s+(tpu|gpu)\b", m)
+             for m in marks)
+
+
+if not _accelerator_run():
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 

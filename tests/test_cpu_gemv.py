@@ -52,6 +52,29 @@ def test_a_fresh_cache_compiles_the_source(tmp_path, monkeypatch):
   assert ctypes.cdll.LoadLibrary(str(library)).specjax_cpu_gemv
   stamp = library.stat().st_mtime_ns
   assert cpu_gemv.build() == library and library.stat().st_mtime_ns == stamp
+  # A cached file that is not what was built (truncated here) is rebuilt, never loaded.
+  digest = library.with_name(library.name + ".sha256")
+  size = library.stat().st_size
+  library.write_bytes(library.read_bytes()[:size // 2])
+  assert cpu_gemv.build() == library and library.stat().st_size > size // 2
+  assert cpu_gemv._sha256(library) == digest.read_text().strip()
+  # So is one without its recorded digest (a library from before digests, or copied in by hand).
+  digest.unlink()
+  library.write_bytes(b"not a library")
+  assert cpu_gemv.build() == library and library.stat().st_size > 1000
+  assert cpu_gemv._sha256(library) == digest.read_text().strip()
+
+
+def test_concurrent_first_builds_agree(tmp_path, monkeypatch):
+  """Threads that build into an empty cache at once get one library, and it loads."""
+  import concurrent.futures
+  import ctypes
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    paths = list(pool.map(lambda _: cpu_gemv.build(), range(4)))
+  assert len(set(paths)) == 1 and ctypes.cdll.LoadLibrary(str(paths[0])).specjax_cpu_gemv
+  assert sorted(p.name for p in paths[0].parent.iterdir()) == [paths[0].name,
+                                                               paths[0].name + ".sha256"]
 
 
 @pytest.mark.parametrize("out,n", SHAPES)

@@ -37,6 +37,12 @@ GOOD = jnp.ones((2, 4), jnp.int32)
     (dict(rng=jnp.zeros((3, 2), jnp.uint32)), "array of 2 keys"),
     (dict(eos_id=99), "eos_id"),
     (dict(sampling="greedy"), "specjax.Sampling"),
+    (dict(pad_id=1.5), "pad_id must be an int"),
+    (dict(pad_id=True), "pad_id must be an int"),
+    (dict(pad_id=jnp.int32(0)), "pad_id must be an int"),
+    (dict(pad_id=2**31), "int32"),
+    # -1 inside a prompt (before its length) is still an error; past it, see below.
+    (dict(tokens=GOOD.at[1, 3].set(-1), lengths=jnp.array([4, 4])), "within the prompts"),
 ])
 def test_generate_rejects_bad_input_before_compiling(model, kwargs, message):
   args = dict(tokens=GOOD, rng=jax.random.key(0), max_new_tokens=4)
@@ -73,6 +79,28 @@ def test_model_config_rejects_bad_shapes():
     tiny_config(num_heads=4, num_kv_heads=3)
   with pytest.raises(ValueError, match="head_dim must be even"):
     tiny_config(head_dim=7)
+
+
+def test_padding_past_the_lengths_is_never_read(model):
+  """Rows padded with -1 (or any id outside the vocabulary) past their length give the same
+  tokens as rows padded with 0, for generate and decode; pad_id -1 marks the output's ends."""
+  lengths = jnp.array([4, 2, 3], jnp.int32)
+  zeros = jnp.array([[5, 6, 7, 8], [9, 3, 0, 0], [4, 4, 2, 0]], jnp.int32)
+  odd = jnp.where(jnp.arange(4)[None] < lengths[:, None], zeros,
+                  jnp.array([[-1, -1, -1, -1], [-1, -7, -1, 999], [0, 0, 0, 50]]))
+  common = dict(lengths=lengths, max_new_tokens=6)
+  ref = sj.generate(model, zeros, jax.random.key(0), **common)
+  np.testing.assert_array_equal(sj.generate(model, odd, jax.random.key(0), **common).tokens,
+                                ref.tokens)
+  draft = sj.init_params(tiny_config(vocab_size=50, max_len=32, num_layers=1), jax.random.key(1))
+  np.testing.assert_array_equal(
+      sj.decode(model, draft, odd, jax.random.key(0), num_draft=2, **common).tokens,
+      sj.decode(model, draft, zeros, jax.random.key(0), num_draft=2, **common).tokens)
+  # Row 0 stops at its first token (made its EOS here): the rest of its output is pad_id -1.
+  stop = int(ref.tokens[0, 0])
+  out = sj.decode(model, draft, odd, jax.random.key(0), num_draft=2, eos_id=stop, pad_id=-1,
+                  **common)
+  assert int(out.num_tokens[0]) == 1 and np.all(np.asarray(out.tokens)[0, 1:] == -1)
 
 
 def test_numpy_inputs_are_accepted(model):
