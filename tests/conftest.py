@@ -11,28 +11,25 @@ optional dependency could not be imported (the transformers peer, notebook tools
 
 import os
 import re
-import sys
+
+import pytest
 
 
-def _accelerator_run() -> bool:
-  """Whether this run selects the compiled-kernel tests (`pytest -m tpu`, `-m "gpu or tpu"`):
+def _accelerator_run(markexpr: str) -> bool:
+  """Whether the mark expression selects the compiled-kernel tests (`-m tpu`, `-m "gpu or tpu"`):
   then JAX may pick the accelerator; otherwise everything runs on CPU's 8 simulated devices."""
-  args = sys.argv[1:]
-  marks = [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-m"]
-  marks += [a[2:] for a in args if a.startswith("-m") and len(a) > 2]
-  return any(re.search(r"\b(tpu|gpu)\b", m) and not re.search(r"\bnot\s+(tpu|gpu)\b", m)
-             for m in marks)
+  return bool(re.search(r"\b(tpu|gpu)\b", markexpr)
+              and not re.search(r"\bnot\s+(tpu|gpu)\b", markexpr))
 
 
-if not _accelerator_run():
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def pytest_configure(config):
+  # Before any test module imports jax (here, not at import time, so that pytest-xdist's workers,
+  # whose command line is not pytest's, read the same mark expression).
+  if not _accelerator_run(config.getoption("markexpr", "") or ""):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  jax.config.update("jax_num_cpu_devices", 8)
 
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 8)
-
-
-import pytest  # noqa: E402
 
 STRICT_IMPORTS = os.environ.get("SPECJAX_STRICT_IMPORTS", "") not in ("", "0")
 
@@ -57,6 +54,7 @@ def pytest_runtest_makereport(item, call):
 
 
 def _has_platform(platform: str) -> bool:
+  import jax
   try:
     return bool(jax.devices(platform))
   except RuntimeError:
@@ -81,6 +79,7 @@ def _release_compiled_programs():
   """Drops JAX's compiled programs after each test module, so that one long pytest process does
   not accumulate every module's executables (tests of 8-device meshes compile large programs)."""
   yield
+  import jax
   jax.clear_caches()
 
 
