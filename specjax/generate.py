@@ -18,6 +18,7 @@ from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
 from specjax.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
+from specjax.state import clear_padding
 from specjax.tracing import TRACE_COUNTS
 from specjax.validation import NEW_TOKEN_BUCKET
 
@@ -79,6 +80,7 @@ def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling:
 def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
                    capacity: int, pad_id: int) -> DecodeOutput:
   batch, width = tokens.shape
+  tokens = clear_padding(tokens, lengths)
   rows = jnp.arange(batch, dtype=jnp.int32)
   seeds = row_seeds(rng, batch)  # [B]
 

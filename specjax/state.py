@@ -106,6 +106,13 @@ def gather_tokens(sequence: jax.Array, starts: jax.Array, width: int) -> jax.Arr
   return jnp.take_along_axis(sequence, index, axis=1, mode="clip")
 
 
+def clear_padding(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """`tokens` with every id at or past its row's length set to 0: what pads a prompt (-1, an id
+  outside the vocabulary) never reaches an embedding. Called at the top of the jitted loops."""
+  width = tokens.shape[1]
+  return jnp.where(jnp.arange(width, dtype=jnp.int32)[None] < lengths[:, None], tokens, 0)
+
+
 def prefill(model, tokens, cache, *, taps=(), return_hidden=False):
   """The model's forward over right-padded prompts from position 0, with the features asked for.
 
@@ -138,6 +145,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
     (with the taps and hidden state the drafter asks for).
   """
   batch, width = tokens.shape
+  tokens = clear_padding(tokens, lengths)
   buffer_len = width + capacity + num_draft + 1  # verification writes k+1 past a row's length
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   out = prefill(target, tokens, target.init_cache(batch, buffer_len), taps=drafter.taps,

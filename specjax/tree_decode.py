@@ -35,7 +35,7 @@ from specjax.drafters import tree_heads
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import GREEDY, Sampling, row_seeds
-from specjax.state import prefill
+from specjax.state import clear_padding, prefill
 from specjax.tracing import TRACE_COUNTS
 from specjax.trees import TreeSpec
 
@@ -160,6 +160,7 @@ def init_tree_state(target, draft, tokens, lengths, max_new_tokens, eos_ids, see
   """Prefills the target and the drafter on the prompts: caches hold `tokens[:L - 1]` (a head's
   state its invariant, from the target's prefill features)."""
   batch, width = tokens.shape
+  tokens = clear_padding(tokens, lengths)
   buffer_len = width + capacity + extra_slots(spec)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   zeros = jnp.zeros((batch,), jnp.int32)

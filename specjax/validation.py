@@ -25,8 +25,7 @@ def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
   """Validates a right-padded prompt batch.
 
   Only the ids before each row's length must be in the vocabulary: what pads a row (0, -1, a
-  pad id) is never read as a token, and is replaced by 0 in the returned array, so no padding
-  value can reach an embedding lookup.
+  pad id) is never read as a token (the jitted loops replace it by 0, `specjax.state.clear_padding`).
 
   Returns:
     `(tokens [B, T] int32, lengths [B] int32)`.
@@ -66,10 +65,7 @@ def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
       row = int(np.argmax(np.any(inside & ((values < 0) | (values >= vocab_size)), axis=1)))
       raise ValueError(f"{name} holds ids outside [0, {vocab_size}) within the prompts (before "
                        f"lengths): min {low}, max {high} (first in row {row})")
-  lengths = jnp.asarray(lengths, jnp.int32)
-  tokens = jnp.asarray(tokens, jnp.int32)
-  tokens = jnp.where(jnp.arange(width, dtype=jnp.int32)[None] < lengths[:, None], tokens, 0)
-  return tokens, lengths
+  return jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32)
 
 
 def check_count(value, name: str, minimum: int = 1) -> int:
