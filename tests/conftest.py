@@ -67,8 +67,9 @@ def pytest_collection_modifyitems(config, items):
   for platform in ("tpu", "gpu"):
     if any(platform in item.keywords for item in items) and not _has_platform(platform):
       backend = "cuda" if platform == "gpu" else platform
-      skip = pytest.mark.skip(reason=f"needs a {platform.upper()} "
-                                     f"(JAX_PLATFORMS={backend},cpu selects it)")
+      skip = pytest.mark.skip(reason=f"needs a {platform.upper()} (where there is one, "
+                                     f"`pytest -m {platform}` or JAX_PLATFORMS={backend},cpu "
+                                     "selects it)")
       for item in items:
         if platform in item.keywords:
           item.add_marker(skip)
