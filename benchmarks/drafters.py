@@ -48,6 +48,9 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
   return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
 
 
+SELF_DRAFTS = {"self-int8": 8, "self-int4": 4}  # the target's own quantized copies, by name
+
+
 def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
@@ -60,18 +63,17 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
   """
   import specjax as sj
 
-  wanted = lambda name: not names or name in names
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
                           "prompt lookup (n-gram 3..1, no weights)")]
-  for bits in (8, 4):
-    if wanted(f"self-int{bits}"):
+  for name, bits in SELF_DRAFTS.items():
+    if not names or name in names:
       entries.append(DrafterEntry(
-          f"self-int{bits}", sj.self_drafter(target, bits), num_draft, None,
+          name, sj.self_drafter(target, bits), num_draft, None,
           f"the target's own weights quantized to int{bits} (groups of 32), no training"))
-  if not names or set(names) - {"ngram", "self-int8", "self-int4"}:
+  if not names or set(names) - {"ngram", *SELF_DRAFTS}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
-  known = {e.name for e in entries} | {"self-int8", "self-int4"}
+  known = {e.name for e in entries} | set(SELF_DRAFTS)
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")

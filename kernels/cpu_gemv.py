@@ -13,8 +13,8 @@ clang++), `-O3 -march=native`, against `jax.ffi.include_dir()`, and cached under
 `$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the source, compiler, flags, jaxlib and
 CPU, beside the SHA-256 of the built file: a cached library whose bytes do not match it (a
 truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
-per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or `SPECJAX_CPU_KERNELS=0`,
-`available()` is False, `status()` says why, and the CPU layout uses XLA's dot: same results up to
+per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or
+`SPECJAX_CPU_KERNELS=0`, `available()` is False, `status()` says why, and the CPU layout uses XLA's dot: same results up to
 float32 summation order, only slower. The choice is made once per process, so set the variable
 before the first call.
 

@@ -30,8 +30,8 @@ confidences are far below its acceptance). When the drafter runs again it first 
 it missed, `k + 1` per forward, so its drafts read the whole context. Every `probe_every` skipped
 rounds one round runs it again (the wait doubles after each probe that finds every row still at
 0, up to `probe_max`), so rows can start drafting when the text turns predictable. The skip
-reads only what earlier rounds left (the rows' counts and stops), so it keeps the output law. When the calibration
-says no `k >= 1` can beat a plain step even for rows far above the profile
+reads only what earlier rounds left (the rows' counts and stops), so it keeps the output law.
+When the calibration says no `k >= 1` can beat a plain step even for rows far above the profile
 (`specjax.costs.AdaptivePlan.plain`), the drafter is never run.
 
 **Token-level stop** (`AdaptiveDrafter.token_stop`, on by default for drafters whose `propose`

@@ -369,7 +369,8 @@ def adaptive_plan(costs: CostTable, profile: AcceptanceProfile, *,
   best_rate = max(expected_tokens(lifted(part, headroom_odds).alpha, k) / round_ms[k]
                   for part in parts for k in range(1, limit + 1))
   return AdaptivePlan(limit, widths, tuple(round_ms), prior,
-                      copy_prior[0] if copy_prior else None, plain=best_rate < PLAIN_MARGIN * step_rate)
+                      copy_prior[0] if copy_prior else None,
+                      plain=best_rate < PLAIN_MARGIN * step_rate)
 
 
 def _shrunk_prior(profile: AcceptanceProfile, limit: int) -> tuple[float, ...]:

@@ -25,7 +25,8 @@ def check_tokens(tokens, lengths, vocab_size: int, name: str = "tokens"):
   """Validates a right-padded prompt batch.
 
   Only the ids before each row's length must be in the vocabulary: what pads a row (0, -1, a
-  pad id) is never read as a token (the jitted loops replace it by 0, `specjax.state.clear_padding`).
+  pad id) is never read as a token (the jitted loops replace it by 0:
+  `specjax.state.clear_padding`).
 
   Returns:
     `(tokens [B, T] int32, lengths [B] int32)`.

@@ -242,6 +242,12 @@ def as_auto(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
   return mesh.update(axis_types=(AxisType.Auto,) * len(mesh.axis_names))
 
 
+def _mesh_mismatch(described: list[str]) -> ValueError:
+  return ValueError("the target, the drafter, the prompts and the active mesh must share one "
+                    f"device mesh (shard every model with the same mesh), got {len(described)}: "
+                    + "; ".join(described))
+
+
 def check_meshes(trees, ambient: jax.sharding.Mesh | None = None) -> jax.sharding.Mesh | None:
   """The one mesh the arrays of `trees` (and the active mesh) live on, or None without one.
 
@@ -253,10 +259,8 @@ def check_meshes(trees, ambient: jax.sharding.Mesh | None = None) -> jax.shardin
   if ambient is not None:
     meshes.add(as_auto(ambient))
   if len(meshes) > 1:
-    described = "; ".join(f"{dict(m.shape)} on devices {[d.id for d in m.devices.flat]}"
-                          for m in meshes)
-    raise ValueError("the target, the drafter and the active mesh must share one device mesh "
-                     f"(shard every model with the same mesh), got {len(meshes)}: {described}")
+    raise _mesh_mismatch([f"{dict(m.shape)} on devices {[d.id for d in m.devices.flat]}"
+                          for m in meshes])
   for mesh in _leaf_meshes(trees) | ({ambient} if ambient is not None else set()):
     if any(kind == AxisType.Manual for kind in mesh.axis_types):
       raise ValueError("specjax entry points cannot run inside shard_map (the mesh has Manual "
@@ -298,9 +302,7 @@ def traced_mesh(trees) -> jax.sharding.AbstractMesh | None:
       continue
     meshes.setdefault(as_auto(mesh), mesh)
   if len(meshes) > 1:
-    described = "; ".join(str(dict(m.shape)) for m in meshes)
-    raise ValueError("the target, the drafter and the prompts must share one device mesh "
-                     f"(shard every model with the same mesh), got {len(meshes)}: {described}")
+    raise _mesh_mismatch([str(dict(m.shape)) for m in meshes])
   return next(iter(meshes.values())) if meshes else None
 
 
