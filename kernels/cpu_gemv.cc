@@ -5,6 +5,8 @@
 // blocks and a draft model's catch-up (a few rows), which should stream every weight once.
 // specjax_cpu_qgemv: the same product for a quantized weight (int8 or packed int4 per group, see
 // below), read at its narrow width.
+// specjax_cpu_attention: a decode step's (or a verify block's) attention over the KV cache and the
+// block, reading no cache slot that no query sees (see the end of the file).
 //
 // The output rows of w are split into one part per thread of XLA's own intra-op pool (the FFI
 // ThreadPool context): the caller takes parts as well, so the product never waits for a busy
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <vector>
 #include <memory>
 
@@ -466,6 +469,174 @@ ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Attention of a few query rows over a KV cache and the block itself (specjax_cpu_attention): on
+// XLA:CPU the two small batched products of a decode step's attention (3 key/value heads x 264
+// slots of 64) cost about 40 us each, against a few microseconds of arithmetic. Per key/value
+// head: scores of its G query heads x T rows against every key (cache slots, then block), the
+// scale, the optional soft cap, the visibility mask (an invisible key scores float32's lowest,
+// as the jnp reference writes it), a softmax, and the probability-weighted sum of values.
+
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
+// error about 2e-7), 2^n through the exponent bits; x below -87.3 gives 0, above 88.7 clamps.
+inline __m256 Exp8(__m256 x) {
+  const __m256 hi = _mm256_set1_ps(88.7f), lo = _mm256_set1_ps(-87.3f);
+  const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+// The dot products of `query` with eight key rows of `d` floats, as one vector.
+inline __m256 Dot8(const float* query, const float* const* keys, int64_t d) {
+  __m256 acc[8];
+#pragma GCC unroll 8
+  for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    const __m256 x = _mm256_loadu_ps(query + i);
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; ++k) acc[k] = _mm256_fmadd_ps(x, _mm256_loadu_ps(keys[k] + i), acc[k]);
+  }
+  const __m256 s01 = _mm256_hadd_ps(acc[0], acc[1]), s23 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 s45 = _mm256_hadd_ps(acc[4], acc[5]), s67 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+// o[c0 : c0 + 8 * N] = inverse * sum_j p[j] * value_j[c0 : c0 + 8 * N] over the cache's keys
+// (values[0], s0 rows) then the block's (values[1]).
+template <int N>
+inline void WeightedValues(const float* p, const float* const* values, int64_t s0, int64_t s,
+                           int64_t d, int64_t c0, __m256 inverse, float* o) {
+  __m256 acc[N];
+#pragma GCC unroll 8
+  for (int c = 0; c < N; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < s; ++j) {
+    if (p[j] == 0.0f) continue;  // an invisible key (its value row is not read), or underflow
+    const float* value = (j < s0 ? values[0] + j * d : values[1] + (j - s0) * d) + c0;
+    const __m256 weight = _mm256_set1_ps(p[j]);
+#pragma GCC unroll 8
+    for (int c = 0; c < N; ++c) acc[c] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(value + 8 * c), acc[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < N; ++c) _mm256_storeu_ps(o + c0 + 8 * c, _mm256_mul_ps(acc[c], inverse));
+}
+
+// q [B, T, KVH, G, D], cache keys/values [B, KVH, S0, D], block keys/values [B, KVH, S1, D],
+// visible [B, T, S0 + S1] -> out [B, KVH, G, T, D].
+ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k0, ffi::Buffer<ffi::F32> v0,
+                     ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> v1,
+                     ffi::Buffer<ffi::PRED> visible, ffi::ResultBuffer<ffi::F32> out, float scale,
+                     float softcap) {
+  const auto qd = q.dimensions(), cd = k0.dimensions(), bd = k1.dimensions();
+  if (qd.size() != 5 || cd.size() != 4 || bd.size() != 4) {
+    return ffi::Error::InvalidArgument("specjax_cpu_attention: q 5-D, keys/values 4-D");
+  }
+  const int64_t b_n = qd[0], t_n = qd[1], kvh = qd[2], g_n = qd[3], d = qd[4];
+  const int64_t s0 = cd[2], s1 = bd[2], s = s0 + s1;
+  if (cd[0] != b_n || cd[1] != kvh || cd[3] != d || bd[0] != b_n || bd[1] != kvh || bd[3] != d ||
+      v0.dimensions() != k0.dimensions() || v1.dimensions() != k1.dimensions() || d % 8 != 0 ||
+      visible.element_count() != static_cast<size_t>(b_n * t_n * s)) {
+    return ffi::Error::InvalidArgument("specjax_cpu_attention: shapes do not fit");
+  }
+  const int64_t rows = g_n * t_n;  // query rows per key/value head, ordered (g, t)
+  std::vector<float> scores(rows * s);
+  const float lowest = -std::numeric_limits<float>::max();
+  const bool* vis = visible.typed_data();
+  for (int64_t b = 0; b < b_n; ++b) {
+    for (int64_t h = 0; h < kvh; ++h) {
+      const float* keys[2] = {k0.typed_data() + (b * kvh + h) * s0 * d,
+                              k1.typed_data() + (b * kvh + h) * s1 * d};
+      const float* values[2] = {v0.typed_data() + (b * kvh + h) * s0 * d,
+                                v1.typed_data() + (b * kvh + h) * s1 * d};
+      // Scores, eight keys at a time per query row (eight accumulators reduced together); a
+      // block of keys that no row sees is not read (the unfilled end of the cache).
+      for (int64_t j = 0; j < s; j += 8) {
+        const int64_t count = std::min<int64_t>(8, s - j);
+        bool seen = false;
+        for (int64_t t = 0; t < t_n; ++t)
+          for (int64_t jj = j; jj < j + count; ++jj) seen |= vis[(b * t_n + t) * s + jj];
+        if (!seen) {
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t jj = j; jj < j + count; ++jj) scores[r * s + jj] = lowest;
+          continue;
+        }
+        const float* block[8];
+        for (int64_t k = 0; k < 8; ++k) {
+          const int64_t jj = j + std::min<int64_t>(k, count - 1);  // a short block repeats its last key
+          block[k] = jj < s0 ? keys[0] + jj * d : keys[1] + (jj - s0) * d;
+        }
+        for (int64_t g = 0; g < g_n; ++g) {
+          for (int64_t t = 0; t < t_n; ++t) {
+            const float* query = q.typed_data() + (((b * t_n + t) * kvh + h) * g_n + g) * d;
+            alignas(32) float eight[8];
+            _mm256_store_ps(eight, Dot8(query, block, d));
+            float* row = scores.data() + (g * t_n + t) * s;
+            const bool* seen_row = vis + (b * t_n + t) * s;
+            for (int64_t k = 0; k < count; ++k) {
+              float score = eight[k] * scale;
+              if (softcap > 0.0f) score = softcap * std::tanh(score / softcap);
+              row[j + k] = seen_row[j + k] ? score : lowest;
+            }
+          }
+        }
+      }
+      // Softmax per query row, then the weighted values.
+      for (int64_t g = 0; g < g_n; ++g) {
+        for (int64_t t = 0; t < t_n; ++t) {
+          float* row = scores.data() + (g * t_n + t) * s;
+          float top = lowest;
+          for (int64_t j = 0; j < s; ++j) top = std::max(top, row[j]);
+          const __m256 shift = _mm256_set1_ps(top);
+          __m256 total8 = _mm256_setzero_ps();
+          int64_t j = 0;
+          for (; j + 8 <= s; j += 8) {
+            const __m256 e = Exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), shift));
+            _mm256_storeu_ps(row + j, e);
+            total8 = _mm256_add_ps(total8, e);
+          }
+          float total = HorizontalSum(total8);
+          for (; j < s; ++j) {
+            alignas(32) float tail[8] = {row[j] - top, 0, 0, 0, 0, 0, 0, 0};
+            _mm256_store_ps(tail, Exp8(_mm256_load_ps(tail)));
+            row[j] = tail[0];
+            total += tail[0];
+          }
+          float* o = out->typed_data() + (((b * kvh + h) * g_n + g) * t_n + t) * d;
+          const __m256 inverse = _mm256_set1_ps(1.0f / total);
+          // Values in column blocks of up to 64: one accumulator per 8 columns, so the sum over
+          // the keys is as many independent chains (not one chain as long as the cache).
+          for (int64_t c0 = 0; c0 < d; c0 += 64) {
+            const int64_t width = std::min<int64_t>(64, d - c0);
+            if (width == 64) {
+              WeightedValues<8>(row, values, s0, s, d, c0, inverse, o);
+            } else {
+              for (int64_t c = c0; c < c0 + width; c += 8) {
+                WeightedValues<1>(row, values, s0, s, d, c, inverse, o);
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_gemv, Gemv,
@@ -484,3 +655,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_qgemv, QuantGemv,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")
                                   .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_attention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap"));

@@ -1,6 +1,7 @@
-"""The hand-written CPU matrix-vector kernel (`specjax.kernels.cpu_gemv`): builds here, computes
-the product (against float64 numpy), composes with jit / loops / vmap / grad / threads, lowers only
-on CPU, falls back to XLA's dot where it cannot be built, and leaves a model's tokens unchanged."""
+"""The hand-written CPU kernels (`specjax.kernels.cpu_gemv`): build here, compute the product and
+a decode step's attention (against float64 numpy), compose with jit / loops / vmap / grad /
+threads, lower only on CPU, fall back to XLA where they cannot be built, and leave a model's
+tokens unchanged."""
 
 import os
 import platform
@@ -192,7 +193,88 @@ def test_the_model_with_the_kernel_gives_the_same_steps_and_tokens():
   cache = stacked.init_cache(1, 16)
   starts = jnp.full((1,), 0, jnp.int32)
   one = prompt[:, :1]
-  assert "specjax_cpu_gemv" in step.lower(on, one, starts, on.init_cache(1, 16)).as_text()
-  assert "specjax_cpu_gemv" not in step.lower(off, one, starts, off.init_cache(1, 16)).as_text()
+  for target in ("specjax_cpu_gemv", "specjax_cpu_attention"):
+    assert target in step.lower(on, one, starts, on.init_cache(1, 16)).as_text()
+    assert target not in step.lower(off, one, starts, off.init_cache(1, 16)).as_text()
   np.testing.assert_allclose(step(on, one, starts, on.init_cache(1, 16)),
                              step(stacked, one, starts, cache), rtol=1e-5, atol=1e-5)
+
+
+def _attention_f64(q, k0, v0, k1, v1, visible, scale, softcap):
+  """The attention of `cpu_gemv.attention_reference` in float64 numpy (one softmax over the cache
+  and the block; an invisible key scores float32's lowest)."""
+  q, keys, values = (np.asarray(a, np.float64) for a in (
+      q, np.concatenate([k0, k1], axis=2), np.concatenate([v0, v1], axis=2)))
+  scores = np.einsum("btkgd,bksd->bkgts", q, keys) * scale
+  if softcap:
+    scores = softcap * np.tanh(scores / softcap)
+  scores = np.where(np.asarray(visible)[:, None, None], scores, np.finfo(np.float32).min)
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  probs /= probs.sum(-1, keepdims=True)
+  return np.einsum("bkgts,bksd->bkgtd", probs, values)
+
+
+# (batch, block rows, key/value heads, query heads per kv head, head size, cache slots, block
+# slots, soft cap): SmolLM2's step and verify block, Gemma's 256-wide heads with a soft cap, a
+# head size of 8, cache sizes that are not multiples of eight, a batch of eight single rows.
+ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 264, 1, None), (1, 6, 3, 3, 64, 100, 6, None),
+                    (2, 3, 1, 4, 256, 37, 3, 30.0), (8, 1, 2, 2, 8, 5, 1, None),
+                    (1, 2, 2, 1, 128, 9, 2, 50.0)]
+
+
+@pytest.mark.parametrize("b,t,kvh,g,d,s0,s1,softcap", ATTENTION_SHAPES)
+def test_attention_equals_the_float64_reference(b, t, kvh, g, d, s0, s1, softcap):
+  """The kernel (jitted) against float64 numpy, with a random visibility mask that leaves one row
+  seeing nothing (its softmax is uniform, as the jnp reference's) and one row seeing one key."""
+  rng = np.random.default_rng(d + s0)
+  q = rng.standard_normal((b, t, kvh, g, d)).astype(np.float32)
+  k0, v0 = (rng.standard_normal((b, kvh, s0, d)).astype(np.float32) for _ in range(2))
+  k1, v1 = (rng.standard_normal((b, kvh, s1, d)).astype(np.float32) for _ in range(2))
+  visible = rng.random((b, t, s0 + s1)) < 0.6
+  visible[0, 0] = False
+  visible[-1, -1] = False
+  visible[-1, -1, s0 // 2] = True
+  run = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=d ** -0.5, softcap=softcap))
+  out = run(q, k0, v0, k1, v1, visible)
+  assert out.shape == (b, kvh, g, t, d)
+  np.testing.assert_allclose(out, _attention_f64(q, k0, v0, k1, v1, visible, d ** -0.5, softcap),
+                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(out, cpu_gemv.attention_reference(
+      q, k0, v0, k1, v1, visible, scale=d ** -0.5, softcap=softcap), rtol=1e-5, atol=1e-5)
+  assert "specjax_cpu_attention" in run.lower(q, k0, v0, k1, v1, visible).as_text()
+
+
+def test_attention_never_reads_an_invisible_slot():
+  """Cache slots no query sees (the unfilled end of the buffer, entries left by a rollback) are
+  not read: NaN there leaves the kernel's result equal to the float64 reference over zeros, where
+  a product over every slot (the jnp reference) turns NaN."""
+  rng = np.random.default_rng(0)
+  q = rng.standard_normal((1, 2, 2, 3, 64)).astype(np.float32)
+  k0, v0 = (rng.standard_normal((1, 2, 40, 64)).astype(np.float32) for _ in range(2))
+  k1, v1 = (rng.standard_normal((1, 2, 2, 64)).astype(np.float32) for _ in range(2))
+  visible = np.zeros((1, 2, 42), bool)
+  visible[:, :, :17] = True  # 17 filled cache slots, then the block (causal)
+  visible[:, 0, 40] = visible[:, 1, 40:] = True
+  stale_k, stale_v = k0.copy(), v0.copy()
+  stale_k[:, :, 17:] = stale_v[:, :, 17:] = np.nan
+  out = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=0.125, softcap=None))(
+      q, stale_k, stale_v, k1, v1, visible)
+  clean_k, clean_v = np.nan_to_num(stale_k), np.nan_to_num(stale_v)
+  np.testing.assert_allclose(out, _attention_f64(q, clean_k, clean_v, k1, v1, visible, 0.125, None),
+                             rtol=1e-5, atol=1e-5)
+  every_slot = cpu_gemv.attention_reference(q, stale_k, stale_v, k1, v1, visible, scale=0.125,
+                                            softcap=None)
+  assert np.isnan(np.asarray(every_slot)).any()
+
+
+def test_attention_lowers_to_jnp_elsewhere_and_for_wide_blocks():
+  """TPU export, bfloat16, more than eight query rows, a head size that is not a multiple of 8:
+  the jnp reference, no custom call."""
+  args = lambda b, t, d, dtype=jnp.float32: (
+      jnp.ones((b, t, 1, 2, d), dtype), jnp.ones((b, 1, 8, d), dtype), jnp.ones((b, 1, 8, d), dtype),
+      jnp.ones((b, 1, t, d), dtype), jnp.ones((b, 1, t, d), dtype), jnp.ones((b, t, 8 + t), bool))
+  fn = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=0.5, softcap=None))
+  tpu = jax.export.export(fn, platforms=["tpu"])(*args(1, 1, 64)).mlir_module()
+  assert "specjax_cpu_attention" not in tpu
+  for case in (args(1, 1, 64, jnp.bfloat16), args(3, 3, 64), args(1, 1, 12)):
+    assert "specjax_cpu_attention" not in fn.lower(*case).as_text()

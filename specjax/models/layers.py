@@ -7,6 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
 
 
@@ -51,7 +52,7 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def attention(q, segments, q_pos, window, config: ModelConfig):
+def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
   masking. One softmax spans all segments; only the (small) scores are concatenated, never the
   keys, so attending over a long cache plus a new block copies neither.
@@ -64,6 +65,9 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
     q_pos: `[B, T]` absolute position of each query.
     window: scalar int, 0 for global attention.
     config: the model config.
+    kernel: a cache and a block (two segments) of at most 8 query rows go through the CPU kernel
+      `specjax.kernels.cpu_gemv.attention` (same math up to float32 rounding; XLA:CPU spends tens
+      of microseconds on each of the two small products), where it is usable.
 
   Returns:
     `[B, T, H * D]`.
@@ -71,15 +75,24 @@ def attention(q, segments, q_pos, window, config: ModelConfig):
   b, t, h, d = q.shape
   kvh = segments[0][0].shape[1]
   q = q.reshape(b, t, kvh, h // kvh, d)
-  all_scores = []
-  for keys, _, k_pos, valid in segments:
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
-                        preferred_element_type=jnp.float32) * config.attention_scale
-    scores = _softcap(scores, config.attn_logit_softcap)
+  masks = []
+  for _, _, k_pos, valid in segments:
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]
     visible &= (window == 0) | (k_pos[:, None, :] > q_pos[:, :, None] - window)
     if valid is not None:
       visible &= valid
+    masks.append(visible)
+  if (kernel and len(segments) == 2
+      and cpu_gemv.attention_usable(q, segments[0][0], segments[1][0])):
+    (k0, v0, _, _), (k1, v1, _, _) = segments
+    out = cpu_gemv.attention(q, k0, v0, k1, v1, jnp.concatenate(masks, axis=-1),
+                             scale=config.attention_scale, softcap=config.attn_logit_softcap)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
+  all_scores = []
+  for (keys, _, _, _), visible in zip(segments, masks):
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
+                        preferred_element_type=jnp.float32) * config.attention_scale
+    scores = _softcap(scores, config.attn_logit_softcap)
     all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
   probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
   out = 0.0

@@ -345,7 +345,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     segments = [(k.swapaxes(1, 2), v.swapaxes(1, 2), q_pos, block_mask)]  # the block, causally
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
-    attn = attention(q, segments, q_pos, window, c)
+    attn = attention(q, segments, q_pos, window, c, kernel=kernel and cache is not None)
     if cpu:
       o = cpu_layout.project(attn, lp, "wo", kernel)
     else:
