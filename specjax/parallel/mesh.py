@@ -252,8 +252,9 @@ def check_meshes(trees, ambient: jax.sharding.Mesh | None = None) -> jax.shardin
   """The one mesh the arrays of `trees` (and the active mesh) live on, or None without one.
 
   Raises:
-    ValueError: arrays on different device meshes, or a mesh with `Manual` axes (inside a
-      `shard_map`), before anything is traced.
+    ValueError: arrays on different device meshes, or a mesh with `Manual` axes, before
+      anything is traced (inside a `shard_map` the library runs on per-device arrays with
+      `check_vma=False`; see `_check_manual`).
   """
   meshes = {as_auto(m) for m in _leaf_meshes(trees)}
   if ambient is not None:
@@ -263,8 +264,10 @@ def check_meshes(trees, ambient: jax.sharding.Mesh | None = None) -> jax.shardin
                           for m in meshes])
   for mesh in _leaf_meshes(trees) | ({ambient} if ambient is not None else set()):
     if any(kind == AxisType.Manual for kind in mesh.axis_types):
-      raise ValueError("specjax entry points cannot run inside shard_map (the mesh has Manual "
-                       f"axes {mesh.axis_types}); call them outside it")
+      raise ValueError(f"specjax got arrays or an active mesh with Manual axes "
+                       f"({mesh.axis_types}): inside jax.shard_map call it on the per-device "
+                       "arrays with check_vma=False, outside it pass arrays on an Auto or "
+                       "Explicit mesh")
   return meshes.pop() if meshes else None
 
 
