@@ -14,8 +14,8 @@ clang++), `-O3 -march=native`, against `jax.ffi.include_dir()`, and cached under
 CPU, beside the SHA-256 of the built file: a cached library whose bytes do not match it (a
 truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
 per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or
-`SPECJAX_CPU_KERNELS=0`, `available()` is False, `status()` says why, and the CPU layout uses XLA's dot: same results up to
-float32 summation order, only slower. The choice is made once per process, so set the variable
+`SPECJAX_CPU_KERNELS=0`, `available()` is False, `status()` says why, and the CPU layout uses
+XLA's dot: same results up to float32 summation order, only slower. The choice is made once per process, so set the variable
 before the first call.
 
 `matvec` lowers to the kernel only on CPU (`lax.platform_dependent`; elsewhere, and for any other
@@ -289,39 +289,55 @@ def quant_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: in
 # Attention of a few query rows over a cache and the block (a decode step, a verify block).
 
 
-def attention_reference(q, k0, v0, k1, v1, visible, *, scale: float, softcap: float | None):
-  """What `specjax_cpu_attention` computes, in jnp: `q [B, T, KVH, G, D]`, cache keys/values
-  `[B, KVH, S0, D]`, block keys/values `[B, KVH, S1, D]`, `visible [B, T, S0 + S1]` bool ->
-  `[B, KVH, G, T, D]` (one softmax over both segments; an invisible key scores float32's lowest)."""
-  keys = jnp.concatenate([k0, k1], axis=2)
-  values = jnp.concatenate([v0, v1], axis=2)
-  scores = jnp.einsum("btkgd,bksd->bkgts", q, keys, preferred_element_type=jnp.float32) * scale
-  if softcap:
-    scores = softcap * jnp.tanh(scores / softcap)
-  scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1)
-  return jnp.einsum("bkgts,bksd->bkgtd", probs, values, preferred_element_type=jnp.float32)
+def attention_reference(q, keys, values, masks, *, scale: float, softcap: float | None):
+  """Grouped-query attention over key/value segments in jnp: the decoder's attention math
+  (`specjax.models.layers.attention` runs it wherever the kernel does not) and the kernel's oracle.
+
+  `q [B, T, KVH, G, D]`; per segment `keys`, `values` `[B, KVH, S, D]` and `masks [B, T, S]` bool
+  (which keys each query sees). One softmax spans all segments, an invisible key scoring
+  float32's lowest; only the (small) scores are concatenated, never the keys, so attending over a
+  long cache plus a new block copies neither. Returns `[B, KVH, G, T, D]` float32."""
+  all_scores = []
+  for k, visible in zip(keys, masks):
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+      scores = softcap * jnp.tanh(scores / softcap)
+    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
+  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
+  out = 0.0
+  offset = 0
+  for v in values:
+    part = probs[..., offset:offset + v.shape[2]].astype(v.dtype)
+    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
+    # a transposed value slab per layer; the small result is transposed by the caller instead.
+    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, v, preferred_element_type=jnp.float32)
+    offset += v.shape[2]
+  return out
 
 
-def attention_usable(q, k0, k1) -> bool:
-  """Whether `attention` would reach the kernel on CPU: float32, a head size that is a multiple of
-  8, and at most `8` query rows (`B * T`), as a decode step or a verify block has."""
-  return (all(a.dtype == jnp.float32 for a in (q, k0, k1)) and q.shape[-1] % 8 == 0
-          and q.shape[0] * q.shape[1] <= 8 and available())
+def attention_usable(q, keys) -> bool:
+  """Whether `attention` would reach the kernel on CPU: two segments (a cache and a block),
+  float32, a head size that is a multiple of 8, and at most `8` query rows (`B * T`), as a decode
+  step or a verify block has."""
+  return (len(keys) == 2 and all(a.dtype == jnp.float32 for a in (q, *keys))
+          and q.shape[-1] % 8 == 0 and q.shape[0] * q.shape[1] <= 8 and available())
 
 
-def _attention_kernel(q, k0, v0, k1, v1, visible, *, scale, softcap):
+def _attention_kernel(q, keys, values, masks, *, scale, softcap):
   b, t, kvh, g, d = q.shape
   out = jax.ShapeDtypeStruct((b, kvh, g, t, d), jnp.float32)
+  (k0, k1), (v0, v1) = keys, values
   return jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")(
-      q, k0, v0, k1, v1, visible, scale=np.float32(scale), softcap=np.float32(softcap or 0.0))
+      q, k0, v0, k1, v1, jnp.concatenate(masks, axis=-1), scale=np.float32(scale),
+      softcap=np.float32(softcap or 0.0))
 
 
-def attention(q, k0, v0, k1, v1, visible, *, scale: float, softcap: float | None):
+def attention(q, keys, values, masks, *, scale: float, softcap: float | None):
   """`attention_reference`'s result: the kernel on CPU where `attention_usable`, else jnp. Not
   differentiable through the kernel (decode only; training runs the cache-free forward)."""
+  keys, values, masks = tuple(keys), tuple(values), tuple(masks)
   ref = functools.partial(attention_reference, scale=scale, softcap=softcap)
-  if not attention_usable(q, k0, k1):
-    return ref(q, k0, v0, k1, v1, visible)
+  if not attention_usable(q, keys):
+    return ref(q, keys, values, masks)
   kernel = functools.partial(_attention_kernel, scale=scale, softcap=softcap)
-  return jax.lax.platform_dependent(q, k0, v0, k1, v1, visible, cpu=kernel, default=ref)
+  return jax.lax.platform_dependent(q, keys, values, masks, cpu=kernel, default=ref)

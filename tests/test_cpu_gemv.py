@@ -200,9 +200,23 @@ def test_the_model_with_the_kernel_gives_the_same_steps_and_tokens():
                              step(stacked, one, starts, cache), rtol=1e-5, atol=1e-5)
 
 
+def _segments(q, k0, v0, k1, v1, visible):
+  """The cache and the block as the two segments `cpu_gemv.attention` takes."""
+  s0 = k0.shape[2]
+  return q, (k0, k1), (v0, v1), (visible[..., :s0], visible[..., s0:])
+
+
+def _kernel_attention(*args, scale, softcap):
+  return cpu_gemv.attention(*_segments(*args), scale=scale, softcap=softcap)
+
+
+def _jnp_attention(*args, scale, softcap):
+  return cpu_gemv.attention_reference(*_segments(*args), scale=scale, softcap=softcap)
+
+
 def _attention_f64(q, k0, v0, k1, v1, visible, scale, softcap):
-  """The attention of `cpu_gemv.attention_reference` in float64 numpy (one softmax over the cache
-  and the block; an invisible key scores float32's lowest)."""
+  """The attention of `cpu_gemv.attention_reference` over a cache and a block, in float64 numpy
+  (one softmax over both; an invisible key scores float32's lowest)."""
   q, keys, values = (np.asarray(a, np.float64) for a in (
       q, np.concatenate([k0, k1], axis=2), np.concatenate([v0, v1], axis=2)))
   scores = np.einsum("btkgd,bksd->bkgts", q, keys) * scale
@@ -234,12 +248,12 @@ def test_attention_equals_the_float64_reference(b, t, kvh, g, d, s0, s1, softcap
   visible[0, 0] = False
   visible[-1, -1] = False
   visible[-1, -1, s0 // 2] = True
-  run = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=d ** -0.5, softcap=softcap))
+  run = jax.jit(lambda *a: _kernel_attention(*a, scale=d ** -0.5, softcap=softcap))
   out = run(q, k0, v0, k1, v1, visible)
   assert out.shape == (b, kvh, g, t, d)
   np.testing.assert_allclose(out, _attention_f64(q, k0, v0, k1, v1, visible, d ** -0.5, softcap),
                              rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(out, cpu_gemv.attention_reference(
+  np.testing.assert_allclose(out, _jnp_attention(
       q, k0, v0, k1, v1, visible, scale=d ** -0.5, softcap=softcap), rtol=1e-5, atol=1e-5)
   assert "specjax_cpu_attention" in run.lower(q, k0, v0, k1, v1, visible).as_text()
 
@@ -257,13 +271,12 @@ def test_attention_never_reads_an_invisible_slot():
   visible[:, 0, 40] = visible[:, 1, 40:] = True
   stale_k, stale_v = k0.copy(), v0.copy()
   stale_k[:, :, 17:] = stale_v[:, :, 17:] = np.nan
-  out = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=0.125, softcap=None))(
+  out = jax.jit(lambda *a: _kernel_attention(*a, scale=0.125, softcap=None))(
       q, stale_k, stale_v, k1, v1, visible)
   clean_k, clean_v = np.nan_to_num(stale_k), np.nan_to_num(stale_v)
   np.testing.assert_allclose(out, _attention_f64(q, clean_k, clean_v, k1, v1, visible, 0.125, None),
                              rtol=1e-5, atol=1e-5)
-  every_slot = cpu_gemv.attention_reference(q, stale_k, stale_v, k1, v1, visible, scale=0.125,
-                                            softcap=None)
+  every_slot = _jnp_attention(q, stale_k, stale_v, k1, v1, visible, scale=0.125, softcap=None)
   assert np.isnan(np.asarray(every_slot)).any()
 
 
@@ -271,9 +284,10 @@ def test_attention_lowers_to_jnp_elsewhere_and_for_wide_blocks():
   """TPU export, bfloat16, more than eight query rows, a head size that is not a multiple of 8:
   the jnp reference, no custom call."""
   args = lambda b, t, d, dtype=jnp.float32: (
-      jnp.ones((b, t, 1, 2, d), dtype), jnp.ones((b, 1, 8, d), dtype), jnp.ones((b, 1, 8, d), dtype),
-      jnp.ones((b, 1, t, d), dtype), jnp.ones((b, 1, t, d), dtype), jnp.ones((b, t, 8 + t), bool))
-  fn = jax.jit(lambda *a: cpu_gemv.attention(*a, scale=0.5, softcap=None))
+      jnp.ones((b, t, 1, 2, d), dtype), jnp.ones((b, 1, 8, d), dtype),
+      jnp.ones((b, 1, 8, d), dtype), jnp.ones((b, 1, t, d), dtype), jnp.ones((b, 1, t, d), dtype),
+      jnp.ones((b, t, 8 + t), bool))
+  fn = jax.jit(lambda *a: _kernel_attention(*a, scale=0.5, softcap=None))
   tpu = jax.export.export(fn, platforms=["tpu"])(*args(1, 1, 64)).mlir_module()
   assert "specjax_cpu_attention" not in tpu
   for case in (args(1, 1, 64, jnp.bfloat16), args(3, 3, 64), args(1, 1, 12)):

@@ -54,8 +54,8 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
-  masking. One softmax spans all segments; only the (small) scores are concatenated, never the
-  keys, so attending over a long cache plus a new block copies neither.
+  masking: the masks here, the math in `specjax.kernels.cpu_gemv.attention_reference` (one
+  softmax over all segments; only the small scores are concatenated, never the keys).
 
   Args:
     q: `[B, T, H, D]` queries.
@@ -82,28 +82,10 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     if valid is not None:
       visible &= valid
     masks.append(visible)
-  if (kernel and len(segments) == 2
-      and cpu_gemv.attention_usable(q, segments[0][0], segments[1][0])):
-    (k0, v0, _, _), (k1, v1, _, _) = segments
-    out = cpu_gemv.attention(q, k0, v0, k1, v1, jnp.concatenate(masks, axis=-1),
-                             scale=config.attention_scale, softcap=config.attn_logit_softcap)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
-  all_scores = []
-  for (keys, _, _, _), visible in zip(segments, masks):
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, keys,
-                        preferred_element_type=jnp.float32) * config.attention_scale
-    scores = _softcap(scores, config.attn_logit_softcap)
-    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
-  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
-  out = 0.0
-  offset = 0
-  for _, values, k_pos, _ in segments:
-    size = k_pos.shape[1]
-    part = probs[..., offset:offset + size].astype(values.dtype)
-    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
-    # a transposed value slab per layer; the small result is transposed instead.
-    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, values, preferred_element_type=jnp.float32)
-    offset += size
+  keys, values = [s[0] for s in segments], [s[1] for s in segments]
+  attend = cpu_gemv.attention if kernel else cpu_gemv.attention_reference
+  out = attend(q, keys, values, masks, scale=config.attention_scale,
+               softcap=config.attn_logit_softcap)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
 
 
