@@ -391,6 +391,35 @@ void Run(ffi::ThreadPool& pool, Job job) {
   while (shared->done.load(std::memory_order_acquire) < shared->job.parts) _mm_pause();
 }
 
+// Runs fn(i0, i1) over `count` items in `parts` near-equal contiguous parts, shared between the
+// caller and XLA's intra-op pool as `Run` does.
+template <typename Fn>
+void RunParts(ffi::ThreadPool& pool, int64_t count, int64_t parts, Fn fn) {
+  if (parts <= 1) {
+    fn(0, count);
+    return;
+  }
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  // The tasks may start after this call returned (they then find nothing left): they hold the
+  // shared state and a copy of fn, never the caller's stack.
+  auto state = std::make_shared<State>();
+  auto work = [state, count, parts, fn]() {
+    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+      fn(count * i / parts, count * (i + 1) / parts);
+      state->done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  };
+  for (int64_t i = 1; i < parts; ++i) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (state->done.load(std::memory_order_acquire) < parts) _mm_pause();
+}
+
 int64_t Parts(ffi::ThreadPool& pool, int64_t out) {
   return out < 64 ? 1 : std::max<int64_t>(1, pool.num_threads());
 }
@@ -477,6 +506,8 @@ ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 // head: scores of its G query heads x T rows against every key (cache slots, then block), the
 // scale, the optional soft cap, the visibility mask (an invisible key scores float32's lowest,
 // as the jnp reference writes it), a softmax, and the probability-weighted sum of values.
+// The (batch row, key/value head) units are shared between the caller and XLA's intra-op pool
+// (SmolLM2's 3 heads on 2 cores: two parts).
 
 // exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
 // error about 2e-7), 2^n through the exponent bits; x below -87.3 gives 0, above 88.7 clamps.
@@ -538,7 +569,8 @@ inline void WeightedValues(const float* p, const float* const* values, int64_t s
 
 // q [B, T, KVH, G, D], cache keys/values [B, KVH, S0, D], block keys/values [B, KVH, S1, D],
 // visible [B, T, S0 + S1] -> out [B, KVH, G, T, D].
-ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k0, ffi::Buffer<ffi::F32> v0,
+ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k0,
+                     ffi::Buffer<ffi::F32> v0,
                      ffi::Buffer<ffi::F32> k1, ffi::Buffer<ffi::F32> v1,
                      ffi::Buffer<ffi::PRED> visible, ffi::ResultBuffer<ffi::F32> out, float scale,
                      float softcap) {
@@ -554,11 +586,13 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k0, ffi::Buf
     return ffi::Error::InvalidArgument("specjax_cpu_attention: shapes do not fit");
   }
   const int64_t rows = g_n * t_n;  // query rows per key/value head, ordered (g, t)
-  std::vector<float> scores(rows * s);
   const float lowest = -std::numeric_limits<float>::max();
   const bool* vis = visible.typed_data();
-  for (int64_t b = 0; b < b_n; ++b) {
-    for (int64_t h = 0; h < kvh; ++h) {
+  // One unit of work per (batch row, key/value head), units [u0, u1) per part of the pool.
+  auto units = [&](int64_t u0, int64_t u1) {
+    std::vector<float> scores(rows * s);
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t b = u / kvh, h = u % kvh;
       const float* keys[2] = {k0.typed_data() + (b * kvh + h) * s0 * d,
                               k1.typed_data() + (b * kvh + h) * s1 * d};
       const float* values[2] = {v0.typed_data() + (b * kvh + h) * s0 * d,
@@ -633,7 +667,11 @@ ffi::Error Attention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k0, ffi::Buf
         }
       }
     }
-  }
+  };
+  const int64_t count = b_n * kvh;
+  // Threads pay where a unit has work enough to cover a task's hand-off (a few microseconds).
+  const int64_t parts = rows * s * d >= 4096 ? std::min<int64_t>(count, pool.num_threads()) : 1;
+  RunParts(pool, count, std::max<int64_t>(parts, 1), units);
   return ffi::Error::Success();
 }
 
@@ -658,6 +696,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_qgemv, QuantGemv,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_attention, Attention,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
