@@ -55,13 +55,15 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
-  `self-int4`: `specjax.self_drafter`, symmetric per group of 32, the prompt's cache shared)
+  `self-int4`: `specjax.self_drafter`, symmetric per group of 64 / 32, the prompt's cache
+  shared)
   need no training. A trained head joins the list when the library ships one for this target
   (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
   empty): a quantized copy costs memory.
   """
   import specjax as sj
+  from specjax.drafters.model import default_group
 
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
                           "prompt lookup (n-gram 3..1, no weights)")]
@@ -69,7 +71,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
     if not names or name in names:
       entries.append(DrafterEntry(
           name, sj.self_drafter(target, bits), num_draft, None,
-          f"the target's own weights quantized to int{bits} (groups of 32), no training"))
+          f"the target's own weights quantized to int{bits} (groups of "
+          f"{default_group(target, bits)}), no training"))
   if not names or set(names) - {"ngram", *SELF_DRAFTS}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]

@@ -323,3 +323,26 @@ def test_an_unknown_pair_name_lists_the_known_ones():
   with pytest.raises(ValueError, match="unknown pair 'nope'; known: smollm2-int8"):
     sj.load_pair("nope")
   assert {"smollm2-int8", "smollm2-head", "qwen2.5-coder"} <= set(sj.PAIRS)
+
+
+def test_the_self_drafts_default_group_is_64_for_int8_where_it_divides():
+  from specjax.drafters.model import default_group
+  wide = tiny_config(vocab_size=96, embed_dim=64, mlp_dim=128, num_heads=4, head_dim=16)
+  model = sj.init_params(wide, jax.random.key(5))
+  assert default_group(model, 8) == 64
+  assert default_group(model, 4) == 32
+  narrow = sj.init_params(tiny_config(vocab_size=96, embed_dim=96), jax.random.key(5))
+  assert default_group(narrow, 8) == 32  # 96 = 1.5 groups of 64
+  drafter = sj.self_drafter(model)
+  groups = {w.group for w in jax.tree.leaves(drafter.model.params, is_leaf=quant.is_quantized)
+            if quant.is_quantized(w)}
+  assert groups == {64}
+  assert {w.group for w in jax.tree.leaves(sj.self_drafter(model, 8, 32).model.params,
+                                           is_leaf=quant.is_quantized)
+          if quant.is_quantized(w)} == {32}
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
+  lengths = jnp.array([7, 3], jnp.int32)
+  key = jax.random.key(0)
+  want = sj.generate(model, tokens, key, lengths=lengths, max_new_tokens=16)
+  out = sj.decode(model, drafter, tokens, key, lengths=lengths, max_new_tokens=16, num_draft=4)
+  np.testing.assert_array_equal(out.tokens, want.tokens)

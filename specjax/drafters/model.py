@@ -230,7 +230,7 @@ class ModelDrafter:
     return state
 
 
-def self_drafter(target, bits: int = 8, group: int = 32, *,
+def self_drafter(target, bits: int = 8, group: int | None = None, *,
                  confidence: float | None = None) -> ModelDrafter:
   """The target's own weights, quantized, as its drafter: speculation with no training at all.
 
@@ -246,9 +246,28 @@ def self_drafter(target, bits: int = 8, group: int = 32, *,
     target: the target `specjax.Model` (any layout; call `for_platform()` first on CPU).
     bits: 8 (acceptance near 1 on the models measured) or 4 (cheaper, lower acceptance).
     group: input columns per scale (a positive multiple of 32 dividing the model's dimensions).
+      None: `default_group(target, bits)` (int8: 64 where it divides the model's dimensions,
+      else 32; int4: 32).
     confidence: the `ModelDrafter` confidence stop (None: every row drafts `num_draft`).
 
   Raises:
     ValueError: unsupported `bits` or `group`, or a group that does not divide a dimension.
   """
+  if group is None:
+    group = default_group(target, bits)
   return ModelDrafter(quantize(target, bits, group), confidence=confidence, share_prompt=True)
+
+
+def default_group(target, bits: int) -> int:
+  """The scale group `self_drafter` uses by default: 64 for int8 where 64 divides every quantized
+  dimension (else 32), 32 for int4.
+
+  An int8 scale per 64 columns instead of 32 reads 6% fewer bytes per draft step (SmolLM2-135M:
+  143 MB against 151) and halves the kernel's per-group work, at the same acceptance: on 13 chat
+  prompts at k = 6, greedy, tau 6.42 (groups of 64) against 6.45 (32); the demo at k = 4..6 ran
+  1.79-1.90x against 1.57-1.70x (paired medians of five, 2-core CPU). int4 keeps 32: its coarser
+  steps need the finer scales.
+  """
+  c = target.config
+  dims = (c.embed_dim, c.mlp_dim, c.num_heads * c.head_dim)
+  return 64 if bits == 8 and all(d % 64 == 0 for d in dims) else 32
