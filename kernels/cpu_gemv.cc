@@ -352,47 +352,12 @@ struct Job {
   int64_t parts;
 };
 
-// The rows of part `i` of `parts`, cut on multiples of four.
-inline void PartRows(const Job& job, int64_t i, int64_t* r0, int64_t* r1) {
-  const int64_t quads = (job.out + 3) / 4;
-  *r0 = std::min(job.out, 4 * (quads * i / job.parts));
-  *r1 = std::min(job.out, 4 * (quads * (i + 1) / job.parts));
-}
-
-// One product shared between the caller and the tasks it schedules. Whoever comes first claims
-// the next part, so the caller can do every part itself when the pool is busy (no deadlock when
-// XLA runs several of these at once on its own threads); a task that starts late finds nothing
-// left and only touches this (reference-counted) state, never the caller's stack.
-struct Shared {
-  Job job;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-
-  void Work() {
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < job.parts;) {
-      int64_t r0, r1;
-      PartRows(job, i, &r0, &r1);
-      job.rows(r0, r1);
-      done.fetch_add(1, std::memory_order_acq_rel);
-    }
-  }
-};
-
-// Runs `job` over the caller and XLA's intra-op pool and returns when every part is done.
-void Run(ffi::ThreadPool& pool, Job job) {
-  if (job.parts <= 1) {
-    job.rows(0, job.out);
-    return;
-  }
-  auto shared = std::make_shared<Shared>();
-  shared->job = std::move(job);
-  for (int64_t i = 1; i < shared->job.parts; ++i) pool.Schedule([shared] { shared->Work(); });
-  shared->Work();
-  while (shared->done.load(std::memory_order_acquire) < shared->job.parts) _mm_pause();
-}
-
 // Runs fn(i0, i1) over `count` items in `parts` near-equal contiguous parts, shared between the
-// caller and XLA's intra-op pool as `Run` does.
+// caller and the tasks it schedules on XLA's intra-op pool; returns when every part is done.
+// Whoever comes first claims the next part, so the caller can do every part itself when the pool
+// is busy (no deadlock when XLA runs several of these at once on its own threads); a task that
+// starts late finds nothing left and only touches the (reference-counted) state, which holds fn:
+// it never reads the caller's stack.
 template <typename Fn>
 void RunParts(ffi::ThreadPool& pool, int64_t count, int64_t parts, Fn fn) {
   if (parts <= 1) {
@@ -400,24 +365,33 @@ void RunParts(ffi::ThreadPool& pool, int64_t count, int64_t parts, Fn fn) {
     return;
   }
   struct State {
+    Fn fn;
+    int64_t count, parts;
     std::atomic<int64_t> next{0};
     std::atomic<int64_t> done{0};
-  };
-  // The tasks may start after this call returned (they then find nothing left): they hold the
-  // shared state and a copy of fn, never the caller's stack.
-  auto state = std::make_shared<State>();
-  auto work = [state, count, parts, fn]() {
-    for (int64_t i; (i = state->next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
-      fn(count * i / parts, count * (i + 1) / parts);
-      state->done.fetch_add(1, std::memory_order_acq_rel);
+
+    State(Fn f, int64_t c, int64_t p) : fn(std::move(f)), count(c), parts(p) {}
+
+    void Work() {
+      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < parts;) {
+        fn(count * i / parts, count * (i + 1) / parts);
+        done.fetch_add(1, std::memory_order_acq_rel);
+      }
     }
   };
-  for (int64_t i = 1; i < parts; ++i) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
+  auto state = std::make_shared<State>(std::move(fn), count, parts);
+  for (int64_t i = 1; i < parts; ++i) pool.Schedule([state] { state->Work(); });
+  state->Work();
   while (state->done.load(std::memory_order_acquire) < parts) _mm_pause();
+}
+
+// Runs `job` over the caller and XLA's intra-op pool, its parts cut on multiples of four rows.
+void Run(ffi::ThreadPool& pool, Job job) {
+  const int64_t out = job.out;
+  auto quads = [rows = std::move(job.rows), out](int64_t q0, int64_t q1) {
+    rows(std::min(out, 4 * q0), std::min(out, 4 * q1));
+  };
+  RunParts(pool, (out + 3) / 4, job.parts, std::move(quads));
 }
 
 int64_t Parts(ffi::ThreadPool& pool, int64_t out) {
@@ -671,7 +645,7 @@ ffi::Error Attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<
   const int64_t count = b_n * kvh;
   // Threads pay where a unit has work enough to cover a task's hand-off (a few microseconds).
   const int64_t parts = rows * s * d >= 4096 ? std::min<int64_t>(count, pool.num_threads()) : 1;
-  RunParts(pool, count, std::max<int64_t>(parts, 1), units);
+  RunParts(pool, count, parts, units);
   return ffi::Error::Success();
 }
 

@@ -15,8 +15,8 @@ CPU, beside the SHA-256 of the built file: a cached library whose bytes do not m
 truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
 per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or
 `SPECJAX_CPU_KERNELS=0`, `available()` is False, `status()` says why, and the CPU layout uses
-XLA's dot: same results up to float32 summation order, only slower. The choice is made once per process, so set the variable
-before the first call.
+XLA's dot: same results up to float32 summation order, only slower. The choice is made once per
+process, so set the variable before the first call.
 
 `matvec` lowers to the kernel only on CPU (`lax.platform_dependent`; elsewhere, and for any other
 dtype, it is `einsum`), differentiates through `einsum` (`custom_jvp`), and is vmapped one call per

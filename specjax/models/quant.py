@@ -169,6 +169,14 @@ def _quantize_layers(layers, bits, group, stacked: bool):
   return one(layers) if stacked else tuple(one(lp) for lp in layers)
 
 
+def indivisible(config, group: int) -> dict[str, int]:
+  """The model dimensions that `quantize` groups (the input sizes of its matrices) which `group`
+  does not divide, by name: empty where every one is a whole number of groups."""
+  sizes = {"embed_dim": config.embed_dim, "mlp_dim": config.mlp_dim,
+           "num_heads * head_dim": config.num_heads * config.head_dim}
+  return {name: size for name, size in sizes.items() if size % group}
+
+
 def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
   """A copy of `model` whose projection matrices (and, with `embeddings`, the embedding table and
   output projection) are `QuantizedWeight`s; norms, biases and the architecture are unchanged.
@@ -196,9 +204,7 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
       model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
     raise ValueError("the model is already quantized")
   c = model.config
-  sizes = {"embed_dim": c.embed_dim, "mlp_dim": c.mlp_dim, "num_heads * head_dim":
-           c.num_heads * c.head_dim}
-  bad = {name: size for name, size in sizes.items() if size % group}
+  bad = indivisible(c, group)
   if bad:
     raise ValueError(f"group {group} does not divide the model's {bad}")
   p = dict(model.params)
