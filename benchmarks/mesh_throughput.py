@@ -37,7 +37,7 @@ jax.config.update("jax_num_cpu_devices", 8)
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
-from specjax.models import tiny_config  # noqa: E402
+from specjax.testing.models import tiny_config  # noqa: E402
 
 try:  # the layout after the core rebuild
   from specjax import parallel as sharding  # noqa: E402

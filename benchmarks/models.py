@@ -59,9 +59,9 @@ def load_pair(kind: str, *, seed: int = 0):
   tokenizer defaults to the shipped one).
   """
   if kind == "default":
-    from specjax.default import load_toy
+    from specjax.testing.models import load_toy
     pair = load_toy()
-    return pair.target, pair.draft, pair.tokenizer, "toy pair (specjax.default.load_toy())"
+    return pair.target, pair.draft, pair.tokenizer, "toy pair (specjax.testing.models.load_toy())"
   if kind.startswith(("ckpt:", "runs:")):
     from specjax.io.orbax import load
     from specjax.io.tokenizer import load_tokenizer

@@ -17,6 +17,8 @@ and stopping at the model's own EOS ids:
 
 Prompts are padded to a power-of-two width (one compile per width; both calls pay the same
 prefill). Writes `real.json`, `real_speedup.png`, `real_peer.png` and `real_table.md`.
+`json_default` encodes the NumPy values of this suite's JSON and of the others'
+(`benchmarks.suites`).
 """
 
 from __future__ import annotations
@@ -315,7 +317,6 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
   from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
                                       load_peer, load_specjax, load_tokenizer)
-  from benchmarks.suites import json_default
 
   start, cpu_start = time.perf_counter(), time.process_time()
   out.mkdir(parents=True, exist_ok=True)
@@ -372,3 +373,14 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=json_default) + "\n")
   log(f"wrote {', '.join(result['files'])} to {out} in {result['wall_s']:.0f}s")
   return result
+
+
+def json_default(value):
+  """`json.dumps(default=...)` for NumPy scalars and arrays."""
+  if isinstance(value, (np.integer,)):
+    return int(value)
+  if isinstance(value, (np.floating,)):
+    return float(value)
+  if isinstance(value, np.ndarray):
+    return value.tolist()
+  raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

@@ -11,11 +11,10 @@ import json
 import pathlib
 import time
 
-import numpy as np
-
 from benchmarks.cases import case_line, speedup_case
 from benchmarks.models import describe, environment, load_pair, prompts_for
 from benchmarks.peer import run_peer
+from benchmarks.real import json_default, run_real
 from benchmarks.synthetic import SYNTHETIC_LABEL, random_pair
 from benchmarks.timing import measure_costs
 from specjax.sampling import Sampling
@@ -113,7 +112,6 @@ def run_synthetic(settings: Settings, *, sizes, acceptances, num_drafts, batches
 def run(settings: Settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
   """Runs one suite, writes `<out>/<suite>.json` (+ plots, + a markdown table) and returns it."""
   if settings.suite == "real":
-    from benchmarks.real import run_real
     return run_real(settings, out, plots=plots, log=log)
   out.mkdir(parents=True, exist_ok=True)
   result: dict = {"suite": settings.suite, "settings": dataclasses.asdict(settings),
@@ -178,14 +176,3 @@ def run(settings: Settings, out: pathlib.Path, *, plots: bool = True, log=print)
     result["files"].append(name)
   log(f"wrote {', '.join(result['files'])} to {out} in {result['wall_s']:.0f}s")
   return result
-
-
-def json_default(value):
-  """`json.dumps(default=...)` for NumPy scalars and arrays."""
-  if isinstance(value, (np.integer,)):
-    return int(value)
-  if isinstance(value, (np.floating,)):
-    return float(value)
-  if isinstance(value, np.ndarray):
-    return value.tolist()
-  raise TypeError(f"not JSON-serialisable: {type(value).__name__}")

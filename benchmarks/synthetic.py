@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model, init_params
-from specjax.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, _leading_true,
+from specjax.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, leading_true,
                               sample_token, uniform)
 
 SYNTHETIC_LABEL = ("SYNTHETIC ACCEPTANCE (benchmark only): each draft is accepted with a fixed "
@@ -67,7 +67,7 @@ def synthetic_verify(acceptance: float) -> Callable[..., VerifyResult]:
     index = jnp.arange(k + 1, dtype=jnp.int32)
     token_positions = positions.astype(jnp.int32)[:, None] + index  # [B, k+1]
     u = uniform(seeds[:, None], token_positions[:, :k], 0, PURPOSE_SYNTHETIC)  # [B, k]
-    num_accepted = _leading_true(u < jnp.float32(acceptance))  # [B]
+    num_accepted = leading_true(u < jnp.float32(acceptance))  # [B]
     choice = sample_token(target_logits, sampling, seeds[:, None], token_positions,
                           PURPOSE_RESIDUAL)  # [B, k+1]
     final = jnp.take_along_axis(choice, num_accepted[:, None], axis=1)[:, 0]  # [B]

@@ -7,7 +7,7 @@ the local reductions of the vocabulary-sharded rule. The mesh-aware front door i
 `specjax.dispatch.verify_tokens`.
 """
 
-from specjax.kernels.dispatch import VERIFY_IMPLS, local_verify, local_vocab_ops, verify_dispatch
+from specjax.kernels.dispatch import VERIFY_IMPLS, local_verify, local_vocab_ops
 from specjax.kernels.fused_verify import BlockSizes, fused_verify, fused_verify_reference
 from specjax.kernels.fused_verify_gpu import (GPU_EXPORT_DISABLED_CHECKS, GpuBlockSizes,
                                               fused_verify_gpu)
@@ -15,4 +15,4 @@ from specjax.kernels.vocab_reduce import PallasVocab
 
 __all__ = ["BlockSizes", "GPU_EXPORT_DISABLED_CHECKS", "GpuBlockSizes", "PallasVocab",
            "VERIFY_IMPLS", "fused_verify", "fused_verify_gpu", "fused_verify_reference",
-           "local_verify", "local_vocab_ops", "verify_dispatch"]
+           "local_verify", "local_vocab_ops"]

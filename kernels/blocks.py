@@ -18,7 +18,6 @@ TPU_VMEM_BYTES = {"v4": 16 * 2**20, "v5e": 128 * 2**20, "v5p": 64 * 2**20, "v6e"
                   "v7": 64 * 2**20}
 VMEM_BLOCK_FRACTION = 0.5
 VMEM_LIMIT_FRACTION = 0.75
-DEFAULT_VMEM_BUDGET = int(TPU_VMEM_BYTES["v4"] * VMEM_BLOCK_FRACTION)  # 8 MiB: fits every TPU
 DEFAULT_MAX_BLOCK_B = 8
 # Interpret mode has no VMEM and pays per grid step, so its default blocks are far larger.
 INTERPRET_VMEM_BUDGET = 64 * 2**20

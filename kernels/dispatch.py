@@ -129,6 +129,3 @@ class _PlatformVocab:
 
   def sum_at_least(self, x, weights, thresholds):
     return self._pick("sum_at_least", x, weights, thresholds)
-
-
-verify_dispatch = local_verify  # the earlier name

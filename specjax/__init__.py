@@ -6,7 +6,7 @@ from specjax.decode import DecodeState, decode, draft_step, init_state
 from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
-from specjax.io.eagle3 import load_eagle3
+from specjax.drafters.eagle3 import load_eagle3
 from specjax.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.models.quant import QuantizedWeight, dequantize_model, quantize

@@ -14,6 +14,8 @@ import functools
 import math
 import time
 
+from specjax.pair_args import CliError, add_pair_arguments, load_pair, sampling_from
+
 DEFAULT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def ",
                    "The capital of France is", "Once upon a time,", "for i in range(")
 
@@ -247,7 +249,6 @@ def profile_prompts(tokenizer, prompts=None, count: int = 6):
 
 def add_subcommand(subparsers):
   """Registers `calibrate` (called by `specjax.cli`)."""
-  from specjax import cli
   parser = subparsers.add_parser(
       "calibrate", help="measure the backend's cost table and the drafter's acceptance profile "
       "(for num_draft='auto')",
@@ -267,7 +268,7 @@ def add_subcommand(subparsers):
                       help="a profile prompt (repeatable; default: a few built-in ones)")
   parser.add_argument("--max-new-tokens", type=int, default=64,
                       help="tokens per prompt for the profile")
-  cli._add_pair_arguments(parser)
+  add_pair_arguments(parser)
   sampling = parser.add_argument_group("sampling of the acceptance profile")
   sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
   sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
@@ -279,17 +280,17 @@ def add_subcommand(subparsers):
 def run(args) -> int:
   import pathlib
 
-  from specjax import cli, costs
+  from specjax import costs
   from specjax.drafters import as_drafter
 
   if args.max_width < 2:
-    raise cli.CliError(f"--max-width must be >= 2, got {args.max_width}")
-  sampling = cli._sampling(args)
-  target, draft, tokenizer = cli._load_pair(args)
+    raise CliError(f"--max-width must be >= 2, got {args.max_width}")
+  sampling = sampling_from(args)
+  target, draft, tokenizer = load_pair(args)
   drafter = as_drafter(draft)
   table = measure_costs(target, drafter, batch=args.batch, max_width=args.max_width,
-                              context=args.context, repeats=args.repeats, sampling=sampling,
-                              seed=args.seed)
+                        context=args.context, repeats=args.repeats, sampling=sampling,
+                        seed=args.seed)
   tokens, lengths = profile_prompts(tokenizer, args.prompt)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=args.max_width - 1,
                                sampling=sampling, max_new_tokens=args.max_new_tokens,

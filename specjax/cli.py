@@ -7,12 +7,12 @@ Each subcommand is one `_add_<name>(subparsers)` function that declares its argu
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+
 from specjax import calibrate  # light: its heavy imports sit inside its handlers
-
-
-class CliError(Exception):
-  """A user-facing error: printed as one line, exit status 2."""
+from specjax.pair_args import (CliError, add_pair_arguments, add_sampling_arguments, is_gguf,
+                               load_pair, sampling_from)
 
 
 def _add_demo(subparsers):
@@ -35,6 +35,13 @@ def _run_demo(args):
 def _add_train(subparsers):
   parser = subparsers.add_parser(
       "train", help="train the tokenizer, a target LM, a distilled draft, or a draft head")
+  missing = [m for m in ("optax", "flax") if importlib.util.find_spec(m) is None]
+  if missing:  # training needs the `train` extra; the other subcommands do not
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    parser.set_defaults(func=lambda args: _raise(CliError(
+        f"{', '.join(missing)} not installed: training needs the `train` extra of specjax "
+        "(pip install 'specjax[train]')")))
+    return
   tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
   from specjax import train
   for task, text in train.TASKS.items():
@@ -46,6 +53,10 @@ def _add_train(subparsers):
     sub = tasks.add_parser(task, help=text)
     head_cli.add_arguments(sub)
     sub.set_defaults(func=_run_head)
+
+
+def _raise(error):
+  raise error
 
 
 def _run_train(args):
@@ -72,15 +83,6 @@ def _add_convert(subparsers):
   parser.set_defaults(func=_run_convert)
 
 
-def _is_gguf(path: str) -> bool:
-  import pathlib
-  file = pathlib.Path(path)
-  if not file.is_file():
-    return False
-  with open(file, "rb") as stream:
-    return stream.read(4) == b"GGUF"
-
-
 def _run_convert(args):
   import pathlib
 
@@ -99,7 +101,7 @@ def _run_convert(args):
     def progress(done, total, name):
       bar.update(reading, completed=done, total=total, tensor=name)
 
-    source_is_gguf = _is_gguf(args.hf_dir)
+    source_is_gguf = is_gguf(args.hf_dir)
     if source_is_gguf:
       model = gguf.from_gguf(args.hf_dir, dtype=args.dtype or "float32", progress=progress)
     else:
@@ -124,95 +126,10 @@ def _run_convert(args):
 SUBCOMMANDS = [_add_demo, _add_train, _add_convert]
 
 # ---------------------------------------------------------------------------------------------
-# generate / audit / bench: shared loading of a target/draft pair from checkpoint directories.
+# generate / audit (a target/draft pair named by `specjax.pair_args`'s arguments) / bench.
 
 DEFAULT_AUDIT_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def ",
                          "for i in range(")
-
-
-def _add_pair_arguments(parser):
-  models = parser.add_argument_group(
-      "models", "a specjax (Orbax) or Hugging Face checkpoint directory, or a GGUF file, each; "
-      "no target = the shipped default pair")
-  models.add_argument("--target", "--model", dest="target", default=None, metavar="DIR|FILE",
-                      help="target model: a specjax or Hugging Face directory, or a .gguf file")
-  models.add_argument("--gguf", default=None, metavar="FILE",
-                      help="target model from a GGUF file (its tokenizer and chat template too)")
-  models.add_argument("--draft", default=None, metavar="DIR|FILE|ngram",
-                      help="draft model directory or .gguf file, or 'ngram' for prompt-lookup "
-                      "drafting (the default when a target is given)")
-  models.add_argument("--tokenizer", default=None, metavar="PATH",
-                      help="tokenizer.json, its directory, or a .gguf file (default: the "
-                      "target's)")
-  models.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="compute dtype of the loaded weights (default float32)")
-
-
-def _add_sampling_arguments(parser, temperature: float):
-  sampling = parser.add_argument_group("sampling")
-  sampling.add_argument("--temperature", type=float, default=temperature,
-                        help=f"0 = greedy (default {temperature:g})")
-  sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
-  sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
-  sampling.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (k)")
-  sampling.add_argument("--seed", type=int, default=0, help="PRNG seed")
-
-
-def _sampling(args):
-  import specjax as sj
-  return sj.Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-
-
-def _load_model(path: str, dtype: str):
-  """A model from a specjax (Orbax) or Hugging Face checkpoint directory, or a GGUF file."""
-  import pathlib
-
-  from specjax.io import gguf, hf, orbax
-
-  directory = pathlib.Path(path)
-  # for_platform: per-layer weights on CPU, the stacked lax.scan elsewhere (same numerics).
-  if _is_gguf(path):
-    return gguf.from_gguf(path, dtype=dtype).for_platform()
-  if not directory.is_dir():
-    raise CliError(f"no checkpoint directory or GGUF file at {path}")
-  if (directory / orbax.CONFIG_FILE).is_file():
-    return orbax.load(directory, dtype=dtype).for_platform()
-  if (directory / "config.json").is_file():
-    return hf.from_hf(directory, dtype=dtype).for_platform()
-  raise CliError(f"{path} is neither a specjax checkpoint ({orbax.CONFIG_FILE}) nor a "
-                 "Hugging Face one (config.json)")
-
-
-def _load_pair(args):
-  """`(target, draft or drafter, tokenizer)` from `--target/--draft/--tokenizer`."""
-  import pathlib
-
-  import specjax as sj
-
-  if getattr(args, "gguf", None) is not None:
-    if args.target is not None:
-      raise CliError("give the target once: --gguf FILE or --model/--target, not both")
-    if not _is_gguf(args.gguf):
-      raise CliError(f"no GGUF file at {args.gguf}")
-    args.target = args.gguf
-  if args.target is None:
-    if args.draft not in (None, "ngram"):
-      raise CliError("--draft DIR needs --target DIR (only the shipped pair needs neither)")
-    try:
-      pair = sj.load_default()
-    except FileNotFoundError as error:
-      raise CliError(f"{error}; pass --target and --draft checkpoint directories") from None
-    draft = sj.NGramDrafter() if args.draft == "ngram" else pair.draft
-    tokenizer = sj.load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
-    return pair.target, draft, tokenizer
-  target = _load_model(args.target, args.dtype)
-  draft = (sj.NGramDrafter() if args.draft in (None, "ngram")
-           else _load_model(args.draft, args.dtype))
-  source = args.tokenizer or args.target
-  if (not args.tokenizer and not _is_gguf(source)
-      and not (pathlib.Path(source) / "tokenizer.json").is_file()):
-    raise CliError(f"no tokenizer.json in {source}: pass --tokenizer PATH")
-  return target, draft, sj.load_tokenizer(source)
 
 
 def _prompt_text(args) -> str:
@@ -246,8 +163,8 @@ def _add_generate(subparsers):
                       help="a system prompt for --chat")
   parser.add_argument("--ignore-eos", action="store_true",
                       help="do not stop at the model's end-of-sequence / end-of-turn tokens")
-  _add_pair_arguments(parser)
-  _add_sampling_arguments(parser, temperature=0.0)
+  add_pair_arguments(parser)
+  add_sampling_arguments(parser, temperature=0.0)
   parser.set_defaults(func=_run_generate)
 
 
@@ -264,8 +181,8 @@ def _run_generate(args):
   if args.system is not None and args.chat is None:
     raise CliError("--system needs --chat")
   text = args.chat if args.chat is not None else _prompt_text(args)
-  sampling = _sampling(args)
-  target, draft, tokenizer = _load_pair(args)
+  sampling = sampling_from(args)
+  target, draft, tokenizer = load_pair(args)
   if args.chat is not None:
     ids, lengths = _chat_ids(tokenizer, target, args.system, args.chat)
   else:
@@ -347,8 +264,8 @@ def _add_audit(subparsers):
                       help="tokens per prompt in the greedy identity check (default 32)")
   parser.add_argument("--alpha", type=float, default=1e-3,
                       help="family-wise significance level (default 1e-3)")
-  _add_pair_arguments(parser)
-  _add_sampling_arguments(parser, temperature=1.0)
+  add_pair_arguments(parser)
+  add_sampling_arguments(parser, temperature=1.0)
   parser.set_defaults(func=_run_audit)
 
 
@@ -364,8 +281,8 @@ def _run_audit(args):
       raise CliError(f"no prompt file at {args.file}")
     prompts += [line.replace("\\n", "\n") for line in path.read_text().splitlines() if line]
   prompts = prompts or list(DEFAULT_AUDIT_PROMPTS)
-  sampling = _sampling(args)
-  target, draft, tokenizer = _load_pair(args)
+  sampling = sampling_from(args)
+  target, draft, tokenizer = load_pair(args)
   report = sj.audit(target, draft, prompts, tokenizer=tokenizer, sampling=sampling,
                     num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
                     num_samples=args.samples, num_positions=args.positions, seed=args.seed,

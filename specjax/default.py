@@ -11,7 +11,7 @@ The repository's `checkpoints/` folder is installed as the package-data package 
 so `load_default()` works from a source checkout, an editable install and a wheel alike.
 `checkpoints/README.md` says how the head was trained. The earlier 7M toy pair (a target trained on
 the Python standard library and a distilled draft) stays under `checkpoints/toy/` as a test
-fixture: `load_toy()`.
+fixture: `specjax.testing.models.load_toy()` loads it, `export_toy` writes that layout.
 """
 
 from __future__ import annotations
@@ -103,17 +103,6 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   draft = HybridDrafter(EagleDrafter(head, target.params["embed"]))
   return DefaultPair(target=target, draft=draft,
                      tokenizer=load_tokenizer(gguf), calibration=head_path if measured else None)
-
-
-def load_toy(dtype=jnp.float32) -> DefaultPair:
-  """The 7M toy pair of `checkpoints/toy` (a target trained on the Python standard library, a
-  draft distilled from it, their byte-level BPE tokenizer): small and fast, for tests."""
-  from specjax.io.orbax import load
-  from specjax.io.tokenizer import load_tokenizer
-  directory = default_dir() / TOY_DIR
-  return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
-                     draft=load(directory / DRAFT_DIR, dtype=dtype),
-                     tokenizer=load_tokenizer(directory / TOKENIZER_FILE))
 
 
 def export_toy(target, draft, tokenizer_path: str | pathlib.Path, directory: str | pathlib.Path,

@@ -18,12 +18,11 @@ from __future__ import annotations
 import jax
 
 from specjax import kernels
+from specjax.kernels.dispatch import VERIFY_IMPLS
 from specjax.parallel import verify as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, VerifyResult
-
-VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
 
 
 def check_verify_impl(impl):

@@ -402,6 +402,3 @@ class VerifyResult(NamedTuple):
 def leading_true(mask: jax.Array) -> jax.Array:
   """Number of leading True entries along the last axis, int32."""
   return jnp.sum(jnp.cumprod(mask.astype(jnp.int32), axis=-1), axis=-1).astype(jnp.int32)
-
-
-_leading_true = leading_true  # the name other modules import

@@ -31,7 +31,7 @@ from specjax import rule as rule_lib
 from specjax import sampling as S
 from specjax.dispatch import verify_tokens
 from specjax.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.round import verify_block
 from specjax.rule import verify_reference
 from specjax.sampling import VerifyResult

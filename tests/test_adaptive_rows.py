@@ -30,7 +30,7 @@ from specjax import costs
 from specjax.adaptive import AdaptiveDrafter, CostAwareStop
 from specjax.state import stopped_count
 from specjax.costs import AcceptanceProfile, Calibration, CostTable
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
                             chi_square_pvalue, exact_joint)
 

@@ -13,7 +13,7 @@ import pytest
 
 import specjax as sj
 from specjax.audit import audit
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
 
 VOCAB = 32

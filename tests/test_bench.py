@@ -16,7 +16,7 @@ from benchmarks import bound, cli as bench_cli, plots, real, real_models, report
 from benchmarks import drafters as drafters_module
 from benchmarks.models import environment
 from specjax.io.export_hf import export_hf
-from specjax.models.config import tiny_config
+from specjax.testing.models import tiny_config
 
 
 @pytest.mark.slow  # ~3 min on a shared 2-core CPU (every suite compiles its own calls)

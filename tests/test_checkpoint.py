@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 import specjax as sj
 from specjax.io import orbax as checkpoint
-from specjax.models import gemma_style, tiny_config
+from specjax.models import gemma_style
+from specjax.testing.models import tiny_config
 
 
 def _bits(x) -> np.ndarray:

@@ -13,7 +13,7 @@ import pytest
 
 import specjax as sj
 from specjax import cli
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
 
 TEXT = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",

@@ -22,7 +22,7 @@ import pytest
 import specjax as sj
 from specjax import calibrate, cli, costs
 from specjax.costs import AcceptanceProfile, CostTable
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -16,7 +16,7 @@ import pytest
 
 import specjax as sj
 from specjax.kernels import cpu_gemv
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the kernel is written for x86-64 (AVX2 + FMA)")
@@ -160,7 +160,7 @@ def test_a_failed_build_falls_back_to_xla(tmp_path):
   script = (
       "import jax, numpy as np, specjax as sj\n"
       "from specjax.kernels import cpu_gemv\n"
-      "from specjax.models import tiny_config\n"
+      "from specjax.testing.models import tiny_config\n"
       "ok, why = cpu_gemv.status()\n"
       "assert not ok and 'failed' in why, why\n"
       "m = sj.init_params(tiny_config(vocab_size=97), jax.random.key(0)).for_platform('cpu')\n"

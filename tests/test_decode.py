@@ -9,7 +9,7 @@ import pytest
 
 import specjax as sj
 from specjax.decode import NEW_TOKEN_BUCKET
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
 
 VOCAB = 61

@@ -12,7 +12,8 @@ import pytest
 
 import specjax as sj
 from specjax import corpus
-from specjax.default import HEAD_DIR, TOY_DIR, default_dir, load_toy
+from specjax.default import HEAD_DIR, TOY_DIR, default_dir
+from specjax.testing.models import load_toy
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 
 import specjax as sj
 from specjax.testing.rules import rule_warping_only_p, rule_without_residual
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 
 from scipy import stats as scipy_stats  # noqa: E402

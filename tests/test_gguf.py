@@ -18,7 +18,7 @@ import specjax as sj
 from specjax.io import ggml
 from specjax.io.gguf import from_gguf
 from specjax.io.orbax import flatten
-from specjax.models.config import tiny_config
+from specjax.testing.models import tiny_config
 
 Q = gguf.GGMLQuantizationType
 

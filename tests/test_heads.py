@@ -25,9 +25,10 @@ import pytest
 
 import specjax as sj
 from specjax.drafters import eagle, medusa
+from specjax.drafters.eagle3 import load_eagle3
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
-from specjax.io.eagle3 import load_eagle3, read_eagle3
-from specjax.models import tiny_config
+from specjax.io.eagle3 import read_eagle3
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 from specjax.round import round_step
 from specjax.sampling import row_seeds

@@ -33,7 +33,7 @@ from scipy import stats as scipy_stats
 import specjax as sj
 from specjax.drafters import eagle, medusa
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 from specjax.state import Proposal
 from test_exactness import (ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue,

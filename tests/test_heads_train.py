@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from specjax.drafters import eagle, medusa
-from specjax.models.config import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import init_params
 from specjax.training import head_run, heads, selfdistill
 

@@ -28,7 +28,7 @@ import specjax as sj
 from specjax.adaptive import AdaptiveDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.ngram import lookup
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from test_exactness import ALPHA, POWER_ALPHA, PROMPT, chi_square_pvalue, exact_joint
 import test_heads
 import test_heads_exactness as hx

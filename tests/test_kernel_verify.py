@@ -24,7 +24,7 @@ from jax.experimental.pallas import tpu as pltpu
 import specjax as sj
 from specjax import sampling as S
 from specjax.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes, fused_verify,
-                             fused_verify_gpu, fused_verify_reference, verify_dispatch)
+                             fused_verify_gpu, fused_verify_reference, local_verify)
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -476,7 +476,7 @@ def test_tpu_kernel_has_no_gpu_lowering():
                                                   ("cuda", TRITON_CUSTOM_CALL)])
 def test_auto_dispatch_follows_the_lowering_platform(platform, custom_call):
   args, kwargs = _abstract_args()
-  fn = functools.partial(verify_dispatch, sampling=S.Sampling(temperature=1.0), impl="auto")
+  fn = functools.partial(local_verify, sampling=S.Sampling(temperature=1.0), impl="auto")
   text = jax.export.export(jax.jit(fn), platforms=[platform],
                            disabled_checks=GPU_EXPORT_DISABLED_CHECKS)(*args, **kwargs).mlir_module()
   for name in ("tpu_custom_call", TRITON_CUSTOM_CALL):
@@ -487,12 +487,12 @@ def test_dispatch_impls_agree_on_cpu():
   rng = np.random.default_rng(6)
   sampling = S.Sampling(temperature=1.0)
   case = _case(rng, 2, 3, 400, sampling=sampling, with_draft_logits=True)
-  results = {impl: verify_dispatch(**case, sampling=sampling, impl=impl)
+  results = {impl: local_verify(**case, sampling=sampling, impl=impl)
              for impl in ("auto", "reference", "interpret")}
   for impl in ("auto", "interpret"):
     np.testing.assert_array_equal(results[impl].tokens, results["reference"].tokens)
   with pytest.raises(ValueError, match="impl"):
-    verify_dispatch(**case, sampling=sampling, impl="fast")
+    local_verify(**case, sampling=sampling, impl="fast")
 
 
 # --------------------------------------------------------------------------------------------
@@ -501,7 +501,7 @@ def test_dispatch_impls_agree_on_cpu():
 
 @pytest.fixture(scope="module")
 def tiny_pair():
-  from specjax.models import tiny_config
+  from specjax.testing.models import tiny_config
   target = sj.init_params(tiny_config(vocab_size=61), jax.random.key(0))
   draft = sj.init_params(tiny_config(vocab_size=61, num_layers=1, embed_dim=16, mlp_dim=32),
                          jax.random.key(1))

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models import gemma_style, tiny_config
+from specjax.models import gemma_style
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 
 TOL = dict(atol=2e-5, rtol=2e-5)

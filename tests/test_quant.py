@@ -27,7 +27,8 @@ import pytest
 
 import specjax as sj
 from specjax.kernels import cpu_gemv
-from specjax.models import quant, tiny_config
+from specjax.models import quant
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 
 from tests.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue, exact_joint,

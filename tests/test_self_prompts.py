@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models.config import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.sampling import GREEDY, Sampling
 from specjax.training import self_prompts
 

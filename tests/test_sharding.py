@@ -24,7 +24,7 @@ from specjax.parallel import verify as parallel_verify
 from specjax.decode import _decode, decode
 from specjax.drafters import ModelDrafter
 from specjax.generate import _generate
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, warp_logits
 

@@ -8,7 +8,7 @@ import pytest
 
 from specjax import corpus
 from specjax import train as T
-from specjax.models.config import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.models.transformer import Model
 
 SEQ_LEN = 16

@@ -203,7 +203,7 @@ def test_acceptance_threshold_below_one_is_detected(monkeypatch):
 @pytest.mark.parametrize("builder", ["sampled_wor", "dynamic"])
 def test_decode_tree_matches_target_distribution(builder):
   import specjax as sj
-  from specjax.models import tiny_config
+  from specjax.testing.models import tiny_config
   from specjax.models.transformer import forward
   from specjax.tree_decode import decode_tree
 

@@ -33,6 +33,7 @@ from specjax.drafters import eagle, tree_heads
 from specjax.drafters.heads import EagleDrafter
 from specjax.models.transformer import forward
 from specjax.sampling import row_seeds
+from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
 from specjax.tree_decode import decode_tree, init_tree_state, score_tree, tree_round
 from specjax.trees import TreeSpec
@@ -48,7 +49,7 @@ MAX_NEW = 16
 @pytest.fixture(scope="module")
 def target():
   # 4 layers so that the EAGLE-3 taps (2, L//2, L-3) = (2, 2, 1) exist; vocabulary 12.
-  return sj.init_params(sj.models.tiny_config(vocab_size=12, num_layers=4), jax.random.key(0))
+  return sj.init_params(tiny_config(vocab_size=12, num_layers=4), jax.random.key(0))
 
 
 @pytest.fixture(scope="module")
@@ -330,11 +331,11 @@ def test_bad_combinations_raise_before_tracing(target, batch):
     run(eagle3, TreeSpec("dynamic", depth=2, width=len(DRAFT_IDS) + 1))
   with pytest.raises(ValueError, match="candidates per depth"):
     run(eagle3, TreeSpec("static", choices=((0,), (len(DRAFT_IDS),))))
-  shallow = sj.init_params(sj.models.tiny_config(vocab_size=12, num_layers=1), jax.random.key(0))
+  shallow = sj.init_params(tiny_config(vocab_size=12, num_layers=1), jax.random.key(0))
   with pytest.raises(ValueError, match="taps"):  # taps (2, 2, 1) of a 4-layer target
     sj.decode(shallow, eagle3, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=4,
               tree=SPECS["dynamic"])
-  wider = sj.init_params(sj.models.tiny_config(vocab_size=16, num_layers=4), jax.random.key(0))
+  wider = sj.init_params(tiny_config(vocab_size=16, num_layers=4), jax.random.key(0))
   with pytest.raises(ValueError, match="draft vocabulary"):
     sj.decode(wider, eagle3, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=4,
               tree=SPECS["dynamic"])
@@ -362,7 +363,7 @@ class IidRuleSpec(TreeSpec):
 
 @pytest.fixture(scope="module")
 def fit_target():
-  return sj.init_params(sj.models.tiny_config(vocab_size=VOCAB, num_layers=4), jax.random.key(10))
+  return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=4), jax.random.key(10))
 
 
 def fit_pvalue(target, drafter, spec, setting):

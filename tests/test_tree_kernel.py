@@ -371,7 +371,7 @@ def test_tree_decode_through_the_kernel_equals_the_reference_rule(sampling):
   gives the reference rule's tokens (sampled children from a draft model: the sampled rule), and
   greedy is `sj.generate`; the TPU export of the same call holds the Mosaic kernel."""
   import specjax as sj
-  from specjax.models import tiny_config
+  from specjax.testing.models import tiny_config
 
   target = sj.init_params(tiny_config(vocab_size=61, num_layers=2), jax.random.key(0))
   draft = sj.init_params(tiny_config(vocab_size=61, num_layers=1), jax.random.key(1))

@@ -8,7 +8,7 @@ import pytest
 import specjax as sj
 from specjax import tree_builders, trees
 from specjax.cache import KVCache, compact
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
 from specjax.tree_decode import decode_tree
 from specjax.trees import Tree, TreeSpec

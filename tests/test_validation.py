@@ -7,7 +7,7 @@ import pytest
 
 import specjax as sj
 from specjax.tracing import TRACE_COUNTS
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import pytest
 import specjax as sj
 from specjax import sampling as S
 from specjax.dispatch import verify_tokens
-from specjax.models import tiny_config
+from specjax.testing.models import tiny_config
 from specjax.parallel import verify as parallel_verify
 from specjax.rule import verify_reference
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.cache import KVCache, write_stacked_block
+from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model, apply_rope, attention, rms_norm, rope_inv_freq, rope_tables
 
@@ -403,7 +404,6 @@ def config_from_dict(data: dict) -> HeadConfig:
 def save_head(head: EagleHead, path: str | os.PathLike, *, overwrite: bool = False,
               dtype=None) -> pathlib.Path:
   """Saves a head (Orbax, config in the metadata record); `dtype` casts the float weights."""
-  from specjax.io.orbax import save_tree
   if not isinstance(head, EagleHead):
     raise ValueError(f"save_head expects an EagleHead, got {type(head).__name__}")
   if dtype is not None:
@@ -420,7 +420,6 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> EagleHead:
     FileNotFoundError: no directory at `path`.
     ValueError: not a head checkpoint, or an incomplete/corrupt one.
   """
-  from specjax.io.orbax import read_tree_metadata, restore_tree
   path = pathlib.Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f"no head checkpoint directory at {path}")

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.drafters.eagle import _check_draft_ids, target_output_head
+from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
 from specjax.models.transformer import Model
 
 __all__ = ["MedusaConfig", "MedusaHeads", "init_medusa", "load_medusa", "medusa_forward",
@@ -95,7 +96,6 @@ def to_target_logits(heads: MedusaHeads, draft_logits: jax.Array) -> jax.Array:
 
 def save_medusa(heads: MedusaHeads, path: str | os.PathLike, *, overwrite: bool = False
                 ) -> pathlib.Path:
-  from specjax.io.orbax import save_tree
   return save_tree(path, heads.params, {"kind": MEDUSA_KIND,
                                         "config": dataclasses.asdict(heads.config)},
                    overwrite=overwrite)
@@ -103,7 +103,6 @@ def save_medusa(heads: MedusaHeads, path: str | os.PathLike, *, overwrite: bool 
 
 def load_medusa(path: str | os.PathLike, dtype=jnp.float32) -> MedusaHeads:
   """Loads heads written by `save_medusa`; ValueError on a corrupt or foreign checkpoint."""
-  from specjax.io.orbax import read_tree_metadata, restore_tree
   path = pathlib.Path(path)
   if not path.is_dir():
     raise FileNotFoundError(f"no Medusa checkpoint directory at {path}")

@@ -74,11 +74,6 @@ class _Metadata:
     return value
 
 
-def read_metadata(path: str | os.PathLike) -> dict:
-  """Every metadata key of a GGUF file (numeric arrays as NumPy arrays, strings as lists)."""
-  return GGUFFile(path).metadata
-
-
 def _sliding_pattern(meta: _Metadata, num_layers: int) -> int:
   """Gemma 3's "every n-th layer is global" from the file, or llama.cpp's default of 6."""
   value = meta.arch_get("attention.sliding_window_pattern")

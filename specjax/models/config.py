@@ -133,14 +133,6 @@ class ModelConfig:
     return total
 
 
-def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
-  """A very small Llama-style config for tests."""
-  base = dict(vocab_size=vocab_size, embed_dim=32, num_layers=2, num_heads=4, num_kv_heads=2,
-              head_dim=8, mlp_dim=64, max_len=256, rope_theta=10_000.0)
-  base.update(overrides)
-  return ModelConfig(**base)
-
-
 def gemma_style(config: ModelConfig, **overrides) -> ModelConfig:
   """The Gemma 2 variant of a config: scaled embeddings, (1 + w) norms, GeGLU, post norms,
   soft-capping and alternating sliding-window layers."""

@@ -6,19 +6,22 @@ keys and values of the block are written into the fixed-shape cache at each row'
 `specjax.decode` needs from a model; `specjax.models.adapter` turns either module plus its
 parameters into a pytree following the specjax model protocol. They are deliberately plain
 (learned absolute positions, pre-norm, multi-head attention, GELU MLP): a template for adapting
-your own Flax model, not a replacement for the built-in Llama/Gemma decoder.
+your own Flax model, not a replacement for the built-in Llama/Gemma decoder. Flax is not in the
+core install: `pip install 'specjax[train]'` brings it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
+from specjax._extras import require
 from specjax.cache import KVCache, write_block
+
+nn = require("flax.linen", "train")
+nnx = require("flax.nnx", "train")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -56,10 +56,6 @@ class QuantizedWeight:
     return self.values.shape[-1] * (8 // self.bits)
 
   @property
-  def out_features(self) -> int:
-    return self.values.shape[-2]
-
-  @property
   def shape(self) -> tuple[int, ...]:
     """The float matrix's shape, `[..., out, in]`."""
     return self.values.shape[:-1] + (self.in_features,)

@@ -394,8 +394,3 @@ def under_auto_axes(fn):
   if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
     return fn
   return jax.sharding.auto_axes(fn, out_sharding=PartitionSpec())
-
-
-def place_like(tree, mesh: jax.sharding.Mesh | None):
-  """Re-types the arrays of `tree` that live on a view of `mesh` onto it (see `call_context`)."""
-  return tree if mesh is None else _retype(tree, mesh)

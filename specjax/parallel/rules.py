@@ -234,14 +234,6 @@ def _auto_mesh_shape() -> dict[str, int] | None:
   return sizes if any(size > 1 for size in sizes.values()) else None
 
 
-def vocab_is_sharded() -> bool:
-  """Whether the mesh active at trace time splits the vocabulary (under the active rules)."""
-  mesh_shape = _auto_mesh_shape()
-  if mesh_shape is None:
-    return False
-  return math.prod(mesh_shape.get(a, 1) for a in active_rules().mesh_axes("vocab")) > 1
-
-
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """Pins `x` to the layout of its logical `axes` when a mesh is active; else returns `x`."""
   mesh_shape = _auto_mesh_shape()

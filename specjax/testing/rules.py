@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from specjax.rule import verify_reference
 from specjax.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
 
-__all__ = ["BROKEN_RULES", "rule_warping_only_p", "rule_without_residual"]
+__all__ = ["rule_warping_only_p", "rule_without_residual"]
 
 
 def rule_without_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
@@ -41,9 +41,3 @@ def rule_warping_only_p(target_logits, draft_logits, draft_tokens, *, sampling, 
   extra = {} if num_drafted is None else dict(num_drafted=num_drafted)
   return verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
                           seeds=seeds, positions=positions, **extra)
-
-
-BROKEN_RULES = {
-    "broken-no-residual": rule_without_residual,
-    "broken-unwarped-q": rule_warping_only_p,
-}
