@@ -3,7 +3,7 @@
 SmolLM2-135M-Instruct (its packaged Q4_1 GGUF, dequantized to float32) on the held-out chat
 prompts of `benchmarks/prompts/real.json` (the first `--per-category` conversations of each
 category), one ragged batch. Compared: plain `specjax.generate`; `specjax.decode` with the n-gram
-chain drafter at several `k`; `specjax.tree_decode.decode_tree` with n-gram trees (several earlier
+chain drafter at several `k`; `specjax.decode(..., tree=TreeSpec(...))` with n-gram trees (several earlier
 matches merged into a trie) at several widths and depths. Every speculative output is checked to
 be token-identical to `generate`. Wall times are the second call of each configuration (the first
 compiles); on a shared CPU they are noisy, the tau numbers are not.
@@ -58,7 +58,6 @@ def main(argv=None):
 
   import specjax as sj
   from benchmarks.real_models import gguf_path, load_tokenizer
-  from specjax.tree_decode import decode_tree
   from specjax.trees import TreeSpec
 
   path = gguf_path("smollm2-135m")
@@ -81,7 +80,7 @@ def main(argv=None):
   for width, depth in ((2, 4), (3, 4), (4, 4), (3, 6)):
     spec = TreeSpec("ngram", depth=depth, width=width)
     configs.append((f"tree w{width} d{depth}", spec.size,
-                    lambda spec=spec: decode_tree(target, None, tokens, rng, tree=spec, **common)))
+                    lambda spec=spec: sj.decode(target, None, tokens, rng, tree=spec, **common)))
   for name, nodes, fn in configs:
     out, seconds = timed(fn)
     identical = bool(np.array_equal(np.asarray(out.tokens), np.asarray(ref.tokens)))

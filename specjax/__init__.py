@@ -13,7 +13,6 @@ from specjax.models.quant import QuantizedWeight, dequantize_model, quantize
 from specjax.outputs import DecodeOutput, DecodeStats
 from specjax.sampling import Sampling, row_seeds
 from specjax.stream import decode_stream
-from specjax.tree_decode import decode_tree
 from specjax.trees import TreeSpec
 from specjax.round import round_step, verify_block
 from specjax.parallel import ShardingRules, make_mesh, shard
@@ -29,7 +28,7 @@ __all__ = [
     "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
     "init_state", "round_step", "row_seeds", "verify_block", "decode_stream",
     "self_drafter", "QuantizedWeight", "quantize", "dequantize_model",
-    "EagleDrafter", "MedusaDrafter", "HybridDrafter", "load_eagle3", "TreeSpec", "decode_tree",
+    "EagleDrafter", "MedusaDrafter", "HybridDrafter", "load_eagle3", "TreeSpec",
     "from_gguf", "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",
     "ShardingRules", "make_mesh", "shard",

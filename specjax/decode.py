@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from specjax import costs, validation
 from specjax.adaptive import AdaptiveDrafter
 from specjax.drafters import as_drafter
+from specjax.drafters.tree import tree_drafter
 from specjax.generate import generate
 from specjax.parallel.mesh import call_context, under_auto_axes
 from specjax.parallel.rules import rules_scope
@@ -32,7 +33,6 @@ from specjax.state import DecodeOutput, DecodeState, finish, init_state
 from specjax.tracing import TRACE_COUNTS
 from specjax.validation import NEW_TOKEN_BUCKET
 from specjax.dispatch import check_verify_impl
-from specjax.tree_decode import decode_tree
 from specjax.trees import TreeSpec
 
 __all__ = ["DecodeState", "NEW_TOKEN_BUCKET", "decode", "draft_step", "init_state",
@@ -92,28 +92,42 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
                            sampling, eos_id, verify_impl, verify_widths=None,
-                           calibration=None) -> DecodeArguments:
+                           calibration=None, tree: TreeSpec | None = None) -> DecodeArguments:
   """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
 
   Raises:
     ValueError: naming the problem (see `decode`).
   """
   validation.check_model(target, "target")
-  drafter = as_drafter(draft)
-  tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-  drafter, num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths,
-                                                 calibration=calibration)
+  if tree is None:
+    drafter = as_drafter(draft)
+    tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
+    drafter, num_draft, widths = resolve_num_draft(drafter, num_draft,
+                                                   verify_widths=verify_widths,
+                                                   calibration=calibration)
+    scratch = 0
+  else:
+    if num_draft != 4 or verify_widths is not None or calibration is not None:
+      raise ValueError("with tree=, the tree spec sets the draft shape (TreeSpec.widths the "
+                       "verify widths): leave num_draft, verify_widths and calibration at their "
+                       f"defaults (got num_draft={num_draft!r})")
+    drafter = tree_drafter(target, draft, tree)
+    tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
+    num_draft, widths = tree.depth, (tree.depth + 1,)
+    scratch = drafter.extra_slots  # a round's tree block lies past the new tokens
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
                      f"({target.vocab_size}): speculative decoding needs one shared tokenizer")
-  validation.check_context(lengths, tokens.shape[1], max_new_tokens, target.max_len, "target")
+  validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch, target.max_len,
+                           "target")
   if hasattr(drafter, "max_len"):
-    validation.check_context(lengths, tokens.shape[1], max_new_tokens, drafter.max_len, "draft")
+    validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch,
+                             drafter.max_len, "draft")
   rng = validation.check_rng(rng, tokens.shape[0])
   eos_ids = jnp.array(validation.check_eos(eos_id, target.vocab_size), jnp.int32)
   validation.check_sampling(sampling)
-  check_verify_impl(verify_impl)
+  check_verify_impl(verify_impl, tree=tree is not None)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   return DecodeArguments(drafter, tokens, lengths, rng, max_new_tokens, num_draft, eos_ids,
                          capacity, widths)
@@ -155,10 +169,15 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     pad_id: fills the output after each row's end; defaults to the target config's `pad_id`.
     verify_impl: "auto", "reference", "kernel" or "interpret" (see `specjax.dispatch.verify_tokens`).
     tree: a `specjax.TreeSpec` drafts a tree of continuations per round instead of a chain of
-      `num_draft` tokens (`specjax.tree_decode.decode_tree`: one target pass over the tree with an
-      ancestor mask, exact tree verification, the accepted branch compacted in the cache). The
-      tree path runs on one device; `verify_impl` picks the tree rule's implementation (the
-      fused Pallas tree kernel on TPU/GPU under "auto"); `num_draft` must keep its default.
+      `num_draft` tokens, in the same loop (`specjax.drafters.tree`: one target pass over the
+      tree with an ancestor mask, exact tree verification, the accepted branch compacted in the
+      cache). `draft` is then a draft model, a feature head (`EagleDrafter` for static, sampled
+      and dynamic trees, `MedusaDrafter` for static and sampled ones) or, for
+      `TreeSpec(builder="ngram")`, anything (None included). `verify_impl` picks the tree rule's
+      implementation (also "pallas": the fused kernel, interpreted on CPU; the fused Pallas tree
+      kernel on TPU/GPU under "auto"); `num_draft`, `verify_widths` and `calibration` keep
+      their defaults (`TreeSpec.widths` sets the tree's verify widths);
+      `stats.accepted_per_position` is then `[B, depth]`.
     verify_widths: compiled verify widths (each in `[1, k + 1]`; `k + 1` is always added) for a
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
@@ -173,18 +192,10 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Works on one device and on any mesh the weights live on (`jax.make_mesh` with Explicit axes,
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
-  if tree is not None:
-    if num_draft != 4 or verify_widths is not None or calibration is not None:
-      raise ValueError("with tree=, the tree spec sets the draft shape (TreeSpec.widths the "
-                       "verify widths): leave num_draft, verify_widths and calibration at their "
-                       f"defaults (got num_draft={num_draft!r})")
-    return decode_tree(target, draft, tokens, rng, tree=tree, lengths=lengths,
-                       max_new_tokens=max_new_tokens, sampling=sampling, eos_id=eos_id,
-                       pad_id=pad_id, verify_impl=verify_impl)
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, calibration=calibration)
+                                verify_widths=verify_widths, calibration=calibration, tree=tree)
   if getattr(args.drafter, "plain", False):
     # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
     # target's own loop, which is the target's distribution by definition.

@@ -16,19 +16,23 @@ every implementation under every mesh returns the single-device tokens.
 from __future__ import annotations
 
 import jax
+from jax.sharding import PartitionSpec
 
-from specjax import kernels
+from specjax import kernels, tree_rule
 from specjax.kernels.dispatch import VERIFY_IMPLS
 from specjax.parallel import verify as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, VerifyResult
+from specjax.trees import Tree, TreeSpec
 
 
-def check_verify_impl(impl):
-  """`impl` if it names an implementation or is callable; else a ValueError."""
-  if not (callable(impl) or impl in VERIFY_IMPLS):
-    raise ValueError(f"verify_impl must be one of {VERIFY_IMPLS} or a callable, got {impl!r}")
+def check_verify_impl(impl, *, tree: bool = False):
+  """`impl` if it names an implementation (of the tree rule: `tree`) or is callable; else a
+  ValueError."""
+  names = tree_rule.IMPLS if tree else VERIFY_IMPLS
+  if not (callable(impl) or impl in names):
+    raise ValueError(f"verify_impl must be one of {names} or a callable, got {impl!r}")
   return impl
 
 
@@ -82,3 +86,44 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
       target_logits, draft_logits, draft_tokens, mesh=mesh,
       rules=active_rules() if rules is None else rules, local_rule=local,
       vocab_ops=kernels.local_vocab_ops(impl), **kwargs)
+
+
+def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, sampling: Sampling,
+                seeds: jax.Array, positions: jax.Array, impl="auto", mesh=None,
+                rules: ShardingRules | None = None) -> tree_rule.TreeVerifyResult:
+  """The exact tree rule (`specjax.tree_rule.verify_tree`) with the chosen implementation, on one
+  device or a mesh.
+
+  Args:
+    target_logits: `[B, N + 1, V]` raw target logits after the root and after every node.
+    tree: the scored `Tree`; spec: its `TreeSpec` (the rule, depth and sibling bound).
+    sampling, seeds, positions: as for `verify_tokens` (`positions`: each row's length).
+    impl: "auto" | "reference" | "pallas" | "kernel" | "interpret" | a callable (see
+      `specjax.tree_rule.verify_tree`).
+    mesh: the mesh; None = the one active at trace time, if any. Under a mesh the rule runs
+      inside `jax.shard_map` on each device's rows (the fused kernel cannot be partitioned
+      automatically), each device holding its rows' full vocabulary: a vocabulary split over
+      the mesh is gathered for the tree's `N + 1` positions.
+    rules: logical-to-mesh rules (which mesh axes hold the batch); None = the active rules.
+
+  Returns:
+    `TreeVerifyResult(path [B, D], num_accepted [B], tokens [B, D + 1])`, the same whichever
+    `impl` and mesh.
+  """
+  check_verify_impl(impl, tree=True)
+
+  def run(logits, tree, seeds, positions):
+    return tree_rule.verify_tree(logits, tree, rule=spec.rule, sampling=sampling, seeds=seeds,
+                                 positions=positions, max_depth=spec.depth,
+                                 max_children=spec.max_children, impl=impl)
+
+  mesh = _active_mesh() if mesh is None else mesh
+  if mesh is None:
+    return run(target_logits, tree, seeds, positions)
+  rules = active_rules() if rules is None else rules
+  batch_spec, _, _ = parallel_verify.mesh_layout(mesh, rules, tree.tokens.shape[0])
+  rows = PartitionSpec(batch_spec)
+  body = lambda *args: tuple(run(*args))
+  out = jax.shard_map(body, mesh=mesh, in_specs=(rows,) * 4, out_specs=(rows,) * 3,
+                      check_vma=False)(target_logits, tree, seeds, positions)
+  return tree_rule.TreeVerifyResult(*out)

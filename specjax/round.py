@@ -12,6 +12,12 @@ the same function from the host, one jitted (and donated) call per round. A roun
    Rejected drafts are rolled back by setting the target cache's length, never by copying. The
    drafter then observes the target's outputs over the block (`Drafter.observe`).
 
+A tree drafter (`specjax.drafters.tree`, `decode(..., tree=TreeSpec(...))`) runs the same
+round with a tree proposal: `draft_step` returns a `specjax.trees.Tree` of continuations below
+each row's last token, and `verify_block` scores `[last token, nodes]` in one forward with an
+ancestor mask, walks the exact tree rule (`specjax.tree_rule`), moves the accepted path's
+keys/values to contiguous slots (`specjax.cache.compact`) and lets the drafter observe the path.
+
 Verify widths: with `widths=(w_1, .., k + 1)` the target's forward is compiled once per width and
 each round runs the smallest one that holds every live row's `num_drafted + 1` positions, picked
 on device with `lax.switch` (one program, fixed shapes per branch, no host sync).
@@ -28,14 +34,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import write_kv_block
+from specjax.cache import compact, write_kv_block
+from specjax.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
 from specjax.sampling import Sampling
 from specjax.state import DecodeState, Proposal, gather_tokens
+from specjax.trees import Tree, TreeSpec
 from specjax.validation import is_eos as is_eos_token
-from specjax.dispatch import verify_tokens
 
-__all__ = ["check_verify_widths", "draft_step", "round_step", "verify_block"]
+__all__ = ["check_verify_widths", "draft_step", "round_step", "score_tree", "verify_block"]
 
 
 def check_verify_widths(widths, num_draft: int) -> tuple[int, ...]:
@@ -70,7 +77,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
 
   Returns:
     `(state with the drafter's new state, Proposal(tokens [B, k], logits [B, k, V] or None,
-    num_drafted [B] or None))`.
+    num_drafted [B] or None))`; a tree drafter's proposal is a `specjax.trees.Tree`.
   """
   draft_state, proposal = drafter.propose(
       state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
@@ -149,6 +156,8 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
   Returns:
     The advanced state. Rows already done are left unchanged.
   """
+  if isinstance(proposal, Tree):
+    return _verify_tree_block(target, drafter, state, proposal, sampling=sampling, impl=impl)
   _, k = proposal.tokens.shape
   lengths = state.lengths
   live = ~state.done
@@ -200,6 +209,94 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
   )
   return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
                              target_cache=target_cache, draft_state=draft_state, stats=stats)
+
+
+def _features(drafter) -> dict:
+  """The keyword arguments that make the target's forward return what the drafter reads."""
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  return kwargs
+
+
+def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **features):
+  """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`: its
+  `ForwardOutput` (logits `[B, N + 1, V]`, the cache, and the `features` asked for: `taps`,
+  `return_hidden`).
+
+  With `spec.widths`, valid nodes come first (the tree drafters order them so) and the forward
+  runs on the smallest compiled width that holds every live row's valid nodes (`lax.switch`, one
+  program); outputs past that width are zeros, at nodes that are invalid and never reached.
+  """
+  n = tree.num_nodes
+  ext_tokens = tree.ext_tokens(root)
+  positions = starts[:, None] + tree.ext_depths()
+  mask = tree.ancestor_mask()
+  if spec.widths is None:
+    return target(ext_tokens, starts, cache, positions=positions, block_mask=mask, **features)
+
+  def branch(width):
+    def run(cache):
+      out = target(ext_tokens[:, :width + 1], starts, cache, positions=positions[:, :width + 1],
+                   block_mask=mask[:, :width + 1, :width + 1], **features)
+      pad = lambda x, axis: None if x is None else jnp.pad(
+          x, [(0, n - width if a == axis else 0) for a in range(x.ndim)])
+      return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1),
+                          taps=pad(out.taps, 2))
+    return run
+
+  needed = jnp.max(jnp.where(done, 0, jnp.sum(tree.valid, axis=1)))
+  widths = jnp.asarray(spec.widths, jnp.int32)
+  choice = jnp.argmax(widths >= needed)  # the smallest width that holds every row
+  return jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
+
+
+def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampling: Sampling,
+                       impl) -> DecodeState:
+  """`verify_block` for a tree proposal: the target scores `[root, nodes]` in one forward with an
+  ancestor mask, the exact tree rule walks down the tree and emits the accepted path plus one
+  target token (cut at EOS and at the row's limit), the path's keys/values move to contiguous
+  slots `[L, L + a)` (`specjax.cache.compact`), and the drafter observes the path
+  (`observe_path`)."""
+  spec = drafter.spec
+  lengths = state.lengths
+  root = gather_tokens(state.tokens, lengths - 1, 1)[:, 0]
+  scored = score_tree(target, tree, root, lengths - 1, state.target_cache, state.done, spec,
+                      **_features(drafter))
+  result = verify_tree(scored.logits, tree, spec=spec, sampling=sampling, seeds=state.seeds,
+                       positions=lengths, impl=impl)
+  accepted = result.num_accepted
+  depth = spec.depth
+  index = jnp.arange(depth + 1, dtype=jnp.int32)
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), depth + 1)
+  live = ~state.done
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
+  count = jnp.where(live, count, 0)
+  new_lengths = lengths + count
+  write = lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,))
+  tokens = jax.vmap(write)(state.tokens, result.tokens, lengths)  # past new_lengths: scratch
+  tokens = jnp.where(live[:, None], tokens, state.tokens)
+  # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
+  moved = jnp.maximum(count - 1, 0)
+  cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
+  cache = cache.with_lengths(jnp.where(live, new_lengths - 1, lengths - 1))
+  done = state.done | (new_lengths >= state.limits) | (live & (first_eos <= accepted))
+  draft_state = drafter.observe_path(state.draft_state, scored, tree, root, result.path,
+                                     result.tokens, count, lengths)
+  used = jnp.minimum(accepted, moved)  # accepted nodes that were kept
+  live_i = live.astype(jnp.int32)
+  stats = state.stats
+  stats = dataclasses.replace(
+      stats,
+      rounds=stats.rounds + live_i,
+      drafted=stats.drafted + live_i * jnp.sum(tree.valid, axis=1).astype(jnp.int32),
+      accepted=stats.accepted + used,
+      accepted_per_position=stats.accepted_per_position
+      + (jnp.arange(depth)[None] < used[:, None]).astype(jnp.int32),
+      target_calls=stats.target_calls + live_i)
+  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
+                             target_cache=cache, draft_state=draft_state, stats=stats)
 
 
 def round_step(target, drafter, state: DecodeState, *, num_draft: int, sampling: Sampling,

@@ -137,7 +137,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
     max_new_tokens: `[]` int32 (traced) number of new tokens per row at most.
     eos_ids: `[E]` int32 stop ids, `[-1]` for none.
     seeds: `[B]` uint32 per-row seeds (`specjax.sampling.row_seeds`).
-    num_draft: `k`.
+    num_draft: `k` (a tree drafter: the tree's depth).
     capacity: static upper bound on `max_new_tokens` (the buffers' size).
 
   Returns:
@@ -146,7 +146,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
   """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
-  buffer_len = width + capacity + num_draft + 1  # verification writes k+1 past a row's length
+  # Verification writes k + 1 slots past a row's length (a tree drafter: its `extra_slots`).
+  buffer_len = width + capacity + getattr(drafter, "extra_slots", num_draft + 1)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   out = prefill(target, tokens, target.init_cache(batch, buffer_len), taps=drafter.taps,
                 return_hidden=drafter.needs_hidden)

@@ -50,13 +50,13 @@ def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=N
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                   num_draft: int | str = 4, sampling: Sampling = GREEDY,
                   eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
-                  verify_widths: tuple[int, ...] | None = None,
-                  calibration=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
+                  verify_widths: tuple[int, ...] | None = None, calibration=None,
+                  tree=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
   """Speculative decoding that yields after every round.
 
   Args:
-    Same as `specjax.decode` (without `pad_id` and `tree`; `num_draft="auto"`,
-    `verify_widths` and `calibration` as there).
+    Same as `specjax.decode` (without `pad_id`; `num_draft="auto"`, `verify_widths`,
+    `calibration` and `tree` as there).
 
   Yields:
     `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
@@ -68,7 +68,7 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, calibration=calibration)
+                                verify_widths=verify_widths, calibration=calibration, tree=tree)
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs

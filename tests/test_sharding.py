@@ -23,10 +23,12 @@ from specjax import parallel as sh
 from specjax.parallel import verify as parallel_verify
 from specjax.decode import _decode, decode
 from specjax.drafters import ModelDrafter
+from specjax.drafters.tree import ModelTreeDrafter
 from specjax.generate import _generate
 from specjax.testing.models import tiny_config
 from specjax.rule import verify_reference
 from specjax.sampling import Sampling, warp_logits
+from specjax.trees import TreeSpec
 
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]  # (data, model)
 SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9)
@@ -310,6 +312,38 @@ def test_verify_width_switch_on_a_mesh_matches_generate(models, prompts, single_
   assert 0 < summary["drafted"] < 3 * summary["rounds"]
 
 
+TREES = {"dynamic": TreeSpec("dynamic", depth=3, width=2, num_nodes=6),
+         "sampled": TreeSpec("sampled", branching=(2, 1, 1), replacement=False)}
+
+
+@pytest.mark.parametrize("kind, shape, builder, context", [
+    ("auto", (8, 1), "sampled", "none"),
+    ("explicit", (2, 4), "dynamic", "set_mesh"),
+    pytest.param("auto", (2, 4), "sampled", "use_mesh", marks=pytest.mark.slow),
+    pytest.param("mixed", (8, 1), "dynamic", "none", marks=pytest.mark.slow),
+    pytest.param("explicit", (1, 8), "sampled", "set_mesh", marks=pytest.mark.slow),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_tree_decode_on_a_mesh_matches_single_device(models, prompts, single_device, kind,
+                                                     shape, builder, context):
+  """Trees run in the same loop as chains, so they take the same meshes: sharded weights, with
+  or without a mesh context, equal the unsharded run (and greedy equals generate)."""
+  target, draft = models
+  tokens, lengths = prompts
+  greedy = builder == "dynamic"
+  common = dict(lengths=lengths, max_new_tokens=NEW_TOKENS, tree=TREES[builder],
+                sampling=Sampling() if greedy else SAMPLED)
+  expected = decode(target, draft, tokens, jax.random.key(4), **common)
+  mesh = _mesh(kind, shape)
+  with _context(context, mesh):
+    out = decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(4),
+                 **common)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  if greedy:
+    np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  assert int(np.sum(out.stats.accepted)) > 0
+
+
 @pytest.mark.parametrize("kind", MESH_KINDS)
 def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, single_device, kind):
   from specjax.stream import decode_stream
@@ -499,6 +533,31 @@ def test_export_decode_for_tpu_on_a_2x4_mesh(models):
   assert 'sdy.mesh @mesh = <["data"=2, "model"=4]>' in text
   assert 'sdy.sharding<@mesh, [{"model"}, {}]>' in text
   assert "sdy.sharding_constraint" in text  # the forward pass's activation layout came along
+
+
+def test_export_tree_decode_for_tpu_on_a_2x4_mesh_with_the_fused_tree_kernel(models):
+  """A tree on sharded TPU weights: the Mosaic tree kernel runs inside the verify's shard_map
+  (Mosaic kernels cannot be partitioned automatically), in the same exported loop as chains."""
+  target, draft = models
+  mesh = sj.make_mesh((2, 4))
+  rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+  args = (
+      _abstract_model(target, mesh),
+      ModelTreeDrafter(_abstract_model(draft, mesh), TREES["sampled"]),
+      jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=NamedSharding(mesh, P("data", None))),
+      jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
+      jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+  )
+  with sh.use_mesh(mesh):
+    exported = jax.export.export(_decode, platforms=["tpu"])(
+        *args, sampling=SAMPLED, num_draft=TREES["sampled"].depth, capacity=64, pad_id=0,
+        verify_impl="auto")
+  assert exported.platforms == ("tpu",) and exported.nr_devices == 8
+  text = exported.mlir_module()
+  assert "tpu_custom_call" in text  # the fused tree kernel
+  assert "sdy.manual_computation" in text  # inside shard_map
 
 
 # --------------------------------------------------------------------------------------------

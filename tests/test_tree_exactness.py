@@ -100,7 +100,7 @@ def one_round(spec, sampling, rule, sequence, lengths, seeds):
                     sequence=sequence, lengths=lengths, sampling=sampling, seeds=seeds,
                     chain_candidates=lambda: chain_candidates(DRAFT_TABLE, previous, root,
                                                               spec.depth, spec.width))
-  if spec.widths is not None:  # as decode_tree does before choosing a verify width
+  if spec.widths is not None:  # as the tree drafters do before choosing a verify width
     tree = trees.valid_first(tree)
   logits = table_expand(TARGET_TABLE, previous)(tree.ext_tokens(root), tree.ext_parents(),
                                                 tree.ext_depths())
@@ -196,7 +196,7 @@ def test_acceptance_threshold_below_one_is_detected(monkeypatch):
   assert pvalue < POWER_ALPHA
 
 
-# End to end: `decode_tree` with real (tiny) transformer models, the tree forward, compaction and
+# End to end: `decode(..., tree=)` with real (tiny) transformer models, the tree forward, compaction and
 # the per-row streams across rounds, against the target's exact joint (same N, same alpha).
 
 @pytest.mark.slow
@@ -205,8 +205,7 @@ def test_decode_tree_matches_target_distribution(builder):
   import specjax as sj
   from specjax.testing.models import tiny_config
   from specjax.models.transformer import forward
-  from specjax.tree_decode import decode_tree
-
+  
   target = sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(10))
   draft = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(11))
   spec = {"sampled_wor": TreeSpec("sampled", branching=(2, 2), replacement=False),
@@ -214,7 +213,7 @@ def test_decode_tree_matches_target_distribution(builder):
   sampling = SETTINGS["t1"]
   prompt = [1, 2, 3, 1, 2, 3, 1]
   tokens = jnp.tile(jnp.asarray(prompt, jnp.int32), (N, 1))
-  out = decode_tree(target, draft, tokens, jax.random.key(0), max_new_tokens=NEW, tree=spec,
+  out = sj.decode(target, draft, tokens, jax.random.key(0), max_new_tokens=NEW, tree=spec,
                     sampling=sampling)
   assert np.all(np.asarray(out.num_tokens) == NEW)
   assert out.stats.summary()["accepted"] > 0
@@ -227,5 +226,5 @@ def test_decode_tree_matches_target_distribution(builder):
     joint *= numpy_distribution(logits[:, len(prompt) - 1 + i], sampling)[np.arange(len(grid)),
                                                                              grid[:, i]]
   pvalue = chi_square_pvalue(np.asarray(out.tokens), joint)
-  print(f"decode_tree {builder}: p = {pvalue:.3g}")
+  print(f"decode(tree=) {builder}: p = {pvalue:.3g}")
   assert pvalue > ALPHA

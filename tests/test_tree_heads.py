@@ -35,7 +35,9 @@ from specjax.models.transformer import forward
 from specjax.sampling import row_seeds
 from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
-from specjax.tree_decode import decode_tree, init_tree_state, score_tree, tree_round
+from specjax.drafters.tree import tree_drafter
+from specjax.round import round_step, score_tree
+from specjax.state import init_state
 from specjax.trees import TreeSpec
 from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
 from test_heads import DRAFT_IDS, make_drafter
@@ -239,10 +241,13 @@ class OwnFeaturesEagle(EagleDrafter):
 
 @functools.partial(jax.jit, static_argnames=("spec",))
 def final_tree_state(target, drafter, tokens, lengths, *, spec):
-  """`decode_tree`'s loop, returning the whole state (the head's included)."""
-  state = init_tree_state(target, drafter, tokens, lengths, jnp.int32(MAX_NEW), jnp.array([-1]),
-                          row_seeds(jax.random.key(3), tokens.shape[0]), spec=spec, capacity=64)
-  step = functools.partial(tree_round, target, drafter, spec=spec, sampling=sj.Sampling())
+  """`decode(..., tree=)`'s loop, returning the whole state (the head's included)."""
+  drafter = tree_drafter(target, drafter, spec)
+  state = init_state(target, drafter, tokens, lengths, jnp.int32(MAX_NEW), jnp.array([-1]),
+                     row_seeds(jax.random.key(3), tokens.shape[0]), num_draft=spec.depth,
+                     capacity=64)
+  step = functools.partial(round_step, target, drafter, num_draft=spec.depth,
+                           sampling=sj.Sampling())
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
 
 
@@ -260,7 +265,7 @@ def features_mismatch(target, drafter, tokens, lengths, spec) -> float:
   out = forward(target, sequence, jnp.zeros(3, jnp.int32), taps=drafter.taps,
                 return_hidden=drafter.needs_hidden)
   shifted = jnp.concatenate([sequence[:, 1:], jnp.zeros_like(sequence[:, :1])], axis=1)
-  head_cache = state.draft_cache.cache
+  head_cache = state.draft_state.cache
   _, hidden, expected = eagle.head_forward(
       drafter.head, drafter.target_embed, shifted, drafter.features(out), jnp.zeros(3, jnp.int32),
       drafter.head.init_cache(3, head_cache.max_len))
@@ -270,7 +275,7 @@ def features_mismatch(target, drafter, tokens, lengths, spec) -> float:
     for got, want in ((head_cache.k, expected.k), (head_cache.v, expected.v)):
       diff = np.abs(np.asarray(got[0, b, :, :length - 1]) - np.asarray(want[0, b, :, :length - 1]))
       worst = max(worst, float(diff.max()))
-    worst = max(worst, float(np.abs(np.asarray(state.draft_cache.hidden[b])
+    worst = max(worst, float(np.abs(np.asarray(state.draft_state.hidden[b])
                                     - np.asarray(hidden[b, length - 2])).max()))
   return worst
 
@@ -299,7 +304,7 @@ def test_one_while_loop_no_callbacks_no_recompilation(target, batch):
   drafter = make_drafter(target, "eagle3")
   spec = SPECS["dynamic"]
   sampling = sj.Sampling()  # the greedy test's program (sampled programs: the fit tests below)
-  jaxpr = jax.make_jaxpr(lambda t, l: decode_tree(
+  jaxpr = jax.make_jaxpr(lambda t, l: sj.decode(
       target, drafter, t, jax.random.key(0), lengths=l, max_new_tokens=8, tree=spec,
       sampling=sampling))(tokens, lengths)
   assert "callback" not in str(jaxpr)
@@ -307,11 +312,11 @@ def test_one_while_loop_no_callbacks_no_recompilation(target, batch):
   assert len(calls) == 1
   top = [e for e in calls[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
   assert len(top) == 1
-  before = TRACE_COUNTS["decode_tree"]
+  before = TRACE_COUNTS["decode"]
   for max_new, seed in ((10, 1), (30, 2), (64, 3)):  # one bucket of max_new_tokens
-    decode_tree(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
+    sj.decode(target, drafter, tokens, jax.random.key(seed), lengths=lengths,
                 max_new_tokens=max_new, tree=spec, sampling=sampling, eos_id=seed)
-  assert TRACE_COUNTS["decode_tree"] - before <= 1
+  assert TRACE_COUNTS["decode"] - before <= 1
 
 
 def test_bad_combinations_raise_before_tracing(target, batch):
@@ -319,7 +324,7 @@ def test_bad_combinations_raise_before_tracing(target, batch):
   run = lambda drafter, spec: sj.decode(target, drafter, tokens, jax.random.key(0),
                                         lengths=lengths, max_new_tokens=4, tree=spec)
   medusa_drafter = make_drafter(target, "medusa")  # 3 heads
-  before = TRACE_COUNTS["decode_tree"]
+  before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match="Medusa heads predict every depth"):
     run(medusa_drafter, SPECS["dynamic"])
   with pytest.raises(ValueError, match="needs 4 Medusa heads"):
@@ -339,7 +344,7 @@ def test_bad_combinations_raise_before_tracing(target, batch):
   with pytest.raises(ValueError, match="draft vocabulary"):
     sj.decode(wider, eagle3, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=4,
               tree=SPECS["dynamic"])
-  assert TRACE_COUNTS["decode_tree"] == before
+  assert TRACE_COUNTS["decode"] == before
 
 
 # ---------------------------------------------------------------------------------------------

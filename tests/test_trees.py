@@ -10,7 +10,6 @@ from specjax import tree_builders, trees
 from specjax.cache import KVCache, compact
 from specjax.testing.models import tiny_config
 from specjax.tracing import TRACE_COUNTS
-from specjax.tree_decode import decode_tree
 from specjax.trees import Tree, TreeSpec
 
 VOCAB = 61
@@ -214,7 +213,7 @@ SPECS = {
 def test_greedy_tree_decode_equals_generate(target, draft, batch, name):
   tokens, lengths = batch
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
-  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,  # routes to decode_tree
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,  # one loop, a tree drafter
                   max_new_tokens=20, tree=SPECS[name])
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
@@ -226,7 +225,7 @@ def test_draft_equal_to_target_is_accepted_to_full_depth(target, batch):
   tokens, lengths = batch
   spec = TreeSpec("static", depth=3, width=2)  # the spine is the drafter's greedy chain
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
-  out = decode_tree(target, target, tokens, jax.random.key(0), lengths=lengths,
+  out = sj.decode(target, target, tokens, jax.random.key(0), lengths=lengths,
                     max_new_tokens=20, tree=spec)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.stats.rounds, [5, 5, 5])  # 4 tokens per round
@@ -239,7 +238,7 @@ def test_tree_decode_eos_and_limits(target, draft, batch):
   eos = int(ref.tokens[0, 3])
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
                     eos_id=eos)
-  out = decode_tree(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
                     eos_id=eos, tree=SPECS["dynamic"])
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
@@ -248,7 +247,7 @@ def test_tree_decode_eos_and_limits(target, draft, batch):
 def test_one_while_loop_no_callbacks_no_recompilation(target, draft, batch):
   tokens, lengths = batch
   spec = SPECS["dynamic"]
-  jaxpr = jax.make_jaxpr(lambda t, l: decode_tree(
+  jaxpr = jax.make_jaxpr(lambda t, l: sj.decode(
       target, draft, t, jax.random.key(0), lengths=l, max_new_tokens=8, tree=spec,
       sampling=sj.Sampling(temperature=1.0)))(tokens, lengths)
   text = str(jaxpr)
@@ -258,19 +257,19 @@ def test_one_while_loop_no_callbacks_no_recompilation(target, draft, batch):
   calls = [e for e in inner if e.primitive.name in ("pjit", "jit")]
   top = [e for e in calls[0].params["jaxpr"].jaxpr.eqns if e.primitive.name == "while"]
   assert len(top) == 1
-  before = TRACE_COUNTS["decode_tree"]
+  before = TRACE_COUNTS["decode"]
   for max_new, seed in ((10, 1), (30, 2), (64, 3)):  # one bucket of max_new_tokens
-    decode_tree(target, draft, tokens, jax.random.key(seed), lengths=lengths,
+    sj.decode(target, draft, tokens, jax.random.key(seed), lengths=lengths,
                 max_new_tokens=max_new, tree=spec, sampling=sj.Sampling(temperature=1.0))
-  assert TRACE_COUNTS["decode_tree"] - before <= 1
+  assert TRACE_COUNTS["decode"] - before <= 1
 
 
 def test_bad_input_raises_before_tracing(target, draft, batch):
   tokens, lengths = batch
   with pytest.raises(ValueError, match="TreeSpec"):
-    decode_tree(target, draft, tokens, jax.random.key(0), tree="dynamic")
+    sj.decode(target, draft, tokens, jax.random.key(0), tree="dynamic")
   with pytest.raises(ValueError, match="draft model"):
-    decode_tree(target, None, tokens, jax.random.key(0), tree=SPECS["dynamic"])
+    sj.decode(target, None, tokens, jax.random.key(0), tree=SPECS["dynamic"])
   with pytest.raises(ValueError, match="num_draft"):
     sj.decode(target, draft, tokens, jax.random.key(0), num_draft=2, tree=SPECS["dynamic"])
 
@@ -296,7 +295,25 @@ def test_adaptive_widths_keep_greedy_identity(target, draft, batch, spec):
   token."""
   tokens, lengths = batch
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
-  out = decode_tree(target, draft, tokens, jax.random.key(0), lengths=lengths,
+  out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,
                     max_new_tokens=20, tree=spec)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
+
+
+@pytest.mark.parametrize("name", ["sampled", pytest.param("ngram", marks=pytest.mark.slow)])
+def test_stream_with_a_tree_equals_decode(target, draft, batch, name):
+  """`decode_stream(..., tree=)` runs the same round as `decode(..., tree=)`, one host step per
+  round: each row's yields concatenate to decode's tokens (sampled, so the streams matter)."""
+  from specjax.stream import decode_stream
+  tokens, lengths = batch
+  common = dict(lengths=lengths, max_new_tokens=16, tree=SPECS[name],
+                sampling=sj.Sampling(temperature=0.8, top_k=20))
+  out = sj.decode(target, draft, tokens, jax.random.key(7), **common)
+  rounds = list(decode_stream(target, draft, tokens, jax.random.key(7), **common))
+  for b in range(tokens.shape[0]):
+    streamed = np.concatenate([new[b] for new, _ in rounds])
+    np.testing.assert_array_equal(streamed, np.asarray(out.tokens[b, :int(out.num_tokens[b])]))
+  final = rounds[-1][1].stats
+  np.testing.assert_array_equal(final.accepted, out.stats.accepted)
+  assert len(rounds) == int(np.max(out.stats.rounds))

@@ -23,6 +23,10 @@ A drafter is a pytree (it crosses `jax.jit` as an argument) with:
   `count[b]`), `lengths` the lengths before the round. Features at block index `j < count` are
   the target's features of accepted tokens.
 
+A tree drafter (`specjax.drafters.tree`) follows the same protocol with a `Tree` for a
+proposal: it also has a static `spec` (its `TreeSpec`), `extra_slots` (the scratch slots past a
+row's length a round writes; a chain writes `k + 1`) and `observe_path` in place of `observe`.
+
 A drafter that proposes deterministically returns `Proposal.logits = None`: a point mass `q`, for
 which the verify rule is still exact. Rolling back after rejections is the drafter's own
 business (`ModelDrafter` does it lazily at the start of the next round).

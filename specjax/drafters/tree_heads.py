@@ -1,6 +1,6 @@
 """Draft trees from feature heads: `EagleDrafter` (EAGLE-3, MTP) and `MedusaDrafter`.
 
-The tree loop (`specjax.tree_decode`) keeps the head's own state between rounds, with the chain
+The decode loop (with `specjax.drafters.tree.HeadTreeDrafter`) keeps the head's own state between rounds, with the chain
 invariant of `specjax.drafters.heads`: per row with `L` tokens, the head's cache holds the pairs
 `(target feature_t, token_{t+1})` of slots `0 .. L - 2`, and `hidden`/`logits` are the head's
 output at slot `L - 2`. A round:

@@ -1,0 +1,236 @@
+"""Tree drafters: the `Drafter` protocol for a proposal that is a tree of continuations.
+
+A tree is a proposal shape, not a second decoder: `specjax.decode(..., tree=TreeSpec(...))` runs
+the same loop, state and round (`specjax.round`) as a chain, with a tree drafter built here by
+`tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs_hidden`,
+`forwards_per_round` and `init` (`specjax.drafters.base`), a tree drafter has
+
+* `spec`: its `specjax.TreeSpec` (static);
+* `extra_slots`: the scratch slots past a row's length that one round writes (the tree block and,
+  for a dynamic tree, its expansion pool);
+* `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this
+  round's `specjax.trees.Tree` below each row's last token (`num_draft` is the tree's depth);
+* `observe_path(state, scored, tree, root, path, emitted, count, lengths) -> state`: after the
+  verify, with the target's `ForwardOutput` over the extended tree `[root, nodes]`, the accepted
+  node indices by depth `path [B, D]`, the emitted tokens and how many each row keeps.
+
+Three drafters cover every builder:
+
+* `ModelTreeDrafter`: a draft model keeps its own cache of the committed text. Each round it
+  catches up on the last round's emitted tokens (one forward of `D + 1` tokens), then grows the
+  tree with tree-masked forwards that write only scratch slots past the committed length. Static
+  trees take its greedy chain with the top-`K` candidates at every depth.
+* `HeadTreeDrafter`: a feature head (`EagleDrafter`: EAGLE-3 or MTP; `MedusaDrafter`) drafts
+  through `specjax.drafters.tree_heads`; after the verify it catches up on the accepted path with
+  the target's features (the chain `observe`), so its state keeps the chain invariant.
+* `NGramTreeDrafter`: several earlier matches of the row's suffix merged into a trie; no model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import tree_builders, trees
+from specjax.drafters import tree_heads
+from specjax.drafters.base import DrafterWrapper
+from specjax.drafters.hybrid import HybridDrafter
+from specjax.state import gather_tokens
+from specjax.trees import Tree, TreeSpec
+
+__all__ = ["HeadTreeDrafter", "ModelTreeDrafter", "NGramTreeDrafter", "extra_slots",
+           "tree_drafter"]
+
+_STATIC = dict(static=True)
+
+
+def extra_slots(spec: TreeSpec) -> int:
+  """Scratch slots past a row's length that a round writes (tree block, expansion pool)."""
+  pool = trees.dynamic_pool_size(spec.depth, spec.width) if spec.builder == "dynamic" else 0
+  return max(spec.size, pool, spec.depth) + 2
+
+
+class _TreeDrafterBase:
+  """What every tree drafter shares: the static spec and its derived sizes."""
+
+  spec: TreeSpec
+
+  @property
+  def extra_slots(self) -> int:
+    return extra_slots(self.spec)
+
+  def _finish(self, tree: Tree) -> Tree:
+    # With verify widths, valid nodes go first so the smallest width holding them suffices.
+    return tree if self.spec.widths is None else trees.valid_first(tree)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelTreeDrafter(_TreeDrafterBase):
+  """A draft `specjax.Model` growing a tree each round (see the module docstring)."""
+
+  model: Any
+  spec: TreeSpec = dataclasses.field(metadata=_STATIC)
+
+  taps = ()
+  needs_hidden = False
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.model.max_len
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return 1 + self.spec.depth  # the catch-up, then one tree-masked forward per depth
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    del prefill
+    model = self.model
+    cache = model(tokens, jnp.zeros_like(lengths), model.init_cache(tokens.shape[0], buffer_len))
+    return cache.cache.with_lengths(lengths - 1)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del num_draft
+    spec, model = self.spec, self.model
+    root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
+    # Catch up on the tokens committed since the cache was last extended (<= D + 1 of them).
+    caught_up = model(gather_tokens(sequence, state.lengths, spec.depth + 1), state.lengths,
+                      state)
+    cache = caught_up.cache.with_lengths(lengths - 1)
+    starts = lengths - 1
+
+    def expand(ext_tokens, ext_parents, ext_depths):
+      out = model(ext_tokens, starts, cache, positions=starts[:, None] + ext_depths,
+                  block_mask=trees.ancestor_mask(ext_parents))
+      return out.logits
+
+    def chain_candidates():
+      """Static trees: the draft's greedy chain from the root, top-`K` candidates per depth."""
+      k = max(c[-1] for c in spec.resolved_choices) + 1
+      token, chain_cache, ranked = root, cache, []
+      for d in range(spec.depth):
+        out = model(token[:, None], starts + d, chain_cache)
+        chain_cache = out.cache
+        top = jax.lax.top_k(out.logits[:, 0], k)[1]
+        ranked.append(top)
+        token = top[:, 0]
+      return jnp.stack(ranked, axis=1)  # [B, D, K]
+
+    tree = tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
+                                    lengths=lengths, sampling=sampling, seeds=seeds,
+                                    chain_candidates=chain_candidates)
+    return cache, self._finish(tree)
+
+  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+    del scored, tree, root, path, emitted, count, lengths
+    return state  # rolled back lazily: the next round's catch-up starts at its cache's length
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HeadTreeDrafter(DrafterWrapper, _TreeDrafterBase):
+  """A feature head (`EagleDrafter`, `MedusaDrafter`) drafting trees (see the module docstring)."""
+
+  drafter: Any
+  spec: TreeSpec = dataclasses.field(metadata=_STATIC)
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return tree_heads.forwards_per_round(self.drafter, self.spec)
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    return self.drafter.init(tokens, lengths, buffer_len, prefill)
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del num_draft
+    root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
+    tree = tree_heads.draft_tree(self.drafter, state, spec=self.spec, root=root,
+                                 sequence=sequence, lengths=lengths, sampling=sampling,
+                                 seeds=seeds)
+    return state, self._finish(tree)  # the head catches up after the verify (`observe_path`)
+
+  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+    return tree_heads.observe_path(self.drafter, state, scored, tree, root, path, emitted, count,
+                                   lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NGramTreeDrafter(_TreeDrafterBase):
+  """Earlier matches of each row's suffix merged into a trie (deterministic: a point-mass q)."""
+
+  spec: TreeSpec = dataclasses.field(metadata=_STATIC)
+
+  vocab_size = None
+  taps = ()
+  needs_hidden = False
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return 0
+
+  def init(self, tokens, lengths, buffer_len, prefill):
+    del tokens, lengths, buffer_len, prefill
+    return ()
+
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+    del num_draft
+    root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
+    tree = tree_builders.build_tree(self.spec, expand=None, root=root, sequence=sequence,
+                                    lengths=lengths, sampling=sampling, seeds=seeds)
+    return state, self._finish(tree)
+
+  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+    del scored, tree, root, path, emitted, count, lengths
+    return state
+
+
+def _draft_model(drafter):
+  """The draft `Model` behind `drafter` (a model, or a wrapper with `.model`), or None."""
+  if drafter is None:
+    return None
+  if hasattr(drafter, "init_cache"):
+    return drafter
+  model = getattr(drafter, "model", None)
+  return model if hasattr(model, "init_cache") else None
+
+
+def tree_drafter(target, drafter, spec: TreeSpec):
+  """The tree drafter for `spec` from what the user passed as `draft` (validated before tracing).
+
+  Args:
+    target: the target model (its vocabulary, taps and width are checked against the drafter).
+    drafter: a draft `specjax.Model` (or a drafter with a `.model`, e.g. `ModelDrafter`), a
+      feature head (`EagleDrafter` for static, sampled and dynamic trees; `MedusaDrafter` for
+      static and sampled ones), or anything (None included) for `TreeSpec(builder="ngram")`.
+    spec: the `TreeSpec`.
+
+  Raises:
+    ValueError: naming the problem (not a TreeSpec, no draft model for a model tree, a hybrid
+      drafter, mismatched vocabularies, a head/tree combination that cannot run).
+  """
+  if not isinstance(spec, TreeSpec):
+    raise ValueError(f"tree must be a specjax.TreeSpec, got {type(spec).__name__}")
+  if spec.builder == "ngram":
+    return NGramTreeDrafter(spec)
+  if isinstance(drafter, HybridDrafter):
+    raise ValueError("a HybridDrafter drafts chains (prompt lookup or its head); a tree drafts "
+                     "with the head alone: pass its `.drafter` (e.g. `pair.draft.drafter`)")
+  if tree_heads.is_head_drafter(drafter):
+    tree_heads.check_tree_drafter(target, drafter, spec)
+    return HeadTreeDrafter(drafter, spec)
+  model = _draft_model(drafter)
+  if model is None:
+    raise ValueError(f"a {spec.builder!r} tree needs a draft model or a draft head "
+                     f"(EagleDrafter, MedusaDrafter), got {type(drafter).__name__}")
+  if model.vocab_size != target.vocab_size:
+    raise ValueError(f"draft vocabulary ({model.vocab_size}) does not match the target's "
+                     f"({target.vocab_size})")
+  return ModelTreeDrafter(model, spec)
