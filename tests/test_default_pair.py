@@ -74,3 +74,17 @@ def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
                     num_draft=4, sampling=greedy)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
     assert out.stats.summary()["tokens_per_round"] > 1.0
+
+
+def test_the_toy_pair_is_a_checkout_fixture_with_a_clear_error_elsewhere(tmp_path, monkeypatch):
+  """The wheel leaves `checkpoints/toy` out (pyproject's package data): where it is absent,
+  `load_toy` says so instead of failing inside the checkpoint reader."""
+  import tomllib
+  from specjax.testing import models
+  data = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+  patterns = data["tool"]["setuptools"]["package-data"]["specjax._default"]
+  assert patterns and not any(p.startswith(("toy", "**", "*")) for p in patterns)
+  (tmp_path / HEAD_DIR).mkdir()  # an installed wheel: the head, no toy pair
+  monkeypatch.setattr(models, "default_dir", lambda: tmp_path)
+  with pytest.raises(FileNotFoundError, match="test fixture of the specjax source checkout"):
+    models.load_toy()

@@ -25,12 +25,17 @@ def load_toy(dtype=jnp.float32) -> DefaultPair:
   """The 7M toy pair of `checkpoints/toy` (a target trained on the Python standard library, a
   draft distilled from it, their byte-level BPE tokenizer): small and fast, for tests.
 
+  A test fixture of the source checkout (and of editable installs of it): the wheel leaves it out.
+
   Raises:
-    FileNotFoundError: this build of specjax was made without `checkpoints/`.
+    FileNotFoundError: no `checkpoints/toy` here (specjax installed from a wheel).
   """
   from specjax.io.orbax import load
   from specjax.io.tokenizer import load_tokenizer
   directory = default_dir() / TOY_DIR
+  if not directory.is_dir():
+    raise FileNotFoundError(f"the toy pair is a test fixture of the specjax source checkout "
+                            f"(checkpoints/toy), not part of an installed wheel: no {directory}")
   return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
                      draft=load(directory / DRAFT_DIR, dtype=dtype),
                      tokenizer=load_tokenizer(directory / TOKENIZER_FILE))
