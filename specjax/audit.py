@@ -1,7 +1,9 @@
 """The exactness audit: does speculative decoding reproduce the target, for this pair and settings?
 
-`audit(target, draft, prompts, ...)` runs two checks on the user's own models and sampling settings
-and returns an `AuditReport` that says PASS or FAIL and why.
+`audit(target, draft, prompts, ...)` runs two checks on the user's own models and sampling
+settings, and a negative control that measures whether the second check could have seen a bug,
+and returns an `AuditReport` (`specjax.audit_report`) that says PASS, FAIL or INCONCLUSIVE and
+why.
 
 1. **Greedy identity.** `specjax.decode` and `specjax.generate` at temperature 0 must return the same
    tokens. The report gives the token identity rate and the first divergence (row, position, both
@@ -20,26 +22,45 @@ and returns an `AuditReport` that says PASS or FAIL and why.
    such cells contribute nothing (the report states how many rows were tested). Groups are
    independent given their prefixes, so their statistics add. Position 1 is the exact marginal.
    A token the target gives probability 0 (cut by top-k / top-p) fails the audit outright.
-   One p-value per (prompt, position); the audit passes when every p-value exceeds the Bonferroni
+   One p-value per (prompt, position); the check passes when every p-value exceeds the Bonferroni
    level `alpha / number_of_tests`.
+3. **Negative control** (`control=True`, sampled settings only). Pooling small cells means that
+   on a large vocabulary with few samples most of the mass is pooled, and a passing check may only
+   say that there were too few samples to see anything. So the sampled check is run a second time
+   with `control_rule`, a known-broken rule (the correction sampled from p instead of the residual
+   normalize(max(p - q, 0)), the classic bug), on the same draws: same prompts, seed, keys and
+   settings, same statistics. If it is not rejected, the audit could not have seen that bug.
 
-Significance: with the default `alpha = 1e-3`, a correct decoder fails the sampled check with
-probability at most 1e-3 (Bonferroni bounds the family-wise error). Power grows with
-`num_samples`: the defaults (2000 samples per prompt) detect a skipped residual correction on
-tiny test pairs with p-values far below 1e-6 (see `tests/test_audit.py`).
+Verdicts: **FAIL** when the audited rule fails (a greedy divergence that is not a near-tie, an
+impossible token, or a sampled p-value at or below the Bonferroni level); otherwise
+**INCONCLUSIVE** when the control is not rejected at its Bonferroni level, or when no position had
+enough samples for a test; otherwise **PASS**. The report gives the control's smallest p-value and
+an estimate of the samples per prompt at which the control would be rejected with probability 0.9
+(`specjax.audit_stats.samples_needed`). The control is skipped for greedy settings (the identity
+check is the whole test), when the audited rule already failed, and with `control=False` (PASS
+then means only that nothing was rejected; the report says that the power was not checked).
+
+Significance: with the default `alpha = 1e-3`, a correct decoder is reported FAIL with
+probability at most 1e-3 (Bonferroni bounds the family-wise error). INCONCLUSIVE is a statement
+about the sample size, not about the decoder. A rejected control shows power against the classic
+bug at this sample size; subtler errors may need more samples. The defaults (2000 samples per
+prompt) reject the control on tiny test pairs with p-values far below 1e-6 (see
+`tests/test_audit.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.audit_stats import MIN_EXPECTED, PositionTest, position_tests
-from specjax.sampling import Sampling
+from specjax.audit_report import AuditReport, Divergence
+from specjax.audit_stats import (
+    POWER, ControlCheck, PositionTest, position_tests, samples_needed, verdict)
+from specjax.rule import verify_reference
+from specjax.sampling import PURPOSE_RESIDUAL, Sampling, VerifyResult, sample_race, warp_logits
 
 TIE_TOLERANCE = 1e-3  # float32 logit gap below which two argmax candidates are a near-tie
 PROBABILITY_CHUNK = 256  # prefixes scored per target forward when computing exact distributions
@@ -47,115 +68,28 @@ SAMPLE_CHUNK = 64  # rows per sampled decode call (bounds memory and compile siz
 
 
 # --------------------------------------------------------------------------------------------
-# Report.
+# The negative control.
 # --------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class Divergence:
-  """The first place where greedy speculative decoding and plain generation disagree.
-
-  Attributes:
-    row: prompt index.
-    position: index of the new token (0 = first generated token).
-    decode_token: what `specjax.decode` produced.
-    generate_token: what `specjax.generate` produced.
-    logit_gap: the target's top-1 minus top-2 logit at that point (same prefix for both).
-    near_tie: `logit_gap < tie_tolerance`, a float32 near-tie rather than a rule error.
+def control_rule(target_logits, draft_logits, draft_tokens, *, sampling, seeds, positions,
+                 num_drafted=None):
+  """The audit's negative control: the exact rule (`specjax.rule.verify_reference`) except that on
+  a rejection the correction is sampled from p instead of normalize(max(p - q, 0)), the classic
+  bug. Greedy settings have no residual, so there it is the exact rule. Same signature as
+  `verify_impl=` callables.
   """
-
-  row: int
-  position: int
-  decode_token: int
-  generate_token: int
-  logit_gap: float
-  near_tie: bool
-
-
-@dataclasses.dataclass(frozen=True)
-class AuditReport:
-  """What `audit` found. `str(report)` is the readable report.
-
-  Attributes:
-    passed: the verdict.
-    reasons: one line per reason for the verdict.
-    greedy_identity_rate: fraction of compared greedy tokens equal in `decode` and `generate`
-      (tokens after a row's first divergence count as different).
-    greedy_rows_identical: rows whose greedy outputs are identical.
-    greedy_rows: rows compared.
-    greedy_tokens: tokens compared per row.
-    divergences: the first divergence of each row that has one.
-    tie_tolerance: the near-tie threshold on the top-2 logit gap.
-    sampling: the settings of the sampled check (None when it was skipped: greedy settings).
-    num_samples: samples (batch rows) per prompt.
-    num_positions: positions tested per prompt.
-    tests: one `PositionTest` per (prompt, position).
-    alpha: family-wise significance level.
-    corrected_alpha: Bonferroni level each p-value is compared with.
-    acceptance_rate: acceptance rate of the sampled run (of the greedy run when skipped).
-    num_draft: draft tokens per round.
-    verify_rule: "exact" (a built-in implementation) or the name of the rule callable audited.
-  """
-
-  passed: bool
-  reasons: tuple[str, ...]
-  greedy_identity_rate: float
-  greedy_rows_identical: int
-  greedy_rows: int
-  greedy_tokens: int
-  divergences: tuple[Divergence, ...]
-  tie_tolerance: float
-  sampling: Sampling | None
-  num_samples: int
-  num_positions: int
-  tests: tuple[PositionTest, ...]
-  alpha: float
-  corrected_alpha: float
-  acceptance_rate: float
-  num_draft: int
-  verify_rule: str
-
-  @property
-  def min_pvalue(self) -> float:
-    tested = [t.pvalue for t in self.tests if t.dof > 0 or t.impossible]
-    return min(tested) if tested else 1.0
-
-  def __str__(self) -> str:
-    lines = [f"specjax exactness audit: {'PASS' if self.passed else 'FAIL'}"
-             + ("" if self.verify_rule == "exact" else f"  [verify rule: {self.verify_rule}]")]
-    lines += [f"  - {reason}" for reason in self.reasons]
-    lines.append("")
-    lines.append(f"greedy identity (decode vs generate, k={self.num_draft}): "
-                 f"{self.greedy_identity_rate:.2%} of {self.greedy_rows} x {self.greedy_tokens} "
-                 f"tokens; {self.greedy_rows_identical}/{self.greedy_rows} rows identical")
-    for d in self.divergences:
-      kind = ("near-tie (float32), not a rule error" if d.near_tie
-              else "NOT a near-tie")
-      lines.append(f"  row {d.row}, new token {d.position}: decode {d.decode_token} vs generate "
-                   f"{d.generate_token}; target top-2 logit gap {d.logit_gap:.3g} "
-                   f"(tolerance {self.tie_tolerance:g}): {kind}")
-    if self.sampling is None:
-      lines.append("sampled goodness of fit: skipped (greedy settings; the identity check is the "
-                   "whole test)")
-      return "\n".join(lines)
-    s = self.sampling
-    lines.append(f"sampled goodness of fit: temperature={s.temperature:g} top_k={s.top_k} "
-                 f"top_p={s.top_p}; {self.num_samples} samples per prompt, first "
-                 f"{self.num_positions} positions, acceptance rate {self.acceptance_rate:.1%}")
-    lines.append(f"  Pearson chi-square per (prompt, position), prefix groups pooled, cells with "
-                 f"expected < {MIN_EXPECTED:g} merged; Bonferroni: alpha {self.alpha:g} / "
-                 f"{self.num_tests} tests = {self.corrected_alpha:.3g}")
-    lines.append("  prompt  pos   chi2       dof   p-value     rows tested  groups  impossible")
-    for t in self.tests:
-      flag = "" if t.dof == 0 and not t.impossible else (
-          "  <- reject" if t.pvalue <= self.corrected_alpha else "")
-      lines.append(f"  {t.prompt:6d}  {t.position:3d}  {t.statistic:9.2f}  {t.dof:4d}  "
-                   f"{t.pvalue:10.3g}  {t.rows_tested:11d}  {t.groups_tested:6d}  "
-                   f"{t.impossible:10d}{flag}")
-    return "\n".join(lines)
-
-  @property
-  def num_tests(self) -> int:
-    return max(1, sum(1 for t in self.tests if t.dof > 0 or t.impossible))
+  extra = {} if num_drafted is None else dict(num_drafted=num_drafted)
+  result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
+                            seeds=seeds, positions=positions, **extra)
+  if sampling.greedy:
+    return result
+  n = result.num_accepted
+  p_at_n = jnp.take_along_axis(target_logits, n[:, None, None], axis=1)[:, 0]
+  from_p = sample_race(warp_logits(p_at_n, sampling), seeds, positions + n, PURPOSE_RESIDUAL)
+  proposed = draft_tokens.shape[1] if num_drafted is None else num_drafted
+  final = jnp.where(n < proposed, from_p,
+                    jnp.take_along_axis(result.tokens, n[:, None], axis=1)[:, 0])
+  return VerifyResult(n, result.tokens.at[jnp.arange(len(n)), n].set(final))
 
 
 # --------------------------------------------------------------------------------------------
@@ -166,7 +100,7 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
           num_draft: int = 4, max_new_tokens: int = 32, num_samples: int = 2000,
           num_positions: int = 3, seed: int = 0, alpha: float = 1e-3,
           tie_tolerance: float = TIE_TOLERANCE, tokenizer=None,
-          verify_impl="auto") -> AuditReport:
+          verify_impl="auto", control: bool = True) -> AuditReport:
   """Audits speculative decoding of `target` with `draft` against the target alone.
 
   Args:
@@ -185,9 +119,13 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     verify_impl: the verify implementation under audit ("auto", "reference", "kernel",
       "interpret"), or a rule callable with the signature of `specjax.rule.verify_reference`
       (the report names it; `specjax.testing.rules` holds broken rules the audit must reject).
+    control: run the negative control (`control_rule` on the same draws) after a sampled check
+      that did not fail, and report INCONCLUSIVE when it is not rejected. False: PASS / FAIL only
+      (about twice as fast; the power is then not checked).
 
   Returns:
-    An `AuditReport`; `report.passed` is the verdict and `print(report)` shows why.
+    An `AuditReport`; `report.verdict` is "PASS", "FAIL" or "INCONCLUSIVE" and `print(report)`
+    shows why.
 
   Raises:
     ValueError: bad prompts or settings.
@@ -247,17 +185,21 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
   # 2. Sampled goodness of fit.
   tests: list[PositionTest] = []
   acceptance = float(spec.stats.summary()["acceptance_rate"])
+  checked = None
   if sampling.greedy:
     reasons.append("sampled check skipped: the settings are greedy")
     corrected = alpha
   else:
+    def sampled_tests(verify):
+      samples, rate = _sample(decode, target, draft, repeated, seed=seed,
+                              num_positions=num_positions, num_draft=num_draft,
+                              sampling=sampling, verify_impl=verify)
+      samples = samples.reshape(len(rows), num_samples, num_positions)
+      return position_tests(rows, samples, sampling, scipy_stats, scores), rate
+
     repeated = [r for r in rows for _ in range(num_samples)]
-    sampled, acceptance = _sample(decode, target, draft, repeated, seed=seed,
-                                  num_positions=num_positions, num_draft=num_draft,
-                                  sampling=sampling, verify_impl=rule)
-    sampled = sampled.reshape(len(rows), num_samples, num_positions)
-    tests = position_tests(rows, sampled, sampling, scipy_stats,
-                           lambda prefixes: _last_logits(target, prefixes))
+    scores = _memoized(lambda prefixes: _last_logits(target, prefixes))
+    tests, acceptance = sampled_tests(rule)
     num_tests = max(1, sum(1 for t in tests if t.dof > 0 or t.impossible))
     corrected = alpha / num_tests
     impossible = sum(t.impossible for t in tests)
@@ -275,16 +217,41 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     else:
       reasons.append(f"sampled: all {num_tests} position tests pass at Bonferroni level "
                      f"{corrected:.3g} (smallest p = {min(t.pvalue for t in tests):.3g})")
+    if real or rejected:
+      reasons.append("control: not run (the audited rule already failed)")
+    elif not any(t.dof > 0 for t in tests):
+      reasons.append("control: not run (nothing was testable)")
+    elif not control:
+      reasons.append("control: not run (control=False): the power of the sampled check was not "
+                     "checked; a PASS may only mean too few samples to see an error")
+    else:
+      control_tests, control_rate = sampled_tests(control_rule)
+      control_alpha = alpha / max(1, sum(1 for t in control_tests if t.dof > 0))
+      needed, no_signal = samples_needed(control_tests, num_samples, control_alpha, scipy_stats)
+      checked = ControlCheck(
+          tuple(control_tests), control_alpha,
+          any(t.dof > 0 and t.pvalue <= control_alpha for t in control_tests), needed, no_signal,
+          control_rate)
+      estimate = ("" if needed is None else
+                  f"; roughly {needed} samples per prompt would reject it with probability "
+                  f"{POWER:g} (an estimate)")
+      if checked.rejected:
+        reasons.append(f"control: the broken control rule is rejected on the same draws (p = "
+                       f"{checked.min_pvalue:.3g} <= {control_alpha:.3g}): the check has power "
+                       f"against skipping the residual at {num_samples} samples per prompt")
+      else:
+        reasons.append(f"control: the broken control rule is NOT rejected on the same draws "
+                       f"(smallest p = {checked.min_pvalue:.3g} > {control_alpha:.3g}): "
+                       f"{num_samples} samples per prompt are too few to see that bug{estimate}")
   failed_sampled = any((t.dof > 0 or t.impossible) and t.pvalue <= corrected for t in tests)
-  untested = not sampling.greedy and not any(t.dof > 0 for t in tests)
-  passed = not real and not failed_sampled and not untested
   return AuditReport(
-      passed=passed, reasons=tuple(reasons), greedy_identity_rate=identity_rate,
+      verdict=verdict(bool(real) or failed_sampled, tests, checked), reasons=tuple(reasons),
+      greedy_identity_rate=identity_rate,
       greedy_rows_identical=int((matched == max_new_tokens).sum()), greedy_rows=len(rows),
       greedy_tokens=max_new_tokens, divergences=tuple(divergences), tie_tolerance=tie_tolerance,
       sampling=None if sampling.greedy else sampling, num_samples=num_samples,
       num_positions=num_positions, tests=tuple(tests), alpha=alpha, corrected_alpha=corrected,
-      acceptance_rate=acceptance, num_draft=num_draft, verify_rule=rule_name)
+      acceptance_rate=acceptance, num_draft=num_draft, verify_rule=rule_name, control=checked)
 
 
 def _sample(decode, target, draft, rows, *, seed, num_positions, num_draft, sampling,
@@ -311,6 +278,19 @@ def _sample(decode, target, draft, rows, *, seed, num_positions, num_draft, samp
     accepted += int(np.sum(np.asarray(out.stats.accepted)[:count]))
     drafted += int(np.sum(np.asarray(out.stats.drafted)[:count]))
   return np.concatenate(outputs), accepted / drafted if drafted else 0.0
+
+
+def _memoized(last_logits):
+  """`last_logits` that scores each distinct prefix once (the control reuses the audited run's)."""
+  seen: dict[tuple, np.ndarray] = {}
+
+  def scores(prefixes):
+    missing = list(dict.fromkeys(tuple(p) for p in prefixes if tuple(p) not in seen))
+    if missing:
+      seen.update(zip(missing, last_logits([list(p) for p in missing])))
+    return np.stack([seen[tuple(p)] for p in prefixes])
+
+  return scores
 
 
 def _prompt_rows(prompts, tokenizer) -> list[list[int]]:

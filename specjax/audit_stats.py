@@ -1,4 +1,5 @@
-"""The audit's sampled check: Pearson chi-square per (prompt, position), prefix groups pooled.
+"""The audit's sampled check: Pearson chi-square per (prompt, position), prefix groups pooled,
+and the sample size its negative control would need.
 
 See `specjax.audit` for the procedure and its significance; this module holds the statistics.
 """
@@ -13,6 +14,7 @@ import numpy as np
 from specjax.sampling import probabilities
 
 MIN_EXPECTED = 5.0  # Pearson's rule of thumb: cells with a smaller expected count are pooled
+POWER = 0.9  # the power the control's sample-size estimate aims at
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,89 @@ class PositionTest:
   groups_tested: int
   impossible: int
 
+
+@dataclasses.dataclass(frozen=True)
+class ControlCheck:
+  """The audit's negative control: a known-broken rule run on the same draws (see `specjax.audit`).
+
+  Attributes:
+    tests: one `PositionTest` per (prompt, position) of the control's sampled run.
+    corrected_alpha: the Bonferroni level its p-values are compared with (`alpha` over its tests).
+    rejected: some test rejects the control at `corrected_alpha`: the audit could see the bug.
+    samples_needed: an ESTIMATE of the samples per prompt at which the control is rejected with
+      probability `POWER` (None when no position was testable); see `samples_needed`.
+    no_signal: no test of the control rose above the null's noise, so `samples_needed` rests on
+      the noise level rather than on an observed effect (rougher still).
+    acceptance_rate: acceptance rate of the control's sampled run.
+  """
+
+  tests: tuple[PositionTest, ...]
+  corrected_alpha: float
+  rejected: bool
+  samples_needed: int | None
+  no_signal: bool
+  acceptance_rate: float
+
+  @property
+  def min_pvalue(self) -> float:
+    return min((t.pvalue for t in self.tests if t.dof > 0), default=1.0)
+
+
+def verdict(failed: bool, tests, control: ControlCheck | None) -> str:
+  """The audit's verdict: "FAIL" when the audited rule failed (a greedy divergence that is not a
+  near-tie, an impossible token, or a rejected position test); else "INCONCLUSIVE" when the sampled
+  check ran (`tests` non-empty) but no position had degrees of freedom, or when the control ran and
+  was not rejected; else "PASS". `tests` is empty for greedy settings.
+  """
+  if failed:
+    return "FAIL"
+  if tests and not any(t.dof > 0 for t in tests):
+    return "INCONCLUSIVE"
+  if control is not None and not control.rejected:
+    return "INCONCLUSIVE"
+  return "PASS"
+
+
+def samples_needed(tests, num_samples: int, corrected_alpha: float, scipy_stats,
+                   power: float = POWER) -> tuple[int | None, bool]:
+  """An estimate of the samples per prompt at which one of `tests` rejects with probability `power`.
+
+  Under a fixed alternative, Pearson's statistic is approximately noncentral chi-square(dof,
+  lambda) with lambda growing linearly with the sample size N. Per test, lambda at N is estimated
+  as `statistic - dof` (its expectation is dof + lambda), floored at the null's standard deviation
+  sqrt(2 dof) (below it the test saw no signal); the needed lambda' solves
+  `ncx2.sf(chi2.isf(corrected_alpha, dof), dof, lambda') = power`, and N' = N * lambda' / lambda.
+  The smallest N' over the tests is returned. It is an estimate, and a rough one at small N: lambda
+  is noisy, and the pooled cells and prefix groups change with N (pooling hides most of an effect
+  when few cells are kept, so N' can be too high). When the test has not rejected, N' > N.
+
+  Returns:
+    `(N' or None when no test has degrees of freedom, whether that N' came from a test with no
+    signal above noise)`.
+  """
+  best = None
+  for t in tests:
+    if t.dof <= 0:
+      continue
+    critical = float(scipy_stats.chi2.isf(corrected_alpha, t.dof))
+    floor = float(np.sqrt(2.0 * t.dof))
+    observed = t.statistic - t.dof
+    high = 1.0
+    while scipy_stats.ncx2.sf(critical, t.dof, high) < power:
+      high *= 2.0
+    needed = _bisect(lambda lam: scipy_stats.ncx2.sf(critical, t.dof, lam) - power, 0.0, high)
+    count = int(np.ceil(num_samples * needed / max(observed, floor)))
+    if best is None or count < best[0]:
+      best = (count, observed < floor)
+  return (None, False) if best is None else best
+
+
+def _bisect(f, low: float, high: float, steps: int = 60) -> float:
+  """The root of increasing `f` in [low, high] (f(low) < 0 <= f(high))."""
+  for _ in range(steps):
+    middle = (low + high) / 2
+    low, high = (middle, high) if f(middle) < 0 else (low, middle)
+  return high
 
 
 def position_tests(rows, sampled, sampling, scipy_stats, last_logits) -> list[PositionTest]:

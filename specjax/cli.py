@@ -244,14 +244,21 @@ def _chat_ids(tokenizer, target, system, message):
   return np.asarray([ids], np.int32), np.asarray([len(ids)], np.int32)
 
 
+AUDIT_EXIT = {"PASS": 0, "FAIL": 1, "INCONCLUSIVE": 3}  # 2 is the exit status of usage errors
+
+
 def _add_audit(subparsers):
   parser = subparsers.add_parser(
-      "audit", help="check that speculative decoding reproduces the target (exit 1 on FAIL)",
+      "audit", help="check that speculative decoding reproduces the target (exit 0 PASS, 1 FAIL, "
+      "3 INCONCLUSIVE)",
       description="Exactness audit of a target/draft pair under your sampling settings: greedy "
       "token identity between specjax.decode and specjax.generate (first divergence and whether "
       "it is a float32 near-tie), and per-position chi-square goodness of fit of sampled tokens "
-      "against the target's own distribution, Bonferroni-corrected. Exit status 0 = PASS, "
-      "1 = FAIL.")
+      "against the target's own distribution, Bonferroni-corrected, with a negative control: a "
+      "known-broken rule (corrections from p instead of the residual) run on the same draws must "
+      "be rejected, or the sample size was too small to see it. Exit status 0 = PASS, 1 = FAIL, "
+      "3 = INCONCLUSIVE (nothing rejected, but the control was not rejected either: the report "
+      "estimates how many --samples would be needed).")
   parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
                       help="a prompt (repeatable; default: a few Python snippets)")
   parser.add_argument("--file", default=None, metavar="PATH",
@@ -264,6 +271,9 @@ def _add_audit(subparsers):
                       help="tokens per prompt in the greedy identity check (default 32)")
   parser.add_argument("--alpha", type=float, default=1e-3,
                       help="family-wise significance level (default 1e-3)")
+  parser.add_argument("--no-control", action="store_true",
+                      help="skip the negative control (about twice as fast; PASS then does not "
+                      "show that the sample size had the power to see an error)")
   add_pair_arguments(parser)
   add_sampling_arguments(parser, temperature=1.0)
   parser.set_defaults(func=_run_audit)
@@ -286,9 +296,9 @@ def _run_audit(args):
   report = sj.audit(target, draft, prompts, tokenizer=tokenizer, sampling=sampling,
                     num_draft=args.num_draft, max_new_tokens=args.max_new_tokens,
                     num_samples=args.samples, num_positions=args.positions, seed=args.seed,
-                    alpha=args.alpha)
+                    alpha=args.alpha, control=not args.no_control)
   print(report)
-  return 0 if report.passed else 1
+  return AUDIT_EXIT[report.verdict]
 
 
 def _add_bench(subparsers):

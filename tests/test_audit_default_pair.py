@@ -3,7 +3,8 @@
 Seeded (seed 0), 4 default prompts x 1,000 sampled continuations, first 3 positions, temperature
 0.8, family-wise alpha 1e-3 with Bonferroni over the 12 position tests. Measured when this test was
 written: the exact rule's smallest p-value was 0.023; the rule that skips the residual was rejected
-at p = 9.8e-14.
+at p = 9.8e-14. That rule is the audit's negative control, run on the same draws, so the PASS
+includes its rejection (the power check).
 """
 
 import functools
@@ -24,6 +25,7 @@ def test_audit_passes_on_the_shipped_pair(capsys):
   report = capsys.readouterr().out
   assert report.startswith("specjax exactness audit: PASS")
   assert "decode equals generate on all" in report
+  assert "the broken control rule is rejected on the same draws" in report
 
 
 def test_audit_fails_on_the_shipped_pair_with_a_broken_rule(capsys, monkeypatch):

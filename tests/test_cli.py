@@ -160,6 +160,30 @@ def test_audit_passes_and_fails_a_broken_rule(pair_dirs, capsys, monkeypatch):
   assert out.startswith("specjax exactness audit: FAIL")
 
 
+def test_audit_exit_status_follows_the_verdict(pair_dirs, capsys, monkeypatch):
+  calls = []
+
+  class Report:  # what sj.audit returns, reduced to what the command reads
+    def __init__(self, verdict):
+      self.verdict = verdict
+
+    def __str__(self):
+      return f"specjax exactness audit: {self.verdict}"
+
+  def fake_audit(*args, **kwargs):
+    calls.append(kwargs["control"])
+    return Report(verdicts.pop(0))
+
+  verdicts = ["INCONCLUSIVE", "PASS", "FAIL"]
+  monkeypatch.setattr(sj, "audit", fake_audit)
+  args = ["audit", "--prompt", "x"] + pair_args(pair_dirs)
+  assert cli.main(args) == 3  # nothing rejected, but neither was the negative control
+  assert capsys.readouterr().out.startswith("specjax exactness audit: INCONCLUSIVE")
+  assert cli.main(args + ["--no-control"]) == 0
+  assert cli.main(args) == 1
+  assert calls == [True, False, True]
+
+
 def test_bench_runs_a_tiny_suite(tmp_path, capsys):
   code = cli.main(["bench", "--suite", "speedup", "--model", "tiny", "--k", "1", "--batch", "1",
                    "--temperature", "0", "--max-new-tokens", "4", "--prompt-tokens", "4",

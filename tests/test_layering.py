@@ -35,8 +35,8 @@ LAYERS = (
                      "specjax.tree_builders")),
     ("drafters", ("specjax.drafters", "specjax.adaptive")),
     ("decoding", ("specjax.round", "specjax.generate", "specjax.decode", "specjax.stream")),
-    ("tools", ("specjax.audit", "specjax.audit_stats", "specjax.default", "specjax.train",
-               "specjax.training", "specjax.testing")),
+    ("tools", ("specjax.audit", "specjax.audit_report", "specjax.audit_stats", "specjax.default",
+               "specjax.train", "specjax.training", "specjax.testing")),
     ("public api", ("specjax",)),
     ("front ends", ("specjax.cli", "specjax.demo", "specjax.calibrate", "specjax.pair_args")),
 )
