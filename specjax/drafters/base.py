@@ -42,7 +42,7 @@ import jax
 from specjax.sampling import Sampling
 from specjax.state import Proposal
 
-__all__ = ["Drafter", "DrafterWrapper", "Proposal", "with_confidence"]
+__all__ = ["Drafter", "DrafterWrapper", "OwnModelDrafter", "Proposal", "with_confidence"]
 
 
 @runtime_checkable
@@ -92,6 +92,22 @@ class DrafterWrapper:
 
   def forwards_per_round(self, num_draft: int) -> int:
     return self.drafter.forwards_per_round(num_draft)
+
+
+class OwnModelDrafter:
+  """Mixin for a drafter that runs its own draft model, held in a field named `model`: the
+  vocabulary and context length are the model's, and it reads no target features."""
+
+  taps = ()
+  needs_hidden = False
+
+  @property
+  def vocab_size(self) -> int:
+    return self.model.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.model.max_len
 
 
 def with_confidence(drafter, confidence: float | None):

@@ -24,6 +24,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
 from specjax.sampling import PURPOSE_DRAFT, sample_token
 from specjax.state import (Proposal, check_confidence, confident_count, gather_tokens,
@@ -119,7 +120,7 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ModelDrafter:
+class ModelDrafter(OwnModelDrafter):
   """A small language model as the drafter: stochastic `q` at temperature > 0, argmax at 0.
 
   Each round it first catches up on the tokens it has not seen: the last round's correction or
@@ -145,19 +146,8 @@ class ModelDrafter:
   confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
   share_prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
-  taps = ()
-  needs_hidden = False
-
   def __post_init__(self):
     object.__setattr__(self, "confidence", check_confidence(self.confidence))
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
-
-  @property
-  def max_len(self) -> int:
-    return self.model.max_len
 
   def forwards_per_round(self, num_draft: int) -> int:
     return num_draft

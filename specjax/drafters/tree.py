@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from specjax import tree_builders, trees
 from specjax.drafters import tree_heads
-from specjax.drafters.base import DrafterWrapper
+from specjax.drafters.base import DrafterWrapper, OwnModelDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.state import gather_tokens
 from specjax.trees import Tree, TreeSpec
@@ -69,22 +69,11 @@ class _TreeDrafterBase:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ModelTreeDrafter(_TreeDrafterBase):
+class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
   """A draft `specjax.Model` growing a tree each round (see the module docstring)."""
 
   model: Any
   spec: TreeSpec = dataclasses.field(metadata=_STATIC)
-
-  taps = ()
-  needs_hidden = False
-
-  @property
-  def vocab_size(self) -> int:
-    return self.model.vocab_size
-
-  @property
-  def max_len(self) -> int:
-    return self.model.max_len
 
   def forwards_per_round(self, num_draft: int) -> int:
     del num_draft
