@@ -131,9 +131,25 @@ def head_config_for(target: ModelConfig, *, kind: str = "eagle3", draft_vocab_si
                     max_len=max_len or target.max_len)
 
 
+class _DraftVocabHead:
+  """Mixin for a head dataclass of `params` (with `d2t [N] int32`) and a static `config`, over a
+  reduced draft vocabulary (`EagleHead`, `specjax.drafters.medusa.MedusaHeads`)."""
+
+  @property
+  def draft_ids(self) -> jax.Array:
+    """`[N]` int32 target id of every draft id (sorted)."""
+    d2t = self.params["d2t"]
+    return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
+
+  def astype(self, dtype):
+    """The same head with floating-point weights cast to `dtype` (`d2t` stays int32)."""
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return type(self)(jax.tree.map(cast, self.params), self.config)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class EagleHead:
+class EagleHead(_DraftVocabHead):
   """An EAGLE-3 / MTP draft head: weights (pytree leaves) plus `HeadConfig` (static).
 
   `params`: `fc [num_taps*E, E]`, `input_norm [E]`, `hidden_norm [E]`, `layer` {`wq [2E, H*D]`,
@@ -144,22 +160,11 @@ class EagleHead:
   params: dict
   config: HeadConfig = dataclasses.field(metadata=dict(static=True))
 
-  @property
-  def draft_ids(self) -> jax.Array:
-    """`[N]` int32 target id of every draft id (sorted)."""
-    d2t = self.params["d2t"]
-    return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
-
   def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
     """An empty one-layer cache (`specjax.KVCache`, one layer, the target cache's layout)."""
     c = self.config
     return KVCache.create(1, batch, max_len or c.max_len, c.num_kv_heads, c.head_dim,
                           dtype or self.params["fc"].dtype)
-
-  def astype(self, dtype) -> "EagleHead":
-    """The same head with floating-point weights cast to `dtype` (`d2t` stays int32)."""
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return EagleHead(jax.tree.map(cast, self.params), self.config)
 
   def num_params(self) -> int:
     return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
@@ -413,6 +418,17 @@ def save_head(head: EagleHead, path: str | os.PathLike, *, overwrite: bool = Fal
                                        "dtype": dtypes[0]}, overwrite=overwrite)
 
 
+def _head_metadata(path: pathlib.Path, kind: str, name: str, a_name: str) -> dict:
+  """The metadata of the checkpoint at `path`: FileNotFoundError without a directory, ValueError
+  where it records none or a kind other than `kind` (the messages call it `name` / `a_name`)."""
+  if not path.is_dir():
+    raise FileNotFoundError(f"no {name} checkpoint directory at {path}")
+  metadata = read_tree_metadata(path)
+  if metadata.get("kind") != kind:
+    raise ValueError(f"{path} is not {a_name} checkpoint (kind {metadata.get('kind')!r})")
+  return metadata
+
+
 def load_head(path: str | os.PathLike, dtype=jnp.float32) -> EagleHead:
   """Loads a head written by `save_head`, float weights cast to `dtype`.
 
@@ -421,11 +437,7 @@ def load_head(path: str | os.PathLike, dtype=jnp.float32) -> EagleHead:
     ValueError: not a head checkpoint, or an incomplete/corrupt one.
   """
   path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f"no head checkpoint directory at {path}")
-  metadata = read_tree_metadata(path)
-  if metadata.get("kind") != HEAD_KIND:
-    raise ValueError(f"{path} is not an EAGLE/MTP head checkpoint (kind {metadata.get('kind')!r})")
+  metadata = _head_metadata(path, HEAD_KIND, "head", "an EAGLE/MTP head")
   config = config_from_dict(metadata["config"])
   stored = jnp.dtype(metadata.get("dtype", "float32"))
   abstract = jax.tree.map(

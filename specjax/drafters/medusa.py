@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle import _check_draft_ids, target_output_head
+from specjax.drafters.eagle import (_check_draft_ids, _DraftVocabHead, _head_metadata,
+                                    target_output_head)
 from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
 from specjax.models.transformer import Model
 
@@ -46,20 +47,11 @@ class MedusaConfig:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MedusaHeads:
+class MedusaHeads(_DraftVocabHead):
   """Medusa heads: `params` {`w [k, E, E]`, `lm_head [k, E, N]`, `d2t [N] int32`} + config."""
 
   params: dict
   config: MedusaConfig = dataclasses.field(metadata=dict(static=True))
-
-  @property
-  def draft_ids(self) -> jax.Array:
-    d2t = self.params["d2t"]
-    return jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
-
-  def astype(self, dtype) -> "MedusaHeads":
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return MedusaHeads(jax.tree.map(cast, self.params), self.config)
 
 
 def num_heads(heads: MedusaHeads) -> int:
@@ -104,11 +96,7 @@ def save_medusa(heads: MedusaHeads, path: str | os.PathLike, *, overwrite: bool 
 def load_medusa(path: str | os.PathLike, dtype=jnp.float32) -> MedusaHeads:
   """Loads heads written by `save_medusa`; ValueError on a corrupt or foreign checkpoint."""
   path = pathlib.Path(path)
-  if not path.is_dir():
-    raise FileNotFoundError(f"no Medusa checkpoint directory at {path}")
-  metadata = read_tree_metadata(path)
-  if metadata.get("kind") != MEDUSA_KIND:
-    raise ValueError(f"{path} is not a Medusa checkpoint (kind {metadata.get('kind')!r})")
+  metadata = _head_metadata(path, MEDUSA_KIND, "Medusa", "a Medusa")
   c = MedusaConfig(**metadata["config"])
   s = jax.ShapeDtypeStruct
   abstract = {"w": s((c.num_heads, c.embed_dim, c.embed_dim), jnp.float32),
