@@ -61,33 +61,11 @@ def acceptance(target: Model, draft: Model, windows: np.ndarray, *, prompt_len: 
     "accepted"}` summed over all prompts, plus `"matches_generate"` (every row's tokens equal
     `specjax.generate`'s) when `check_generate`.
   """
-  from specjax.decode import decode
-  from specjax.generate import generate
-  from specjax.sampling import Sampling
-  greedy = Sampling(temperature=0.0)
   target, draft = target.astype(jnp.float32), draft.astype(jnp.float32)
-  rng = jax.random.PRNGKey(0)
-  totals = {"rounds": 0, "drafted": 0, "accepted": 0}
-  per_position = np.zeros((num_draft,), np.int64)
-  matches = True
-  for i in range(0, len(windows), batch_size):
-    prompts = jnp.asarray(windows[i:i + batch_size, :prompt_len])
-    out = decode(target, draft, prompts, rng, max_new_tokens=max_new_tokens,
-                 num_draft=num_draft, sampling=greedy)
-    summary = out.stats.summary()
-    for key in totals:
-      totals[key] += summary[key]
-    per_position += np.asarray(summary["accepted_per_position"], np.int64)
-    if check_generate:
-      reference = generate(target, prompts, rng, max_new_tokens=max_new_tokens, sampling=greedy)
-      matches &= bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens)))
-  result = dict(totals,
-                acceptance_rate=totals["accepted"] / max(totals["drafted"], 1),
-                tokens_per_round=(totals["accepted"] + totals["rounds"]) / max(totals["rounds"], 1),
-                accepted_per_position=per_position.tolist())
-  if check_generate:
-    result["matches_generate"] = matches
-  return result
+  batches = ((jnp.asarray(windows[i:i + batch_size, :prompt_len]), None)
+             for i in range(0, len(windows), batch_size))
+  return _greedy_acceptance(target, draft, batches, num_draft=num_draft,
+                            max_new_tokens=max_new_tokens, check_generate=check_generate)
 
 
 def drafter_acceptance(target: Model, drafter, prompts: list[list[int]], *, num_draft: int = 4,
@@ -101,22 +79,38 @@ def drafter_acceptance(target: Model, drafter, prompts: list[list[int]], *, num_
     `{"tokens_per_round" (tau), "acceptance_rate", "accepted_per_position", "rounds", "drafted",
     "accepted"}` summed over the prompts, and `"matches_generate"` when `check_generate`.
   """
+  pad = target.config.pad_id
+
+  def batches():
+    for i in range(0, len(prompts), batch_size):
+      rows = prompts[i:i + batch_size]
+      width = -(-max(map(len, rows)) // 32) * 32
+      ids = np.full((len(rows), width), pad, np.int32)
+      for b, r in enumerate(rows):
+        ids[b, :len(r)] = r
+      yield ids, np.asarray([len(r) for r in rows], np.int32)
+
+  return _greedy_acceptance(target, drafter, batches(), num_draft=num_draft,
+                            max_new_tokens=max_new_tokens, check_generate=check_generate,
+                            eos_id=eos_id)
+
+
+def _greedy_acceptance(target: Model, drafter, batches, *, num_draft: int, max_new_tokens: int,
+                       check_generate: bool, eos_id=None) -> dict:
+  """Greedy speculative decoding of `(ids [B, T], lengths [B] or None)` batches, summed.
+
+  Returns:
+    The dict `acceptance` and `drafter_acceptance` describe.
+  """
   from specjax.decode import decode
   from specjax.generate import generate
   from specjax.sampling import Sampling
   greedy = Sampling(temperature=0.0)
   rng = jax.random.PRNGKey(0)
-  pad = target.config.pad_id
   totals = {"rounds": 0, "drafted": 0, "accepted": 0}
   per_position = np.zeros((num_draft,), np.int64)
   matches = True
-  for i in range(0, len(prompts), batch_size):
-    rows = prompts[i:i + batch_size]
-    width = -(-max(map(len, rows)) // 32) * 32
-    ids = np.full((len(rows), width), pad, np.int32)
-    for b, r in enumerate(rows):
-      ids[b, :len(r)] = r
-    lengths = np.asarray([len(r) for r in rows], np.int32)
+  for ids, lengths in batches:
     out = decode(target, drafter, ids, rng, lengths=lengths, max_new_tokens=max_new_tokens,
                  num_draft=num_draft, sampling=greedy, eos_id=eos_id)
     summary = out.stats.summary()
