@@ -322,6 +322,11 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   def block(x, lp, window, layer_k, layer_v):
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
     cpu = cpu_layout.is_cpu_layer(lp)
+
+    def project_out(a, name, post_norm):  # an output projection, then its post-norm if any
+      out = cpu_layout.project(a, lp, name, kernel) if cpu else quant.linear(a, lp[name])
+      return rms_norm(out, lp[post_norm], c.norm_eps, c.norm_offset) if c.post_norms else out
+
     if cpu:  # the CPU layout (with_fused_projections)
       n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
       qkv = cpu_layout.project(h, lp, "wqkv", kernel)
@@ -346,13 +351,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     attn = attention(q, segments, q_pos, window, c, kernel=kernel and cache is not None)
-    if cpu:
-      o = cpu_layout.project(attn, lp, "wo", kernel)
-    else:
-      o = quant.linear(attn, lp["wo"])
-    if c.post_norms:
-      o = rms_norm(o, lp["post_attn_norm"], c.norm_eps, c.norm_offset)
-    x = x + o
+    x = x + project_out(attn, "wo", "post_attn_norm")
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
     if cpu:
       gate_up = cpu_layout.project(h, lp, "w_gate_up", kernel)
@@ -361,13 +360,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       gate = quant.linear(h, lp["w_gate"])
       up = quant.linear(h, lp["w_up"])
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
-    if cpu:
-      m = cpu_layout.project(hidden, lp, "w_down", kernel)
-    else:
-      m = quant.linear(hidden, lp["w_down"])
-    if c.post_norms:
-      m = rms_norm(m, lp["post_mlp_norm"], c.norm_eps, c.norm_offset)
-    return constrain(x + m, RESIDUAL_AXES), k, v, attn
+    x = x + project_out(hidden, "w_down", "post_mlp_norm")
+    return constrain(x, RESIDUAL_AXES), k, v, attn
 
   layers = p["layers"]
   inner = sorted({i for i in taps if i < c.num_layers})  # taps taken inside the loop
