@@ -70,6 +70,29 @@ def _checkpointer():
   return ocp.StandardCheckpointer()
 
 
+def _write_checkpoint(path: pathlib.Path, tree_dir: str, tree, record_file: str, record,
+                      overwrite: bool) -> pathlib.Path:
+  """Saves `tree` under `path / tree_dir`, then the JSON text `record()` as `path / record_file`.
+
+  The record is written last (by process 0, through a temporary file): a directory without it is
+  an interrupted save. An existing `path` is removed first when `overwrite`, else a ValueError.
+  """
+  if path.exists():
+    if not overwrite:
+      raise ValueError(f"{path} already exists (pass overwrite=True to replace it)")
+    if jax.process_index() == 0:
+      import shutil
+      shutil.rmtree(path)
+  with _checkpointer() as checkpointer:
+    checkpointer.save(path / tree_dir, tree)
+    checkpointer.wait_until_finished()
+  if jax.process_index() == 0:
+    tmp = path / (record_file + ".tmp")
+    tmp.write_text(record() + "\n")
+    tmp.replace(path / record_file)
+  return path
+
+
 def save(model: Model, path: str | os.PathLike, *, overwrite: bool = False) -> pathlib.Path:
   """Saves a model as an Orbax checkpoint with its architecture config beside the weights.
 
@@ -87,26 +110,16 @@ def save(model: Model, path: str | os.PathLike, *, overwrite: bool = False) -> p
   if not isinstance(model, Model):
     raise ValueError(f"save expects a specjax.Model, got {type(model).__name__}")
   model = model.stacked().without_output_copy()  # one on-disk layout, whatever the platform's
-  path = pathlib.Path(path).absolute()
-  if path.exists():
-    if not overwrite:
-      raise ValueError(f"{path} already exists (pass overwrite=True to replace it)")
-    if jax.process_index() == 0:
-      import shutil
-      shutil.rmtree(path)
-  with _checkpointer() as checkpointer:
-    checkpointer.save(path / PARAMS_DIR, model.params)
-    checkpointer.wait_until_finished()
-  # The config is written last: a directory without it is an interrupted save.
-  if jax.process_index() == 0:
-    record = {"format_version": FORMAT_VERSION, "config": config_to_dict(model.config)}
+
+  def record() -> str:  # the format version, the config and any quantization settings
+    data = {"format_version": FORMAT_VERSION, "config": config_to_dict(model.config)}
     quantization = quant.quantization_of(model)
     if quantization is not None:
-      record["quantization"] = quantization
-    tmp = path / (CONFIG_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path / CONFIG_FILE)
-  return path
+      data["quantization"] = quantization
+    return json.dumps(data, indent=2, sort_keys=True)
+
+  return _write_checkpoint(pathlib.Path(path).absolute(), PARAMS_DIR, model.params, CONFIG_FILE,
+                           record, overwrite)
 
 
 def read_quantization(path: str | os.PathLike) -> dict | None:
@@ -314,20 +327,7 @@ def save_tree(path: str | os.PathLike, tree, metadata: dict | None = None, *,
                         indent=2, sort_keys=True)
   except TypeError as error:
     raise ValueError(f"save_tree metadata must be JSON-serialisable: {error}") from None
-  if path.exists():
-    if not overwrite:
-      raise ValueError(f"{path} already exists (pass overwrite=True to replace it)")
-    if jax.process_index() == 0:
-      import shutil
-      shutil.rmtree(path)
-  with _checkpointer() as checkpointer:
-    checkpointer.save(path / TREE_DIR, tree)
-    checkpointer.wait_until_finished()
-  if jax.process_index() == 0:  # written last: a directory without it is an interrupted save
-    tmp = path / (TREE_META_FILE + ".tmp")
-    tmp.write_text(record + "\n")
-    tmp.replace(path / TREE_META_FILE)
-  return path
+  return _write_checkpoint(path, TREE_DIR, tree, TREE_META_FILE, lambda: record, overwrite)
 
 
 def read_tree_metadata(path: str | os.PathLike) -> dict:
