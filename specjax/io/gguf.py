@@ -37,7 +37,8 @@ import numpy as np
 
 from specjax.io.ggml import SUPPORTED_TYPES, dequantize
 from specjax.io.gguf_file import GGUFFile
-from specjax.io.orbax import check_param_shapes, expected_shapes, put, resolve_sharding, save
+from specjax.io.orbax import (check_param_shapes, expected_shapes, nest_params, put,
+                              resolve_sharding, save)
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model
 
@@ -315,13 +316,7 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
         progress(done, total, gguf_name)
     flat[name] = put(out, None if shardings is None else shardings[name])
     del out
-  params: dict = {"layers": {}}
-  for name, value in flat.items():
-    if name.startswith("layers/"):
-      params["layers"][name[len("layers/"):]] = value
-    else:
-      params[name] = value
-  return Model(params, config)
+  return Model(nest_params(flat), config)
 
 
 # ---------------------------------------------------------------------------------------------

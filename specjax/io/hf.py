@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.io.orbax import (check_param_shapes, expected_shapes, flatten, put, resolve_sharding,
-                              save)
+from specjax.io.orbax import (check_param_shapes, expected_shapes, flatten, nest_params, put,
+                              resolve_sharding, save)
 from specjax.io.safetensors import SafetensorsFiles, safetensors_files
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model, init_params
@@ -357,13 +357,7 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
         progress(done, total, hf_name)
     flat[name] = put(out, None if shardings is None else shardings[name])
     del out, target
-  params: dict = {"layers": {}}
-  for name, value in flat.items():
-    if name.startswith("layers/"):
-      params["layers"][name[len("layers/"):]] = value
-    else:
-      params[name] = value
-  return Model(params, config)
+  return Model(nest_params(flat), config)
 
 
 def copy_tokenizer_files(source: str | os.PathLike, target: str | os.PathLike) -> list[str]:

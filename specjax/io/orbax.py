@@ -170,6 +170,18 @@ def flatten(tree) -> dict[str, Any]:
   return {path_name(kp): leaf for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def nest_params(flat: dict[str, Any]) -> dict:
+  """A `Model`'s parameter dict from its weights by flat name: `{"layers/wq": a, "embed": b}` ->
+  `{"layers": {"wq": a}, "embed": b}`."""
+  params: dict = {"layers": {}}
+  for name, value in flat.items():
+    if name.startswith("layers/"):
+      params["layers"][name[len("layers/"):]] = value
+    else:
+      params[name] = value
+  return params
+
+
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
   """`{"layers/wq": (L, E, H*D), ...}`: the parameter shapes a config implies."""
   abstract = jax.eval_shape(lambda: init_params(config, jax.random.key(0)).params)
