@@ -29,12 +29,11 @@ the `EagleHead` and the `EagleDrafter` (`specjax.load_eagle3`) from them.
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 import numpy as np
 
-from specjax.io.safetensors import SafetensorsFiles, safetensors_files
+from specjax.io.safetensors import SafetensorsFiles, read_json, safetensors_files
 
 __all__ = ["eagle3_taps", "read_eagle3"]
 
@@ -73,10 +72,7 @@ def read_eagle3(path) -> tuple[dict, dict[str, np.ndarray]]:
   config_file = path / "config.json"
   if not config_file.is_file():
     raise ValueError(f"{path} is not an EAGLE-3 checkpoint: no config.json")
-  try:
-    config = json.loads(config_file.read_text())
-  except json.JSONDecodeError as error:
-    raise ValueError(f"corrupt {config_file}: {error}") from None
+  config = read_json(config_file)
   files = SafetensorsFiles(safetensors_files(path))
   missing = [name for name in _REQUIRED if name not in files]
   if missing:

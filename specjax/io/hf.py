@@ -7,7 +7,6 @@ the built-in decoder; `convert_hf` writes the result as a specjax (Orbax) checkp
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from typing import Callable
@@ -18,7 +17,7 @@ import numpy as np
 
 from specjax.io.orbax import (check_param_shapes, expected_shapes, flatten, nest_params, put,
                               resolve_sharding, save)
-from specjax.io.safetensors import SafetensorsFiles, safetensors_files
+from specjax.io.safetensors import SafetensorsFiles, read_json, safetensors_files
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.transformer import Model, init_params
 
@@ -290,10 +289,7 @@ def from_hf(path: str | os.PathLike, dtype=None, sharding=None,
   config_path = path / "config.json"
   if not config_path.is_file():
     raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint")
-  try:
-    hf = json.loads(config_path.read_text())
-  except json.JSONDecodeError as error:
-    raise ValueError(f"corrupt {config_path}: {error}") from None
+  hf = read_json(config_path)
   try:
     config = hf_config_to_model_config(hf)
   except KeyError as error:

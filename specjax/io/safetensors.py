@@ -1,4 +1,5 @@
-"""Memory-mapped reading of `.safetensors` files (single or sharded checkpoints)."""
+"""Memory-mapped reading of `.safetensors` files (single or sharded checkpoints), and of the JSON
+files beside them."""
 
 from __future__ import annotations
 
@@ -65,6 +66,14 @@ class SafetensorsFiles:
     if file not in self._maps:
       self._maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
     return self._maps[file][begin:end].view(self.dtype(name)).reshape(shape)
+
+
+def read_json(path: pathlib.Path):
+  """The parsed JSON file `path`; a ValueError naming it when it is corrupt."""
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as error:
+    raise ValueError(f"corrupt {path}: {error}") from None
 
 
 def safetensors_files(path: pathlib.Path) -> list[pathlib.Path]:
