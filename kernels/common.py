@@ -61,8 +61,31 @@ def accept_uniforms(seeds, positions, num_draft: int, sampling: Sampling) -> jax
   return sampling_lib.uniform(seeds[:, None], token_positions, 0, sampling_lib.PURPOSE_ACCEPT)
 
 
+class ThresholdPasses:
+  """Mixin for a static pass schedule with fields `greedy`, `top_k` and `top_p` (the active
+  thresholds, None when off): from `first_top_k`, `RADIX_ROUNDS` passes for each active threshold,
+  and `sum_pass` after them; the subclass names `first_top_k` and `race_pass` (the last pass).
+  Shared by `Schedule` and `specjax.kernels.tree_common.TreeSchedule`."""
+
+  @property
+  def has_threshold(self) -> bool:
+    return bool(self.top_k or self.top_p)
+
+  @property
+  def first_top_p(self) -> int:
+    return self.first_top_k + (sampling_lib.RADIX_ROUNDS if self.top_k else 0)
+
+  @property
+  def sum_pass(self) -> int:
+    return self.first_top_p + (sampling_lib.RADIX_ROUNDS if self.top_p else 0)
+
+  @property
+  def num_passes(self) -> int:
+    return 1 if self.greedy else self.race_pass + 1
+
+
 @dataclasses.dataclass(frozen=True)
-class Schedule:
+class Schedule(ThresholdPasses):
   """Static pass layout: `[STATS] [TOP_K x n] [TOP_P x n] [SUM] [RACE]`; greedy is `[STATS]`."""
 
   greedy: bool
@@ -74,24 +97,8 @@ class Schedule:
     return 1
 
   @property
-  def first_top_p(self) -> int:
-    return self.first_top_k + (sampling_lib.RADIX_ROUNDS if self.top_k else 0)
-
-  @property
-  def sum_pass(self) -> int:
-    return self.first_top_p + (sampling_lib.RADIX_ROUNDS if self.top_p else 0)
-
-  @property
-  def has_threshold(self) -> bool:
-    return bool(self.top_k or self.top_p)
-
-  @property
   def race_pass(self) -> int:
     return self.sum_pass + (1 if self.has_threshold else 0)
-
-  @property
-  def num_passes(self) -> int:
-    return 1 if self.greedy else self.race_pass + 1
 
 
 def schedule_for(sampling: Sampling, vocab: int) -> Schedule:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax import trees
+from specjax.kernels.common import ThresholdPasses
 from specjax.sampling import Sampling
 
 RULES = ("match", "iid", "without_replacement")
@@ -131,7 +132,7 @@ def node_results(out_token, out_p_token, out_rank, inputs: NodeInputs) -> NodeRe
 # --------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class TreeSchedule:
+class TreeSchedule(ThresholdPasses):
   """Static pass layout: `[STATS] [TOP_K x 8] [TOP_P x 8] [SUM] [SIBLING x M] [RACE]`.
 
   Greedy is `[STATS]` (the running argmax). "match" at temperature > 0 needs no normaliser: a
@@ -147,10 +148,6 @@ class TreeSchedule:
   num_children: int  # M sibling passes (sampled rules)
 
   @property
-  def has_threshold(self) -> bool:
-    return bool(self.top_k or self.top_p)
-
-  @property
   def has_stats(self) -> bool:
     return self.greedy or self.sampled or self.has_threshold
 
@@ -159,24 +156,12 @@ class TreeSchedule:
     return int(self.has_stats)
 
   @property
-  def first_top_p(self) -> int:
-    return self.first_top_k + (sampling_lib.RADIX_ROUNDS if self.top_k else 0)
-
-  @property
-  def sum_pass(self) -> int:
-    return self.first_top_p + (sampling_lib.RADIX_ROUNDS if self.top_p else 0)
-
-  @property
   def first_sibling(self) -> int:
     return self.sum_pass + (1 if self.sampled and self.has_threshold else 0)
 
   @property
   def race_pass(self) -> int:
     return self.first_sibling + (self.num_children if self.sampled else 0)
-
-  @property
-  def num_passes(self) -> int:
-    return 1 if self.greedy else self.race_pass + 1
 
 
 def tree_schedule(rule: str, sampling: Sampling, vocab: int, num_children: int) -> TreeSchedule:
