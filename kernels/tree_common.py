@@ -120,6 +120,20 @@ def children_draft_logits(tree, inputs: NodeInputs) -> jax.Array:
   return jnp.take_along_axis(tree.logits, first[:, :, None], axis=1)
 
 
+def tree_kernel_setup(target_logits, tree, rule: str, sampling: Sampling, seeds, positions,
+                      max_children: int | None
+                      ) -> tuple[TreeSchedule, NodeInputs, jax.Array | None]:
+  """What both tree kernels derive from their arguments (after `check_tree_args`): the pass
+  schedule, the per-node tables, and the children's draft logits (`children_draft_logits`; None
+  unless the rule runs the sibling loop)."""
+  num_children = check_tree_args(target_logits, tree, rule, sampling, max_children)
+  schedule = tree_schedule(rule, sampling, target_logits.shape[-1], num_children)
+  sampled = sampled_rule(rule, sampling)
+  inputs = node_inputs(tree, jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions, jnp.int32),
+                       num_children, sampled)
+  return schedule, inputs, children_draft_logits(tree, inputs) if sampled else None
+
+
 def node_results(out_token, out_p_token, out_rank, inputs: NodeInputs) -> NodeResults:
   """Maps the kernels' accepted sibling rank (-1: none) to the accepted child's node index."""
   rank = jnp.maximum(out_rank, 0)

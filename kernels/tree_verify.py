@@ -48,9 +48,8 @@ from specjax.kernels.blocks import (DEFAULT_MAX_BLOCK_B, INTERPRET_MAX_BLOCK_B,
                                     compile_device_kind, vmem_budget_for, vmem_limit_for)
 from specjax.kernels.common import tile_argmax
 from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
-                                         check_tree_args, children_draft_logits, log_weights,
-                                         node_inputs, node_results, replay, sampled_rule,
-                                         sibling_sums, tree_schedule)
+                                         log_weights, node_results, replay, sibling_sums,
+                                         tree_kernel_setup)
 from specjax.kernels.tree_passes import column, set_column, threshold_passes
 from specjax.sampling import Sampling
 
@@ -127,13 +126,9 @@ def tree_node_results(target_logits: jax.Array, tree: trees.Tree, *, rule: str,
   Returns:
     `NodeResults` `[B, N + 1]` each.
   """
-  num_children = check_tree_args(target_logits, tree, rule, sampling, max_children)
+  schedule, inputs, q_logits = tree_kernel_setup(target_logits, tree, rule, sampling, seeds,
+                                                 positions, max_children)
   batch, num_rows, vocab = target_logits.shape
-  schedule = tree_schedule(rule, sampling, vocab, num_children)
-  sampled = sampled_rule(rule, sampling)
-  inputs = node_inputs(tree, jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions, jnp.int32),
-                       num_children, sampled)
-  q_logits = children_draft_logits(tree, inputs) if sampled else None
   if device_kind is None and not interpret:
     device_kind = compile_device_kind()
   if block_sizes is None:

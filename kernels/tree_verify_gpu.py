@@ -25,9 +25,8 @@ from specjax import trees
 from specjax.kernels.common import tile_argmax
 from specjax.kernels.fused_verify_gpu import GpuBlockSizes, threshold_floors
 from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
-                                         check_tree_args, children_draft_logits, log_weights,
-                                         node_inputs, node_results, replay, sampled_rule,
-                                         sibling_sums, tree_schedule)
+                                         log_weights, node_results, replay, sibling_sums,
+                                         tree_kernel_setup)
 from specjax.sampling import Sampling
 
 _NEG_INF = float("-inf")
@@ -48,21 +47,17 @@ def tree_node_results_gpu(target_logits: jax.Array, tree: trees.Tree, *, rule: s
   `GpuBlockSizes` (default: `GpuBlockSizes.get_default` over the `N + 1` node rows) and
   `interpret` a bool.
   """
-  num_children = check_tree_args(target_logits, tree, rule, sampling, max_children)
+  schedule, inputs, q_logits = tree_kernel_setup(target_logits, tree, rule, sampling, seeds,
+                                                 positions, max_children)
   batch, num_rows, vocab = target_logits.shape
-  schedule = tree_schedule(rule, sampling, vocab, num_children)
-  sampled = sampled_rule(rule, sampling)
-  inputs = node_inputs(tree, jnp.asarray(seeds, jnp.uint32), jnp.asarray(positions, jnp.int32),
-                       num_children, sampled)
   if block_sizes is None:
     block_sizes = GpuBlockSizes.get_default(vocab, num_rows - 1, batch)
   lanes = pl.next_power_of_2(inputs.child_tokens.shape[-1])
   pad = ((0, 0), (0, 0), (0, lanes - inputs.child_tokens.shape[-1]))
   operands = [inputs.columns, target_logits]
-  if sampled:
+  if q_logits is not None:
     operands += [jnp.pad(inputs.child_tokens, pad, constant_values=-1),
-                 jnp.pad(inputs.uniforms, pad, constant_values=1.0),
-                 children_draft_logits(tree, inputs)]
+                 jnp.pad(inputs.uniforms, pad, constant_values=1.0), q_logits]
   kernel = functools.partial(
       _tree_verify_gpu_kernel, sampling=sampling, schedule=schedule, batch=batch,
       num_rows=num_rows, vocab=vocab, block_b=block_sizes.block_b, block_v=block_sizes.block_v,
