@@ -121,7 +121,7 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
       (the report names it; `specjax.testing.rules` holds broken rules the audit must reject).
     control: run the negative control (`control_rule` on the same draws) after a sampled check
       that did not fail, and report INCONCLUSIVE when it is not rejected. False: PASS / FAIL only
-      (about twice as fast; the power is then not checked).
+      (half the sampled decoding; the power is then not checked).
 
   Returns:
     An `AuditReport`; `report.verdict` is "PASS", "FAIL" or "INCONCLUSIVE" and `print(report)`

@@ -114,6 +114,8 @@ def samples_needed(tests, num_samples: int, corrected_alpha: float, scipy_stats,
       high *= 2.0
     needed = _bisect(lambda lam: scipy_stats.ncx2.sf(critical, t.dof, lam) - power, 0.0, high)
     count = int(np.ceil(num_samples * needed / max(observed, floor)))
+    if t.statistic < critical:  # not rejected at N: more than N is needed, whatever the estimate
+      count = max(count, num_samples + 1)
     if best is None or count < best[0]:
       best = (count, observed < floor)
   return (None, False) if best is None else best

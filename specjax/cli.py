@@ -272,8 +272,8 @@ def _add_audit(subparsers):
   parser.add_argument("--alpha", type=float, default=1e-3,
                       help="family-wise significance level (default 1e-3)")
   parser.add_argument("--no-control", action="store_true",
-                      help="skip the negative control (about twice as fast; PASS then does not "
-                      "show that the sample size had the power to see an error)")
+                      help="skip the negative control (half the sampled decoding; PASS then "
+                      "does not show that the sample size had the power to see an error)")
   add_pair_arguments(parser)
   add_sampling_arguments(parser, temperature=1.0)
   parser.set_defaults(func=_run_audit)

@@ -129,6 +129,7 @@ def test_samples_needed_grows_past_the_size_of_a_test_that_did_not_reject():
     return stats.ncx2.sf(critical, 10, (4 * critical - 10) * n / 100)
   assert power(needed_strong) >= POWER > power(needed_strong - 1)  # the smallest such size
   assert samples_needed([noise], 100, alpha, stats)[1]  # below the noise: flagged
+  assert samples_needed([noise], 100, 0.5, stats)[0] > 100  # not rejected: more than N, always
   assert samples_needed([untested], 100, alpha, stats) == (None, False)
 
 
