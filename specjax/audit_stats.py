@@ -102,6 +102,7 @@ def samples_needed(tests, num_samples: int, corrected_alpha: float, scipy_stats,
     `(N' or None when no test has degrees of freedom, whether that N' came from a test with no
     signal above noise)`.
   """
+  from scipy import optimize  # lazily, as the caller imports scipy.stats
   best = None
   for t in tests:
     if t.dof <= 0:
@@ -112,21 +113,14 @@ def samples_needed(tests, num_samples: int, corrected_alpha: float, scipy_stats,
     high = 1.0
     while scipy_stats.ncx2.sf(critical, t.dof, high) < power:
       high *= 2.0
-    needed = _bisect(lambda lam: scipy_stats.ncx2.sf(critical, t.dof, lam) - power, 0.0, high)
+    needed = optimize.brentq(lambda lam: scipy_stats.ncx2.sf(critical, t.dof, lam) - power,
+                             0.0, high)
     count = int(np.ceil(num_samples * needed / max(observed, floor)))
     if t.statistic < critical:  # not rejected at N: more than N is needed, whatever the estimate
       count = max(count, num_samples + 1)
     if best is None or count < best[0]:
       best = (count, observed < floor)
   return (None, False) if best is None else best
-
-
-def _bisect(f, low: float, high: float, steps: int = 60) -> float:
-  """The root of increasing `f` in [low, high] (f(low) < 0 <= f(high))."""
-  for _ in range(steps):
-    middle = (low + high) / 2
-    low, high = (middle, high) if f(middle) < 0 else (low, middle)
-  return high
 
 
 def position_tests(rows, sampled, sampling, scipy_stats, last_logits) -> list[PositionTest]:
