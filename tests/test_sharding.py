@@ -460,8 +460,10 @@ def test_sharded_verify_other_layouts(shape, vocab):
   target, draft, draft_tokens, seed_words, positions = _verify_inputs(11, vocab=vocab)
   expected = verify_reference(target, draft, draft_tokens, sampling=sampling, seeds=seed_words,
                               positions=positions)
-  got = parallel_verify.sharded_verify(target, draft, draft_tokens, sampling=sampling,
-                                       seeds=seed_words, positions=positions, mesh=mesh)
+  # Compiled (the caller's situation); eagerly, the radix rounds' collectives run op by op.
+  run = jax.jit(lambda *args: parallel_verify.sharded_verify(
+      *args[:3], sampling=sampling, seeds=args[3], positions=args[4], mesh=mesh))
+  got = run(target, draft, draft_tokens, seed_words, positions)
   np.testing.assert_array_equal(got.tokens, expected.tokens)
   np.testing.assert_array_equal(got.num_accepted, expected.num_accepted)
 
