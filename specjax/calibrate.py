@@ -76,7 +76,7 @@ def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, contex
   from specjax.decode import decode
   from specjax.generate import generate
   from specjax.sampling import GREEDY
-  from specjax.state import prefill
+  from specjax.state import prefill, target_features
 
   if max_width < 2:
     raise ValueError(f"max_width must be >= 2 (one draft), got {max_width}")
@@ -86,11 +86,9 @@ def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, contex
                               jnp.int32)
   lengths = jnp.full((batch,), context, jnp.int32)
   buffer_len = context + 2 * max_width + 2
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
-  out = jax.jit(lambda t, x: prefill(t, x, t.init_cache(batch, buffer_len), taps=drafter.taps,
-                                     return_hidden=drafter.needs_hidden))(target, tokens)
+  kwargs = target_features(drafter)
+  start = jax.jit(lambda t, x: prefill(t, x, t.init_cache(batch, buffer_len), **kwargs))
+  out = start(target, tokens)
   cache = out.cache.with_lengths(lengths - 1)
 
   forward = jax.jit(lambda t, block, cache: t(block, lengths - 1, cache, **kwargs),

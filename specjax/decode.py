@@ -100,9 +100,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   """
   validation.check_model(target, "target")
   if tree is None:
-    drafter = as_drafter(draft)
-    tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
-    drafter, num_draft, widths = resolve_num_draft(drafter, num_draft,
+    drafter, num_draft, widths = resolve_num_draft(as_drafter(draft), num_draft,
                                                    verify_widths=verify_widths,
                                                    calibration=calibration)
     scratch = 0
@@ -112,9 +110,9 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                        "verify widths): leave num_draft, verify_widths and calibration at their "
                        f"defaults (got num_draft={num_draft!r})")
     drafter = tree_drafter(target, draft, tree)
-    tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
     num_draft, widths = tree.depth, (tree.depth + 1,)
     scratch = drafter.extra_slots  # a round's tree block lies past the new tokens
+  tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "

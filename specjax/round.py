@@ -38,7 +38,7 @@ from specjax.cache import compact, write_kv_block
 from specjax.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
 from specjax.sampling import Sampling
-from specjax.state import DecodeState, Proposal, gather_tokens
+from specjax.state import DecodeState, Proposal, gather_tokens, target_features
 from specjax.trees import Tree, TreeSpec
 from specjax.validation import is_eos as is_eos_token
 
@@ -105,11 +105,9 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   """
   k = proposal.tokens.shape[1]
   lengths = state.lengths
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  kwargs = target_features(drafter)
   if defer:
     kwargs["write_cache"] = False
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
   narrow = block[:, :width]
   scored = target(narrow, lengths - 1, state.target_cache, **kwargs)
   drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
@@ -211,14 +209,6 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
                              target_cache=target_cache, draft_state=draft_state, stats=stats)
 
 
-def _features(drafter) -> dict:
-  """The keyword arguments that make the target's forward return what the drafter reads."""
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
-  return kwargs
-
-
 def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **features):
   """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`: its
   `ForwardOutput` (logits `[B, N + 1, V]`, the cache, and the `features` asked for: `taps`,
@@ -262,7 +252,7 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   lengths = state.lengths
   root = gather_tokens(state.tokens, lengths - 1, 1)[:, 0]
   scored = score_tree(target, tree, root, lengths - 1, state.target_cache, state.done, spec,
-                      **_features(drafter))
+                      **target_features(drafter))
   result = verify_tree(scored.logits, tree, spec=spec, sampling=sampling, seeds=state.seeds,
                        positions=lengths, impl=impl)
   accepted = result.num_accepted

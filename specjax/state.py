@@ -17,8 +17,8 @@ from specjax.cache import KVCache
 from specjax.outputs import DecodeOutput, DecodeStats
 
 __all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "Proposal", "check_confidence",
-           "confident_count", "gather_tokens", "init_state", "prefill", "finish",
-           "stopped_count", "top_probability"]
+           "confident_count", "gather_tokens", "init_state", "prefill", "finish", "stopped_count",
+           "target_features", "top_probability"]
 
 
 @jax.tree_util.register_dataclass
@@ -113,17 +113,20 @@ def clear_padding(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.where(jnp.arange(width, dtype=jnp.int32)[None] < lengths[:, None], tokens, 0)
 
 
-def prefill(model, tokens, cache, *, taps=(), return_hidden=False):
-  """The model's forward over right-padded prompts from position 0, with the features asked for.
+def target_features(drafter) -> dict:
+  """The keyword arguments that make the target's forward return what `drafter` reads: its
+  `taps` and its final normed hidden state (`needs_hidden`). Only what it reads is passed, so
+  models whose forward has no `taps` argument work with drafters that read none."""
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  return kwargs
 
-  `taps` is passed only when non-empty, so models whose forward has no `taps` argument work
-  with drafters that read none.
-  """
-  batch = tokens.shape[0]
-  kwargs = dict(return_hidden=True) if return_hidden else {}
-  if taps:
-    kwargs["taps"] = tuple(taps)
-  return model(tokens, jnp.zeros((batch,), jnp.int32), cache, **kwargs)
+
+def prefill(model, tokens, cache, **features):
+  """The model's forward over right-padded prompts from position 0, with the `features` asked
+  for (`target_features`)."""
+  return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, **features)
 
 
 def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds, *,
@@ -149,8 +152,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
   # Verification writes k + 1 slots past a row's length (a tree drafter: its `extra_slots`).
   buffer_len = width + capacity + getattr(drafter, "extra_slots", num_draft + 1)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
-  out = prefill(target, tokens, target.init_cache(batch, buffer_len), taps=drafter.taps,
-                return_hidden=drafter.needs_hidden)
+  out = prefill(target, tokens, target.init_cache(batch, buffer_len),
+                **target_features(drafter))
   cache = out.cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
   zeros = jnp.zeros((batch,), jnp.int32)
   stats = DecodeStats(rounds=zeros, drafted=zeros, accepted=zeros,

@@ -42,7 +42,7 @@ from specjax.models.transformer import ForwardOutput, attention, check_taps
 from specjax.trees import Tree, TreeSpec
 
 __all__ = ["EagleTreeExpand", "check_tree_drafter", "draft_tree", "forwards_per_round",
-           "is_head_drafter", "observe_path", "path_output", "target_features"]
+           "is_head_drafter", "observe_path", "path_output"]
 
 
 def is_head_drafter(drafter) -> bool:
@@ -92,14 +92,6 @@ def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
 def forwards_per_round(drafter, spec: TreeSpec) -> int:
   """Head forward passes per round (`DecodeStats.draft_calls`), as the chain counts them."""
   return drafter.forwards_per_round(spec.depth)
-
-
-def target_features(drafter) -> dict:
-  """The keyword arguments that make the target's forward return what the head reads."""
-  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
-  if drafter.taps:
-    kwargs["taps"] = tuple(drafter.taps)
-  return kwargs
 
 
 class EagleTreeExpand:
