@@ -509,13 +509,15 @@ def _abstract_model(model, mesh):
   return sj.Model(params, model.config)
 
 
-def test_export_decode_for_tpu_on_a_2x4_mesh(models):
+def _export_decode_on_a_2x4_mesh(models, make_drafter, **static):
+  """`_decode` exported for TPU under a (2, 4) mesh from abstract sharded weights: the target,
+  `make_drafter(abstract draft model)`, 8 prompts of 16 tokens split over "data"."""
   target, draft = models
   mesh = sj.make_mesh((2, 4))
   rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   args = (
       _abstract_model(target, mesh),
-      ModelDrafter(_abstract_model(draft, mesh)),
+      make_drafter(_abstract_model(draft, mesh)),
       jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=NamedSharding(mesh, P("data", None))),
       jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
       jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
@@ -524,7 +526,13 @@ def test_export_decode_for_tpu_on_a_2x4_mesh(models):
   )
   with sh.use_mesh(mesh):
     exported = jax.export.export(_decode, platforms=["tpu"])(
-        *args, sampling=SAMPLED, num_draft=4, capacity=64, pad_id=0, verify_impl="reference")
+        *args, sampling=SAMPLED, capacity=64, pad_id=0, **static)
+  return exported, mesh
+
+
+def test_export_decode_for_tpu_on_a_2x4_mesh(models):
+  exported, mesh = _export_decode_on_a_2x4_mesh(models, ModelDrafter, num_draft=4,
+                                                verify_impl="reference")
   assert exported.platforms == ("tpu",)
   assert exported.nr_devices == 8
   in_specs = [s.spec for s in exported.in_shardings_jax(mesh)]
@@ -540,22 +548,10 @@ def test_export_decode_for_tpu_on_a_2x4_mesh(models):
 def test_export_tree_decode_for_tpu_on_a_2x4_mesh_with_the_fused_tree_kernel(models):
   """A tree on sharded TPU weights: the Mosaic tree kernel runs inside the verify's shard_map
   (Mosaic kernels cannot be partitioned automatically), in the same exported loop as chains."""
-  target, draft = models
-  mesh = sj.make_mesh((2, 4))
-  rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
-  args = (
-      _abstract_model(target, mesh),
-      ModelTreeDrafter(_abstract_model(draft, mesh), TREES["sampled"]),
-      jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=NamedSharding(mesh, P("data", None))),
-      jax.ShapeDtypeStruct((8,), jnp.int32, sharding=rows),
-      jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated),
-      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-      jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-  )
-  with sh.use_mesh(mesh):
-    exported = jax.export.export(_decode, platforms=["tpu"])(
-        *args, sampling=SAMPLED, num_draft=TREES["sampled"].depth, capacity=64, pad_id=0,
-        verify_impl="auto")
+  spec = TREES["sampled"]
+  exported, _ = _export_decode_on_a_2x4_mesh(
+      models, lambda draft: ModelTreeDrafter(draft, spec), num_draft=spec.depth,
+      verify_impl="auto")
   assert exported.platforms == ("tpu",) and exported.nr_devices == 8
   text = exported.mlir_module()
   assert "tpu_custom_call" in text  # the fused tree kernel
