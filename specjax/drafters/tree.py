@@ -62,6 +62,12 @@ class _TreeDrafterBase:
   def extra_slots(self) -> int:
     return extra_slots(self.spec)
 
+  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+    """Nothing to learn from the verify: a draft model rolls back lazily (the next round's
+    catch-up starts at its cache's length), an n-gram trie has no state."""
+    del scored, tree, root, path, emitted, count, lengths
+    return state
+
   def _finish(self, tree: Tree) -> Tree:
     # With verify widths, valid nodes go first so the smallest width holding them suffices.
     return tree if self.spec.widths is None else trees.valid_first(tree)
@@ -117,10 +123,6 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
                                     chain_candidates=chain_candidates)
     return cache, self._finish(tree)
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    del scored, tree, root, path, emitted, count, lengths
-    return state  # rolled back lazily: the next round's catch-up starts at its cache's length
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -175,10 +177,6 @@ class NGramTreeDrafter(_TreeDrafterBase):
     tree = tree_builders.build_tree(self.spec, expand=None, root=root, sequence=sequence,
                                     lengths=lengths, sampling=sampling, seeds=seeds)
     return state, self._finish(tree)
-
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    del scored, tree, root, path, emitted, count, lengths
-    return state
 
 
 def _draft_model(drafter):
