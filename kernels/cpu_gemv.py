@@ -9,7 +9,8 @@ and the threads of XLA's own intra-op pool; a block of up to eight input rows (a
 reads each weight once for all of them.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ /
-clang++), `-O3 -march=native`, against `jax.ffi.include_dir()`, and cached under
+clang++), `-O3 -march=native` (plus the flags in `$SPECJAX_CPU_KERNEL_FLAGS`, e.g. `-mno-avx512f`
+to build the AVX2 code paths on a host with AVX-512), against `jax.ffi.include_dir()`, and cached under
 `$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the source, compiler, flags, jaxlib and
 CPU, beside the SHA-256 of the built file: a cached library whose bytes do not match it (a
 truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
@@ -83,6 +84,7 @@ def build() -> pathlib.Path:
   cxx = _compiler()
   flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w",
            f"-I{jax.ffi.include_dir()}"]
+  flags += os.environ.get("SPECJAX_CPU_KERNEL_FLAGS", "").split()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   import jaxlib
   key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, jaxlib.__version__,

@@ -4,6 +4,7 @@ threads, lower only on CPU, fall back to XLA where they cannot be built, and lea
 tokens unchanged."""
 
 import os
+import pathlib
 import platform
 import subprocess
 import sys
@@ -101,6 +102,44 @@ def test_several_rows_and_a_loop_of_products():
   for _ in range(5):
     ref = ref @ np.asarray(w, np.float64).T
   np.testing.assert_allclose(chained(x[:1, :1]), ref, rtol=1e-4, atol=1e-5)
+
+
+# Output rows that are not a multiple of the kernel's tile of weight rows (4 or 3 with AVX-512,
+# 2 with AVX2) or of its parts' multiples of four, input sizes with a tail past the last vector.
+ROW_SHAPES = [(67, 33), (101, 96), (4100, 17), (258, 1536)]
+
+
+def _check_every_row_count(shapes):
+  rng = np.random.default_rng(11)
+  product = jax.jit(cpu_gemv.matvec)
+  for out, n in shapes:
+    w = jnp.asarray(rng.standard_normal((out, n), np.float32))
+    for rows in range(1, 10):  # 9 = a block of eight and a block of one
+      x = jnp.asarray(rng.standard_normal((1, rows, n), np.float32))
+      _check(product(x, w), x, w)
+
+
+def test_every_block_size_equals_the_float64_product():
+  """Blocks of 1..9 rows (each several-row size has its own tile of weight rows)."""
+  _check_every_row_count(ROW_SHAPES)
+
+
+def test_the_avx2_build_equals_the_float64_product(tmp_path):
+  """The same products from the kernel built without AVX-512 (its AVX2 tiles: 16 vector
+  registers), in a fresh process with its own cache; skipped only where the host has no AVX-512
+  (then the default build is the AVX2 one, tested above)."""
+  if "avx512f" not in pathlib.Path("/proc/cpuinfo").read_text():
+    pytest.skip("this host has no AVX-512: the default build already is the AVX2 one")
+  env = dict(os.environ, SPECJAX_CPU_KERNEL_FLAGS="-mno-avx512f", SPECJAX_CACHE_DIR=str(tmp_path),
+             JAX_PLATFORMS="cpu")
+  code = ("import sys; sys.path.insert(0, %r); import test_cpu_gemv as t; "
+          "from specjax.kernels import cpu_gemv; assert cpu_gemv.status()[0], cpu_gemv.status(); "
+          "t._check_every_row_count(t.ROW_SHAPES); print('ok')" % str(pathlib.Path(__file__).parent))
+  done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                        timeout=600)
+  assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+  built = list((tmp_path / "cpu_kernels").glob("*.so"))
+  assert len(built) == 1
 
 
 def test_vmap_and_grad_agree_with_einsum():
