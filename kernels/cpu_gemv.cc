@@ -264,10 +264,57 @@ inline __m256i Dot32(__m256i abs_w, __m256i w, __m256i x) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, signed_x), _mm256_set1_epi16(1));
 }
 
+// With VNNI (AVX-VNNI, or AVX-512 VNNI on 256-bit registers) one vpdpbusd multiplies unsigned by
+// signed bytes and adds each four adjacent products into an int32 lane: the same lanes as
+// Dot32's two instructions, in one. The weights go in unsigned, offset (int8: w + 128, the sign
+// bit flipped; int4: q + 8 as stored), and each group's lanes then drop offset * (the lane's sum of
+// x over the group), precomputed per row of x (XLaneSums): every int32 lane, and so the result,
+// is exactly Dot32's.
+#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+constexpr bool kVnni = true;
+inline __m256i DpBusd(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#endif
+}
+#else
+constexpr bool kVnni = false;
+inline __m256i DpBusd(__m256i acc, __m256i, __m256i) { return acc; }
+#endif
+
+// 32 weights of a row as the unsigned bytes VNNI takes: int8 w + 128, int4 q + 8 as stored.
+template <int Bits>
+inline __m256i LoadOffsetWeights32(const uint8_t* row, int64_t i) {
+  if constexpr (Bits == 8) {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)),
+                            _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+  }
+}
+
+// Per row of x and group: eight int32 lanes, lane l the sum of the bytes 4l .. 4l + 3 of every
+// 32-byte run of the group (the lanes DpBusd accumulates into).
+void XLaneSums(const int8_t* xq, int64_t m, int64_t n, int64_t group, int32_t* lanes) {
+  const int64_t groups = n / group;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      int32_t* out = lanes + (r * groups + g) * 8;
+      std::fill(out, out + 8, 0);
+      for (int64_t i = 0; i < group; ++i) out[(i % 32) / 4] += xq[r * n + g * group + i];
+    }
+  }
+}
+
 // y[m, r + k] for R weight rows from row r and M (<= 4) quantized rows of x.
 template <int Bits, int M, int R, bool Prefetch>
 inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                    float* y, int64_t n, int64_t out, int64_t group, int64_t r) {
+                    const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group,
+                    int64_t r) {
   const int64_t row_bytes = Bits == 8 ? n : n / 2;
   const int64_t groups = n / group;
   __m256 acc[R][M];
@@ -298,11 +345,27 @@ inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, cons
 #pragma GCC unroll 8
       for (int k = 0; k < R; ++k) {
         const uint8_t* row = q + (r + k) * row_bytes;
-        const __m256i w = LoadWeights32<Bits>(row, i);
-        const __m256i abs_w = _mm256_sign_epi8(w, w);
+        if constexpr (kVnni) {
+          const __m256i u = LoadOffsetWeights32<Bits>(row, i);
 #pragma GCC unroll 8
-        for (int m = 0; m < M; ++m)
-          sums[k][m] = _mm256_add_epi32(sums[k][m], Dot32(abs_w, w, xv[m]));
+          for (int m = 0; m < M; ++m) sums[k][m] = DpBusd(sums[k][m], u, xv[m]);
+        } else {
+          const __m256i w = LoadWeights32<Bits>(row, i);
+          const __m256i abs_w = _mm256_sign_epi8(w, w);
+#pragma GCC unroll 8
+          for (int m = 0; m < M; ++m)
+            sums[k][m] = _mm256_add_epi32(sums[k][m], Dot32(abs_w, w, xv[m]));
+        }
+      }
+    }
+    if constexpr (kVnni) {  // drop the offset: offset * each lane's sum of x over the group
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+            xl + (m * groups + g) * 8));
+        const __m256i offset = _mm256_slli_epi32(lanes, Bits == 8 ? 7 : 3);
+#pragma GCC unroll 8
+        for (int k = 0; k < R; ++k) sums[k][m] = _mm256_sub_epi32(sums[k][m], offset);
       }
     }
 #pragma GCC unroll 8
@@ -320,40 +383,42 @@ inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, cons
 
 template <int Bits, int M, int R, int M0>
 inline void IntPasses(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                      float* y, int64_t n, int64_t out, int64_t group, int64_t r) {
+                      const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group,
+                      int64_t r) {
   if constexpr (M0 < M) {
     constexpr int mm = M - M0 < 4 ? M - M0 : 4;
     const int64_t groups = n / group;
-    IntTile<Bits, mm, R, M0 == 0>(q, scale, xq + M0 * n, xs + M0 * groups, y + M0 * out, n, out,
-                                  group, r);
-    IntPasses<Bits, M, R, M0 + 4>(q, scale, xq, xs, y, n, out, group, r);
+    IntTile<Bits, mm, R, M0 == 0>(q, scale, xq + M0 * n, xs + M0 * groups, xl + M0 * groups * 8,
+                                  y + M0 * out, n, out, group, r);
+    IntPasses<Bits, M, R, M0 + 4>(q, scale, xq, xs, xl, y, n, out, group, r);
   }
 }
 
 // Output rows [r0, r1) for M rows of x: R weight rows at a time (one row of x: four, two rows:
 // two, else one), the rows of x in passes of at most four over the same (L1-resident) weights.
 template <int Bits, int M>
-void IntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs, float* y,
-             int64_t n, int64_t out, int64_t group, int64_t r0, int64_t r1) {
+void IntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
+             const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group, int64_t r0,
+             int64_t r1) {
   constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
   int64_t r = r0;
-  for (; r + R <= r1; r += R) IntPasses<Bits, M, R, 0>(q, scale, xq, xs, y, n, out, group, r);
-  for (; r < r1; ++r) IntPasses<Bits, M, 1, 0>(q, scale, xq, xs, y, n, out, group, r);
+  for (; r + R <= r1; r += R) IntPasses<Bits, M, R, 0>(q, scale, xq, xs, xl, y, n, out, group, r);
+  for (; r < r1; ++r) IntPasses<Bits, M, 1, 0>(q, scale, xq, xs, xl, y, n, out, group, r);
 }
 
 template <int Bits>
 void AnyIntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                float* y, int64_t n, int64_t out, int64_t group, int64_t m, int64_t r0,
-                int64_t r1) {
+                const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group, int64_t m,
+                int64_t r0, int64_t r1) {
   switch (m) {
-    case 1: return IntRows<Bits, 1>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 2: return IntRows<Bits, 2>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 3: return IntRows<Bits, 3>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 4: return IntRows<Bits, 4>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 5: return IntRows<Bits, 5>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 6: return IntRows<Bits, 6>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    case 7: return IntRows<Bits, 7>(q, scale, xq, xs, y, n, out, group, r0, r1);
-    default: return IntRows<Bits, 8>(q, scale, xq, xs, y, n, out, group, r0, r1);
+    case 1: return IntRows<Bits, 1>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 2: return IntRows<Bits, 2>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 3: return IntRows<Bits, 3>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 4: return IntRows<Bits, 4>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 5: return IntRows<Bits, 5>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 6: return IntRows<Bits, 6>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 7: return IntRows<Bits, 7>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    default: return IntRows<Bits, 8>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
   }
 }
 
@@ -467,19 +532,22 @@ ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::vector<int8_t> xq(rows * n);
   std::vector<float> xs(rows * groups);
   QuantizeRows(x.typed_data(), rows, n, group, xq.data(), xs.data());
+  std::vector<int32_t> xl(kVnni ? rows * groups * 8 : 0);
+  if (kVnni) XLaneSums(xq.data(), rows, n, group, xl.data());
   for (int64_t r = 0; r < rows; r += kMaxRows) {
     const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data());
     const float* sp = scales.typed_data();
     const int8_t* xp = xq.data() + r * n;
     const float* xsp = xs.data() + r * groups;
+    const int32_t* xlp = kVnni ? xl.data() + r * groups * 8 : nullptr;
     float* yp = y->typed_data() + r * out;
     const int64_t m = std::min(kMaxRows, rows - r);
     auto fn = bits == 8
         ? std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
-            AnyIntRows<8>(qp, sp, xp, xsp, yp, n, out, group, m, r0, r1);
+            AnyIntRows<8>(qp, sp, xp, xsp, xlp, yp, n, out, group, m, r0, r1);
           })
         : std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
-            AnyIntRows<4>(qp, sp, xp, xsp, yp, n, out, group, m, r0, r1);
+            AnyIntRows<4>(qp, sp, xp, xsp, xlp, yp, n, out, group, m, r0, r1);
           });
     Run(pool, Job{std::move(fn), out, Parts(pool, out)});
   }

@@ -124,22 +124,50 @@ def test_every_block_size_equals_the_float64_product():
   _check_every_row_count(ROW_SHAPES)
 
 
-def test_the_avx2_build_equals_the_float64_product(tmp_path):
+def _check_quantized_products():
+  """The quantized product (int8 and int4, 1..9 rows, groups of 32 and 64) against the jnp
+  oracle `quant_reference`, which states the arithmetic exactly (integer dots per group)."""
+  rng = np.random.default_rng(12)
+  for bits in (8, 4):
+    for out, n, group in ((67, 64, 32), (258, 576, 64)):
+      values = (rng.integers(-127, 128, (out, n)).astype(np.int8) if bits == 8
+                else rng.integers(0, 256, (out, n // 2)).astype(np.uint8))
+      scales = jnp.asarray(rng.random((out, n // group)).astype(np.float32) + 0.01)
+      values = jnp.asarray(values)
+      kernel = jax.jit(lambda x, v, s: cpu_gemv.quant_matvec(x, v, s, bits=bits, group=group))
+      for rows in range(1, 10):
+        x = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
+        want = cpu_gemv.quant_reference(x, values, scales, bits=bits, group=group)
+        np.testing.assert_allclose(kernel(x, values, scales), want, rtol=2e-6,
+                                   atol=2e-6 * float(jnp.abs(want).max()))
+
+
+def test_every_quantized_block_size_equals_the_oracle():
+  _check_quantized_products()
+
+
+@pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni"])
+def test_the_avx2_builds_equal_the_references(tmp_path, flags):
   """The same products from the kernel built without AVX-512 (its AVX2 tiles: 16 vector
-  registers), in a fresh process with its own cache; skipped only where the host has no AVX-512
-  (then the default build is the AVX2 one, tested above)."""
+  registers; with AVX-VNNI's vpdpbusd for the quantized product, and without it), each in a fresh
+  process with its own cache. Skipped only where the host has no AVX-512 (then the default build
+  is an AVX2 one, tested above)."""
   if "avx512f" not in pathlib.Path("/proc/cpuinfo").read_text():
-    pytest.skip("this host has no AVX-512: the default build already is the AVX2 one")
-  env = dict(os.environ, SPECJAX_CPU_KERNEL_FLAGS="-mno-avx512f", SPECJAX_CACHE_DIR=str(tmp_path),
+    pytest.skip("this host has no AVX-512: the default build already is an AVX2 one")
+  env = dict(os.environ, SPECJAX_CPU_KERNEL_FLAGS=flags, SPECJAX_CACHE_DIR=str(tmp_path),
              JAX_PLATFORMS="cpu")
   code = ("import sys; sys.path.insert(0, %r); import test_cpu_gemv as t; "
           "from specjax.kernels import cpu_gemv; assert cpu_gemv.status()[0], cpu_gemv.status(); "
-          "t._check_every_row_count(t.ROW_SHAPES); print('ok')" % str(pathlib.Path(__file__).parent))
+          "t._check_every_row_count(t.ROW_SHAPES); t._check_quantized_products(); print('ok')"
+          % str(pathlib.Path(__file__).parent))
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=600)
   assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
-  built = list((tmp_path / "cpu_kernels").glob("*.so"))
-  assert len(built) == 1
+  (built,) = (tmp_path / "cpu_kernels").glob("*.so")
+  disassembly = subprocess.run(["objdump", "-d", str(built)], capture_output=True, text=True)
+  if disassembly.returncode == 0:  # the build is the one meant: no AVX-512 register, VNNI or not
+    assert "zmm" not in disassembly.stdout
+    assert ("vpdpbusd" in disassembly.stdout) == ("avxvnni" not in flags)
 
 
 def test_vmap_and_grad_agree_with_einsum():
