@@ -105,9 +105,10 @@ def test_several_rows_and_a_loop_of_products():
   np.testing.assert_allclose(chained(x[:1, :1]), ref, rtol=1e-4, atol=1e-5)
 
 
-# Output rows that are not a multiple of the kernel's tile of weight rows (4 or 3 with AVX-512,
-# 2 with AVX2) or of its parts' multiples of four, input sizes with a tail past the last vector.
-ROW_SHAPES = [(67, 33), (101, 96), (4100, 17), (258, 1536)]
+# Output rows that are not a multiple of the kernel's tile of weight rows (4 or 3 with AVX-512;
+# 4, 3, 2 with AVX2) or of its parts' multiples of four, input sizes with a tail past the last
+# vector; 4500 columns: two and three rows of x outgrow L1 and take the tiles too.
+ROW_SHAPES = [(67, 33), (101, 96), (4100, 17), (258, 1536), (37, 4500)]
 
 
 def _check_every_row_count(shapes):
