@@ -120,8 +120,12 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   drafts = jnp.stack([expected[0, :3],
                       jnp.array([wrong[1, 0], expected[1, 1], expected[1, 2]]),
                       jnp.array([expected[2, 0], wrong[2, 1], expected[2, 2]])])
-  state = sj.verify_block(target, drafter, state, sj.Proposal(drafts, None),
-                          sampling=sj.Sampling())
+  # The pieces run jitted, as callers run them (eagerly every op of a round dispatches alone).
+  verify = jax.jit(lambda target, drafter, state, proposal: sj.verify_block(
+      target, drafter, state, proposal, sampling=sj.Sampling()))
+  draft_step = jax.jit(lambda drafter, state: sj.draft_step(drafter, state, num_draft=k,
+                                                            sampling=sj.Sampling()))
+  state = verify(target, drafter, state, sj.Proposal(drafts, None))
   np.testing.assert_array_equal(state.stats.accepted, [3, 0, 1])
   np.testing.assert_array_equal(state.lengths - lengths, [4, 1, 2])
   for b, count in enumerate([4, 1, 2]):
@@ -130,8 +134,8 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   np.testing.assert_array_equal(state.target_cache.lengths, state.lengths - 1)
   # Keep going with the draft model from this ragged state: still exactly greedy.
   for _ in range(8):
-    state, proposal = sj.draft_step(drafter, state, num_draft=k, sampling=sj.Sampling())
-    state = sj.verify_block(target, drafter, state, proposal, sampling=sj.Sampling())
+    state, proposal = draft_step(drafter, state)
+    state = verify(target, drafter, state, proposal)
   assert bool(jnp.all(state.done))
   for b in range(3):
     start = int(lengths[b])
