@@ -126,7 +126,9 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   start = dataclasses.replace(state.draft_state, copy_accepted=held, copy_reached=reached)
   state = dataclasses.replace(state, draft_state=start)
   before = state
-  state, proposal = sj.draft_step(drafter, state, num_draft=k, sampling=sj.Sampling())
+  # Each piece jitted, as callers run them (eagerly every op of the round dispatches alone).
+  state, proposal = jax.jit(lambda drafter, state: sj.draft_step(
+      drafter, state, num_draft=k, sampling=sj.Sampling()))(drafter, state)
   ds = state.draft_state
   np.testing.assert_array_equal(ds.found, [True, True, False])
   np.testing.assert_array_equal(ds.copied, [True, False, False])
@@ -134,7 +136,8 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   # above 0.99 at every slot: about 3 tokens for 22 ms (k = 2) beats 4 for 40 ms (k = 3).
   np.testing.assert_array_equal(proposal.tokens[0], [2, 7, 5])
   assert int(proposal.num_drafted[0]) == 2
-  state = sj.verify_block(target, drafter, state, proposal, sampling=sj.Sampling())
+  state = jax.jit(lambda target, drafter, state, proposal: sj.verify_block(
+      target, drafter, state, proposal, sampling=sj.Sampling()))(target, drafter, state, proposal)
   after = state.draft_state
   emitted = np.asarray(state.tokens)
   count = np.asarray(state.lengths - before.lengths)
