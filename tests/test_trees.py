@@ -94,10 +94,12 @@ def test_ngram_tree_merges_matches_into_a_trie():
 ], ids=["dynamic", "sampled_wor", "sampled_iid"])
 def test_model_builders_give_well_formed_trees(draft, batch, spec):
   tokens, lengths = batch
-  tree = tree_builders.build_tree(spec, expand=model_expand(draft, tokens, lengths),
-                          root=tokens[jnp.arange(3), lengths - 1], sequence=tokens,
-                          lengths=lengths, sampling=sj.Sampling(temperature=1.0),
-                          seeds=jnp.arange(3, dtype=jnp.uint32))
+  # Built jitted, as decode builds it (eagerly each expansion's forward runs op by op).
+  build = jax.jit(lambda draft, tokens, lengths: tree_builders.build_tree(
+      spec, expand=model_expand(draft, tokens, lengths), root=tokens[jnp.arange(3), lengths - 1],
+      sequence=tokens, lengths=lengths, sampling=sj.Sampling(temperature=1.0),
+      seeds=jnp.arange(3, dtype=jnp.uint32)))
+  tree = build(draft, tokens, lengths)
   assert tree.tokens.shape == (3, spec.size)
   check_structure(tree, deterministic=spec.builder == "dynamic" or not spec.replacement)
 
