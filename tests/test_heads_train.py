@@ -35,20 +35,23 @@ def test_training_unroll_equals_cached_inference(target, kind):
   head = eagle.EagleHead(jax.tree.map(lambda x: x * 3.0 if x.dtype == jnp.float32 and x.ndim == 2
                                       else x, head.params), cfg)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 12), 0, VOCAB)
-  out = target(tokens, jnp.zeros((2,), jnp.int32), taps=cfg.taps, return_hidden=not cfg.taps)
+  # Each piece jitted, as training and decoding run them (eagerly they ran op by op).
+  out = jax.jit(lambda target, tokens: target(tokens, jnp.zeros((2,), jnp.int32), taps=cfg.taps,
+                                              return_hidden=not cfg.taps))(target, tokens)
   source = out.taps if cfg.taps else out.hidden
   embed = target.params["embed"]
-  steps = heads.eagle_unroll(head, embed, tokens, source, num_steps=3)
-  features = eagle.project_features(head, source)
+  steps = jax.jit(lambda head, embed, tokens, source: heads.eagle_unroll(
+      head, embed, tokens, source, num_steps=3))(head, embed, tokens, source)
+  features = jax.jit(eagle.project_features)(head, source)
+  head_forward = jax.jit(eagle.head_forward)
   for chain in (0, 6):
     cache = head.init_cache(2, 32)
-    logits, hidden, cache = eagle.head_forward(head, embed, tokens[:, 1:chain + 2],
-                                               features[:, :chain + 1], jnp.zeros(2, jnp.int32),
-                                               cache)
+    logits, hidden, cache = head_forward(head, embed, tokens[:, 1:chain + 2],
+                                         features[:, :chain + 1], jnp.zeros(2, jnp.int32), cache)
     np.testing.assert_allclose(logits[:, -1], steps[0][:, chain], atol=2e-4, rtol=2e-4)
     for j in (1, 2):
-      logits, hidden, cache = eagle.head_forward(head, embed, tokens[:, chain + 1 + j][:, None],
-                                                 hidden[:, -1:], cache.lengths, cache)
+      logits, hidden, cache = head_forward(head, embed, tokens[:, chain + 1 + j][:, None],
+                                           hidden[:, -1:], cache.lengths, cache)
       np.testing.assert_allclose(logits[:, 0], steps[j][:, chain], atol=2e-4, rtol=2e-4)
 
 
