@@ -27,12 +27,14 @@ import pytest
 
 import specjax as sj
 from specjax.kernels import cpu_gemv
-from specjax.models import quant
+from specjax.models import quant, transformer
 from specjax.testing.models import tiny_config
-from specjax.models.transformer import forward
 
 from tests.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue, exact_joint,
                                   run_decode)
+
+# The forward jitted, as every caller runs it (eagerly each op of a forward dispatches alone).
+forward = jax.jit(transformer.forward, static_argnames=("taps", "return_hidden", "write_cache"))
 
 
 def _random_quantized(rng, out, n, bits, group):
