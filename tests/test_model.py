@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models import gemma_style
+from specjax.models import gemma_style, transformer
 from specjax.testing.models import tiny_config
-from specjax.models.transformer import forward
+
+# The forward jitted, as every caller runs it (eagerly each op of a forward dispatches alone).
+forward = jax.jit(transformer.forward, static_argnames=("taps", "return_hidden", "write_cache"))
 
 TOL = dict(atol=2e-5, rtol=2e-5)
 
