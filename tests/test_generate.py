@@ -92,7 +92,9 @@ def test_top_k_top_p_never_leave_the_allowed_set(model, sampling):
                     sampling=sampling)
   for b in range(3):
     seq = jnp.concatenate([tokens[b, :int(lengths[b])], out.tokens[b]])[None]
-    logits = forward(model, seq, jnp.zeros(1, jnp.int32)).logits[0] / sampling.temperature
+    # jitted (eagerly the forward ran op by op)
+    logits = jax.jit(forward)(model, seq, jnp.zeros(1, jnp.int32)).logits[0]
+    logits = logits / sampling.temperature
     start = int(lengths[b]) - 1
     for i, token in enumerate(out.tokens[b].tolist()):
       step = np.asarray(logits[start + i], np.float64)
