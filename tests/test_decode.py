@@ -308,20 +308,24 @@ def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batc
   tokens, lengths = batch
   drafter = _TapReader(draft)
   seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
-  state = sj.init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
-                        num_draft=3, capacity=NEW_TOKEN_BUCKET)
+  # The pieces jitted, as the loop runs them (eagerly every op dispatches alone).
+  state = jax.jit(lambda target, drafter, tokens, lengths, seeds: sj.init_state(
+      target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds, num_draft=3,
+      capacity=NEW_TOKEN_BUCKET))(target, drafter, tokens, lengths, seeds)
   _, taps, hidden, _ = state.draft_state
   embed = target.config.embed_dim
-  prefill = target(tokens, jnp.zeros((3,), jnp.int32), taps=(0, 2), return_hidden=True)
+  features = jax.jit(lambda target, tokens: target(
+      tokens, jnp.zeros((3,), jnp.int32), taps=(0, 2), return_hidden=True))
+  prefill = features(target, tokens)
   np.testing.assert_allclose(taps, prefill.taps[:, :, -1], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(hidden, prefill.hidden[:, -1], rtol=1e-6, atol=1e-6)
   before = state.lengths
-  state = sj.round_step(target, drafter, state, num_draft=3, sampling=sj.Sampling())
+  state = jax.jit(lambda target, drafter, state: sj.round_step(
+      target, drafter, state, num_draft=3, sampling=sj.Sampling()))(target, drafter, state)
   _, taps, hidden, seen = state.draft_state
   # The target's features at the block's first slot (the row's last token before the round).
   last = jnp.take_along_axis(state.tokens, (before - 1)[:, None], axis=1)
-  full = target(state.tokens[:, :int(before.max())], jnp.zeros((3,), jnp.int32), taps=(0, 2),
-                return_hidden=True)
+  full = features(target, state.tokens[:, :int(before.max())])
   expected = jnp.take_along_axis(full.hidden, (before - 1)[:, None, None], axis=1)[:, 0]
   np.testing.assert_allclose(hidden, expected, rtol=1e-4, atol=1e-4)
   del last, embed
