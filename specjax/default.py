@@ -125,7 +125,7 @@ export = export_toy  # the name `specjax train export` has used
 
 # name -> (description, k measured best on CPU; see benchmarks/self_draft.py and the README)
 PAIRS = {
-    "smollm2-int8": ("SmolLM2-135M-Instruct (float32) drafting with its own int8 copy", 4),
+    "smollm2-int8": ("SmolLM2-135M-Instruct (float32) drafting with its own int8 copy", 6),
     "smollm2-int4": ("SmolLM2-135M-Instruct (float32) drafting with its own int4 copy", 4),
     "smollm2-head": ("SmolLM2-135M-Instruct (float32) with its EAGLE-3 head behind prompt lookup",
                      None),
