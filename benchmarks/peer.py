@@ -49,8 +49,9 @@ def run_peer(pair, settings, *, num_draft: int, workdir: str | None = None,
 
   The pair is exported with `specjax.io.export_hf` and loaded with
   `LlamaForCausalLM.from_pretrained` in float32. Four calls per prompt are timed alternately:
-  `transformers` greedy `generate`, its assisted generation (`assistant_model=` with
-  `num_assistant_tokens=k` and a constant schedule, so both sides draft `k` per round), specjax
+  `transformers` greedy `generate`, its assisted generation (`assistant_model=`, the assistant's
+  generation config set to `k` drafts, a constant schedule and no confidence cut-off, so both
+  sides draft `k` per round), specjax
   `generate` and specjax `decode`. No EOS stop: each produces exactly `max_new_tokens` tokens.
 
   Returns:
@@ -74,6 +75,11 @@ def run_peer(pair, settings, *, num_draft: int, workdir: str | None = None,
   for model in (hf_target, hf_draft):
     model.generation_config.eos_token_id = None  # no EOS stop, as on the specjax side
     model.generation_config.pad_token_id = target.config.pad_id
+  # transformers (5.x) takes the draft settings from the assistant's own generation config and
+  # ignores them as `generate` keywords: exactly k drafts a round, as on the specjax side.
+  hf_draft.generation_config.num_assistant_tokens = num_draft
+  hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+  hf_draft.generation_config.assistant_confidence_threshold = 0.0
   new = settings.max_new_tokens
   greedy = Sampling()
   threads, thread_probe = fastest_torch_threads(hf_target)
@@ -92,8 +98,7 @@ def run_peer(pair, settings, *, num_draft: int, workdir: str | None = None,
 
     def hf_call(assisted):
       def call():
-        kwargs = dict(assistant_model=hf_draft, num_assistant_tokens=num_draft,
-                      num_assistant_tokens_schedule="constant") if assisted else {}
+        kwargs = dict(assistant_model=hf_draft) if assisted else {}
         with torch.no_grad():
           out = hf_target.generate(input_ids, attention_mask=mask, max_new_tokens=new,
                                    do_sample=False, **kwargs)
