@@ -256,17 +256,22 @@ void QuantizeRows(const float* x, int64_t m, int64_t n, int64_t group, int8_t* x
   }
 }
 
+// 32 int4 weights of a row from weight i as the unsigned bytes stored (q + 8, 0..15).
+inline __m256i Nibbles32(const uint8_t* row, int64_t i) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(b, mask);                       // weights i .. i + 15
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);   // weights i + 16 .. i + 31
+  return _mm256_set_m128i(high, low);
+}
+
 // 32 weights of a row as signed bytes, starting at weight i.
 template <int Bits>
 inline __m256i LoadWeights32(const uint8_t* row, int64_t i) {
   if constexpr (Bits == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
   } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(b, mask);                       // weights i .. i + 15
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(b, 4), mask);   // weights i + 16 .. i + 31
-    return _mm256_sub_epi8(_mm256_set_m128i(high, low), _mm256_set1_epi8(8));
+    return _mm256_sub_epi8(Nibbles32(row, i), _mm256_set1_epi8(8));
   }
 }
 
@@ -304,21 +309,21 @@ inline __m256i LoadOffsetWeights32(const uint8_t* row, int64_t i) {
     return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)),
                             _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
+    return Nibbles32(row, i);
   }
 }
 
-// Per row of x and group: eight int32 lanes, lane l the sum of the bytes 4l .. 4l + 3 of every
-// 32-byte run of the group (the lanes DpBusd accumulates into).
-void XLaneSums(const int8_t* xq, int64_t m, int64_t n, int64_t group, int32_t* lanes) {
+// Per row of x and group: eight int32 lanes, lane l `offset` times the sum of the bytes
+// 4l .. 4l + 3 of every 32-byte run of the group (the lanes DpBusd accumulates into): what each
+// lane drops at the group's end.
+void XLaneSums(const int8_t* xq, int64_t m, int64_t n, int64_t group, int32_t offset,
+               int32_t* lanes) {
   const int64_t groups = n / group;
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
       int32_t* out = lanes + (r * groups + g) * 8;
       std::fill(out, out + 8, 0);
-      for (int64_t i = 0; i < group; ++i) out[(i % 32) / 4] += xq[r * n + g * group + i];
+      for (int64_t i = 0; i < group; ++i) out[(i % 32) / 4] += offset * xq[r * n + g * group + i];
     }
   }
 }
@@ -371,12 +376,11 @@ inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, cons
         }
       }
     }
-    if constexpr (kVnni) {  // drop the offset: offset * each lane's sum of x over the group
+    if constexpr (kVnni) {  // drop the offset times each lane's sum of x over the group
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
-        const __m256i lanes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        const __m256i offset = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
             xl + (m * groups + g) * 8));
-        const __m256i offset = _mm256_slli_epi32(lanes, Bits == 8 ? 7 : 3);
 #pragma GCC unroll 8
         for (int k = 0; k < R; ++k) sums[k][m] = _mm256_sub_epi32(sums[k][m], offset);
       }
@@ -546,7 +550,7 @@ ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::vector<float> xs(rows * groups);
   QuantizeRows(x.typed_data(), rows, n, group, xq.data(), xs.data());
   std::vector<int32_t> xl(kVnni ? rows * groups * 8 : 0);
-  if (kVnni) XLaneSums(xq.data(), rows, n, group, xl.data());
+  if (kVnni) XLaneSums(xq.data(), rows, n, group, bits == 8 ? 128 : 8, xl.data());
   for (int64_t r = 0; r < rows; r += kMaxRows) {
     const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data());
     const float* sp = scales.typed_data();

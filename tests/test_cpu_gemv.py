@@ -18,7 +18,7 @@ import pytest
 
 import specjax as sj
 from specjax.kernels import cpu_gemv
-from specjax.testing.models import tiny_config
+from specjax.testing.models import random_quantized, tiny_config
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
                                 reason="the kernel is written for x86-64 (AVX2 + FMA)")
@@ -132,10 +132,7 @@ def _check_quantized_products():
   rng = np.random.default_rng(12)
   for bits in (8, 4):
     for out, n, group in ((67, 64, 32), (258, 576, 64)):
-      values = (rng.integers(-127, 128, (out, n)).astype(np.int8) if bits == 8
-                else rng.integers(0, 256, (out, n // 2)).astype(np.uint8))
-      scales = jnp.asarray(rng.random((out, n // group)).astype(np.float32) + 0.01)
-      values = jnp.asarray(values)
+      values, scales = random_quantized(rng, out, n, bits, group)
       kernel = jax.jit(lambda x, v, s: cpu_gemv.quant_matvec(x, v, s, bits=bits, group=group))
       for rows in range(1, 10):
         x = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
@@ -231,7 +228,7 @@ def test_a_failed_build_falls_back_to_xla(tmp_path):
   script = (
       "import jax, numpy as np, specjax as sj\n"
       "from specjax.kernels import cpu_gemv\n"
-      "from specjax.testing.models import tiny_config\n"
+      "from specjax.testing.models import random_quantized, tiny_config\n"
       "ok, why = cpu_gemv.status()\n"
       "assert not ok and 'failed' in why, why\n"
       "m = sj.init_params(tiny_config(vocab_size=97), jax.random.key(0)).for_platform('cpu')\n"

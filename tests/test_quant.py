@@ -28,20 +28,13 @@ import pytest
 import specjax as sj
 from specjax.kernels import cpu_gemv
 from specjax.models import quant, transformer
-from specjax.testing.models import tiny_config
+from specjax.testing.models import random_quantized, tiny_config
 
 from tests.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue, exact_joint,
                                   run_decode)
 
 # The forward jitted, as every caller runs it (eagerly each op of a forward dispatches alone).
 forward = jax.jit(transformer.forward, static_argnames=("taps", "return_hidden", "write_cache"))
-
-
-def _random_quantized(rng, out, n, bits, group):
-  values = (rng.integers(-127, 128, (out, n)).astype(np.int8) if bits == 8
-            else rng.integers(0, 256, (out, n // 2)).astype(np.uint8))
-  scales = rng.random((out, n // group)).astype(np.float32) + 0.01
-  return jnp.asarray(values), jnp.asarray(scales)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -95,7 +88,7 @@ def test_the_oracle_by_hand():
     (200, 128, 128, 13), (3, 32, 32, 2), (77, 64, 32, 6), (4100, 64, 32, 1)])
 def test_kernel_equals_the_jnp_oracle(bits, out, n, group, rows):
   rng = np.random.default_rng(out * n + rows)
-  values, scales = _random_quantized(rng, out, n, bits, group)
+  values, scales = random_quantized(rng, out, n, bits, group)
   x = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
   kernel = jax.jit(lambda x, v, s: cpu_gemv.quant_matvec(x, v, s, bits=bits, group=group))
   assert "specjax_cpu_qgemv" in kernel.lower(x, values, scales).as_text()
@@ -109,7 +102,7 @@ def test_kernel_equals_the_jnp_oracle(bits, out, n, group, rows):
 
 def test_other_platforms_lower_the_dequantized_dot():
   rng = np.random.default_rng(1)
-  values, scales = _random_quantized(rng, 64, 64, 8, 32)
+  values, scales = random_quantized(rng, 64, 64, 8, 32)
   fn = jax.jit(lambda x, v, s: cpu_gemv.quant_matvec(x, v, s, bits=8, group=32))
   text = jax.export.export(fn, platforms=["tpu"])(jnp.ones((2, 64)), values, scales).mlir_module()
   assert "specjax_cpu_qgemv" not in text and "dot_general" in text

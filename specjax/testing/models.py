@@ -1,15 +1,16 @@
-"""Small models for tests: `tiny_config` (a random-weight Llama-style config) and `load_toy` (the
-7M toy pair shipped under `checkpoints/toy`)."""
+"""Small models for tests: `tiny_config` (a random-weight Llama-style config), `load_toy` (the
+7M toy pair shipped under `checkpoints/toy`) and `random_quantized` (a quantized weight's arrays)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.default import (DRAFT_DIR, TARGET_DIR, TOKENIZER_FILE, TOY_DIR, DefaultPair,
                              default_dir)
 from specjax.models.config import ModelConfig
 
-__all__ = ["load_toy", "tiny_config"]
+__all__ = ["load_toy", "random_quantized", "tiny_config"]
 
 
 def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
@@ -19,6 +20,15 @@ def tiny_config(vocab_size: int = 64, **overrides) -> ModelConfig:
               head_dim=8, mlp_dim=64, max_len=256, rope_theta=10_000.0)
   base.update(overrides)
   return ModelConfig(**base)
+
+
+def random_quantized(rng: np.random.Generator, out: int, n: int, bits: int, group: int):
+  """Random `(values, scales)` of a quantized `[out, n]` weight: int8 in [-127, 127], or int4
+  packed two to a byte (`[out, n / 2]` uint8), and positive float32 scales per group."""
+  values = (rng.integers(-127, 128, (out, n)).astype(np.int8) if bits == 8
+            else rng.integers(0, 256, (out, n // 2)).astype(np.uint8))
+  scales = rng.random((out, n // group)).astype(np.float32) + 0.01
+  return jnp.asarray(values), jnp.asarray(scales)
 
 
 def load_toy(dtype=jnp.float32) -> DefaultPair:
