@@ -147,17 +147,18 @@ def test_every_quantized_block_size_equals_the_oracle():
 
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni"])
 def test_the_avx2_builds_equal_the_references(tmp_path, flags):
-  """The same products from the kernel built without AVX-512 (its AVX2 tiles: 16 vector
-  registers; with AVX-VNNI's vpdpbusd for the quantized product, and without it), each in a fresh
-  process with its own cache. Skipped only where the host has no AVX-512 (then the default build
-  is an AVX2 one, tested above)."""
+  """The same products and attention from the kernel built without AVX-512 (its AVX2 tiles: 16
+  vector registers; with AVX-VNNI's vpdpbusd for the quantized product, and without it), each in a
+  fresh process with its own cache. Skipped only where the host has no AVX-512 (then the default
+  build is an AVX2 one, tested above)."""
   if "avx512f" not in pathlib.Path("/proc/cpuinfo").read_text():
     pytest.skip("this host has no AVX-512: the default build already is an AVX2 one")
   env = dict(os.environ, SPECJAX_CPU_KERNEL_FLAGS=flags, SPECJAX_CACHE_DIR=str(tmp_path),
              JAX_PLATFORMS="cpu")
   code = ("import sys; sys.path.insert(0, %r); import test_cpu_gemv as t; "
           "from specjax.kernels import cpu_gemv; assert cpu_gemv.status()[0], cpu_gemv.status(); "
-          "t._check_every_row_count(t.ROW_SHAPES); t._check_quantized_products(); print('ok')"
+          "t._check_every_row_count(t.ROW_SHAPES); t._check_quantized_products(); "
+          "[t._check_attention(*shape) for shape in t.ATTENTION_SHAPES]; print('ok')"
           % str(pathlib.Path(__file__).parent))
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=600)
@@ -297,17 +298,25 @@ def _attention_f64(q, k0, v0, k1, v1, visible, scale, softcap):
 
 
 # (batch, block rows, key/value heads, query heads per kv head, head size, cache slots, block
-# slots, soft cap): SmolLM2's step and verify block, Gemma's 256-wide heads with a soft cap, a
-# head size of 8, cache sizes that are not multiples of eight, a batch of eight single rows.
+# slots, soft cap): SmolLM2's step and verify blocks (k = 5, 6: the parts of the pool split a head's
+# rows), Qwen2.5-1.5B's verify block of 8, Gemma's 256-wide heads with a soft cap, head sizes of
+# 8, 24 and 72 (not multiples of 16: eight keys per block of scores, an 8-column tail of values),
+# cache sizes that are not multiples of eight or sixteen, a batch of eight single rows.
 ATTENTION_SHAPES = [(1, 1, 3, 3, 64, 264, 1, None), (1, 6, 3, 3, 64, 100, 6, None),
+                    (1, 7, 3, 3, 64, 174, 7, None), (1, 8, 2, 6, 128, 201, 8, None),
                     (2, 3, 1, 4, 256, 37, 3, 30.0), (8, 1, 2, 2, 8, 5, 1, None),
-                    (1, 2, 2, 1, 128, 9, 2, 50.0)]
+                    (1, 2, 2, 1, 128, 9, 2, 50.0), (2, 4, 2, 3, 72, 19, 4, None),
+                    (1, 5, 1, 2, 24, 33, 5, 20.0)]
 
 
 @pytest.mark.parametrize("b,t,kvh,g,d,s0,s1,softcap", ATTENTION_SHAPES)
 def test_attention_equals_the_float64_reference(b, t, kvh, g, d, s0, s1, softcap):
   """The kernel (jitted) against float64 numpy, with a random visibility mask that leaves one row
   seeing nothing (its softmax is uniform, as the jnp reference's) and one row seeing one key."""
+  _check_attention(b, t, kvh, g, d, s0, s1, softcap)
+
+
+def _check_attention(b, t, kvh, g, d, s0, s1, softcap):
   rng = np.random.default_rng(d + s0)
   q = rng.standard_normal((b, t, kvh, g, d)).astype(np.float32)
   k0, v0 = (rng.standard_normal((b, kvh, s0, d)).astype(np.float32) for _ in range(2))
