@@ -85,10 +85,14 @@ def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, samp
   seeds = row_seeds(rng, batch)  # [B]
 
   cache = model.init_cache(batch, width + capacity)
-  prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
+  if getattr(model, "selects_logit_rows", False):  # score only each row's last prompt token
+    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache, logits_at=(lengths - 1)[:, None])
+    logits = prefill.logits[:, 0]
+  else:
+    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
+    logits = last_logits(prefill.logits, lengths)
   cache = prefill.cache.with_lengths(lengths)
-  first = sample_token(last_logits(prefill.logits, lengths), sampling, seeds, lengths,
-                       PURPOSE_SAMPLE)
+  first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
 
   out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
   num_tokens = jnp.ones((batch,), jnp.int32)

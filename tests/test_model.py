@@ -61,6 +61,37 @@ def test_prefill_then_steps_equals_full_forward(name):
   np.testing.assert_array_equal(cache.lengths, prompt_lengths + 5)
 
 
+@pytest.mark.parametrize("name", ["llama", "llama_tied_bias_qknorm"])
+@pytest.mark.parametrize("layout", ["stacked", "cpu"])
+def test_logits_at_scores_only_the_chosen_rows(name, layout):
+  """`logits_at` gives the full forward's logits at those rows (ragged, one or two per row, tied
+  and untied output projections, the scan and the CPU layout), the same cache, and a whole
+  `hidden`; `generate`, whose prefill scores only each row's last prompt token, keeps its tokens."""
+  model = _model(name)
+  model = model.for_platform("cpu") if layout == "cpu" else model
+  tokens = _tokens(3, 9, model.vocab_size)
+  starts = jnp.zeros(3, jnp.int32)
+  run = jax.jit(lambda m, t, c, at: m(t, starts, c, return_hidden=True, logits_at=at))
+  full = run(model, tokens, model.init_cache(3, 12), None)
+  at = jnp.asarray([[8, 0], [3, 3], [5, 7]], jnp.int32)
+  chosen = run(model, tokens, model.init_cache(3, 12), at)
+  assert chosen.logits.shape == (3, 2, model.vocab_size)
+  np.testing.assert_allclose(chosen.logits, jnp.take_along_axis(full.logits, at[..., None], 1),
+                             **TOL)
+  np.testing.assert_array_equal(chosen.hidden, full.hidden)
+  np.testing.assert_array_equal(chosen.cache.k[0], full.cache.k[0])
+  lengths = jnp.asarray([9, 4, 6], jnp.int32)
+  out = sj.generate(model, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=5)
+  rows = np.zeros((3, 14), np.int32)  # greedy by hand: a cache-free causal pass per token
+  rows[:, :9] = np.asarray(tokens)
+  for i in range(5):
+    logits = np.asarray(forward(model, jnp.asarray(rows), starts).logits)
+    for r, length in enumerate(np.asarray(lengths)):
+      rows[r, length + i] = logits[r, length + i - 1].argmax()
+  for r, length in enumerate(np.asarray(lengths)):
+    np.testing.assert_array_equal(out.tokens[r], rows[r, length:length + 5])
+
+
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_block_forward_equals_single_token_steps(name):
   model = _model(name)

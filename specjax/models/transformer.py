@@ -103,13 +103,20 @@ class Model:
                           dtype or self.dtype, per_layer=not self.is_stacked)
 
   def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False,
-               positions=None, block_mask=None, write_cache=True) -> ForwardOutput:
+               positions=None, block_mask=None, write_cache=True,
+               logits_at=None) -> ForwardOutput:
     return forward(self, tokens, starts, cache, taps=taps, return_hidden=return_hidden,
-                   positions=positions, block_mask=block_mask, write_cache=write_cache)
+                   positions=positions, block_mask=block_mask, write_cache=write_cache,
+                   logits_at=logits_at)
 
   @property
   def defers_cache_writes(self) -> bool:
     """This model's forward takes `write_cache=False` (the verify switch relies on it)."""
+    return True
+
+  @property
+  def selects_logit_rows(self) -> bool:
+    """This model's forward takes `logits_at` (a prefill then scores only the rows it samples)."""
     return True
 
   @property
@@ -252,7 +259,8 @@ def check_taps(taps, num_layers: int) -> tuple[int, ...]:
 
 def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache | None = None,
             *, taps=(), return_hidden: bool = False, positions: jax.Array | None = None,
-            block_mask: jax.Array | None = None, write_cache: bool = True) -> ForwardOutput:
+            block_mask: jax.Array | None = None, write_cache: bool = True,
+            logits_at: jax.Array | None = None) -> ForwardOutput:
   """Runs the decoder on a block of tokens per row.
 
   Args:
@@ -270,6 +278,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     write_cache: False leaves the cache unwritten (it is only read) and returns the block's
       keys/values as `block_kv` instead: a forward inside one branch of a `lax.switch` then never
       updates the cache there, which would make XLA copy every layer's buffer into the branch.
+    logits_at: `[B, n]` int32 block indices: only those rows go through the output projection
+      (`logits` is then `[B, n, V]`; `hidden` and `taps` stay whole). A prefill that samples from
+      its last prompt token reads the projection once instead of once per prompt token.
 
   Returns:
     `ForwardOutput(logits [B, T, V] float32, hidden [B, T, E] or None, taps [n, B, T, E] or None,
@@ -420,6 +431,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   tap_out = jnp.stack([tapped[i] for i in taps]) if taps else None
 
   x = rms_norm(x, p["final_norm"], c.norm_eps, c.norm_offset)
+  normed = x
+  if logits_at is not None:
+    x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
   if c.tie_embeddings and "lm_head" not in p:  # `embed.T` inside jit would copy [E, V] per call
     if kernel and not quant.is_quantized(p["embed"]):
       logits = cpu_gemv.matvec(x, p["embed"])  # the CPU kernel reads `[V, E]` as it lies
@@ -430,4 +444,4 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   else:  # untied, or a tied model carrying its `[E, V]` copy (`with_output_copy`)
     logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
-  return ForwardOutput(logits, x if return_hidden else None, tap_out, new_cache, block_kv)
+  return ForwardOutput(logits, normed if return_hidden else None, tap_out, new_cache, block_kv)
