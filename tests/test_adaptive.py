@@ -27,14 +27,13 @@ from jax.experimental.pallas import tpu as pltpu
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from specjax import rule as rule_lib
 from specjax import sampling as S
 from specjax.dispatch import verify_tokens
 from specjax.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
 from specjax.testing.models import tiny_config
+from specjax.testing.rules import rule_stop_from_residual
 from specjax.round import verify_block
 from specjax.rule import verify_reference
-from specjax.sampling import VerifyResult
 from specjax.state import init_state, Proposal
 from specjax.tracing import TRACE_COUNTS
 from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, \
@@ -47,27 +46,6 @@ STOP_SETTINGS = {
     "t0.7_topk5_topp0.9": sj.Sampling(temperature=0.7, top_k=5, top_p=0.9),
 }
 HEAD_CONFIDENCE = 0.5  # with the random 8-token head: about 0.9 of 2 drafts proposed per round
-
-
-def rule_stop_from_residual(target_logits, draft_logits, draft_tokens, *, sampling, seeds,
-                            positions, num_drafted=None):
-  """Broken on purpose: at a confidence stop (n == num_drafted < k) the token at the stop slot
-  is drawn from normalize(max(p - q, 0)) of the drafter's unproposed distribution there, as if
-  the slot held a rejected draft, instead of from p."""
-  result = verify_reference(target_logits, draft_logits, draft_tokens, sampling=sampling,
-                            seeds=seeds, positions=positions, num_drafted=num_drafted)
-  if num_drafted is None or sampling.greedy or draft_logits is None:
-    return result
-  ops = rule_lib.LocalVocab()
-  k = draft_tokens.shape[1]
-  p = rule_lib.softmax(ops, S.warp_logits(target_logits, sampling))
-  q = rule_lib.softmax(ops, S.warp_logits(draft_logits, sampling))
-  n = result.num_accepted
-  as_if_drafted = rule_lib._correction(ops, p, q, draft_tokens, n, jnp.full_like(n, k), seeds,
-                                       positions)
-  stopped = (n == num_drafted) & (n < k)
-  final = jnp.where(stopped, as_if_drafted, result.tokens[jnp.arange(len(n)), n])
-  return VerifyResult(n, result.tokens.at[jnp.arange(len(n)), n].set(final))
 
 
 # ---------------------------------------------------------------------------------------------
