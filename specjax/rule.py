@@ -138,8 +138,10 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
   return VerifyResult(num_accepted, tokens)
 
 
-def _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions):
-  """`[B]` the token at the first rejection (residual race) or the bonus (race on p)."""
+def _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions,
+                purpose: int = PURPOSE_RESIDUAL):
+  """`[B]` the token at the first rejection (residual race) or the bonus (race on p), raced with
+  the `purpose` stream (the residual's; another only in `specjax.testing.rules`' broken rules)."""
   k = draft_tokens.shape[1]
   n = num_accepted
   is_draft_slot = (n < num_drafted)[:, None]  # the bonus slot (n == num_drafted) has q = 0
@@ -155,7 +157,7 @@ def _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, posit
   has_mass = (ops.sum(residual) > 0)[:, None]
   weights = jnp.where(has_mass, residual, p_n)
   scores = jnp.where(weights > 0, jnp.log(weights), -jnp.inf)
-  noise = gumbel(seeds[:, None], (positions + n)[:, None], ops.ids(p), PURPOSE_RESIDUAL)
+  noise = gumbel(seeds[:, None], (positions + n)[:, None], ops.ids(p), purpose)
   return ops.argmax(scores + noise)
 
 

@@ -25,7 +25,7 @@ Nothing in the library imports this module (it is test-only, like `specjax.testi
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax.audit import _last_logits, _memoized
 from specjax.audit_stats import position_tests
-from specjax.decode import decode as specjax_decode
+from specjax.decode import decode
 from specjax.generate import generate
 from specjax.models import Model, init_params
 from specjax.testing.models import tiny_config
@@ -104,7 +104,7 @@ class PathRun:
 
 def run_path(target, draft, prompts: list[list[int]], *, num_samples: int, max_new_tokens: int,
              sampling, seed: int = 0, num_draft: int = 4, verify_impl: Any = "auto",
-             tree=None, verify_widths=None, decode: Callable | None = None) -> PathRun:
+             tree=None, verify_widths=None) -> PathRun:
   """Decodes `num_samples` rows of every prompt in ONE `specjax.decode` call (one compiled program
   per path and setting), row `b` seeded by `fold_in(key(seed), b)`.
 
@@ -112,7 +112,6 @@ def run_path(target, draft, prompts: list[list[int]], *, num_samples: int, max_n
     `PathRun(tokens [len(prompts), num_samples, max_new_tokens], summary)`; every row must emit
     `max_new_tokens` tokens (no EOS).
   """
-  decode = specjax_decode if decode is None else decode
   lengths = np.repeat([len(p) for p in prompts], num_samples).astype(np.int32)
   tokens = np.zeros((len(lengths), max(len(p) for p in prompts)), np.int32)
   for i, prompt in enumerate(prompts):
@@ -136,18 +135,25 @@ class Fit:
 
   Attributes:
     tests: one `specjax.audit_stats.PositionTest` per (prompt, position).
-    alpha: the family-wise level; corrected_alpha: `alpha / num_tests`.
-    num_tests: tests with degrees of freedom (or an impossible token).
+    alpha: the family-wise level.
   """
 
   tests: tuple
   alpha: float
-  corrected_alpha: float
-  num_tests: int
 
   @property
   def tested(self) -> list:
+    """The tests with degrees of freedom (or an impossible token)."""
     return [t for t in self.tests if t.dof > 0 or t.impossible]
+
+  @property
+  def num_tests(self) -> int:
+    return len(self.tested)
+
+  @property
+  def corrected_alpha(self) -> float:
+    """The Bonferroni level, `alpha / num_tests`."""
+    return self.alpha / max(self.num_tests, 1)
 
   @property
   def min_pvalue(self) -> float:
@@ -183,6 +189,4 @@ def goodness_of_fit(prompts: list[list[int]], tokens: np.ndarray, sampling, scor
   """The audit's prefix-grouped chi-square (`specjax.audit_stats.position_tests`) of `tokens
   [P, N, positions]` against `scorer.target` under `sampling`, Bonferroni over its tests."""
   from scipy import stats as scipy_stats  # lazily, as the audit does
-  tests = position_tests(prompts, tokens, sampling, scipy_stats, scorer)
-  num_tests = sum(1 for t in tests if t.dof > 0 or t.impossible)
-  return Fit(tuple(tests), alpha, alpha / max(num_tests, 1), num_tests)
+  return Fit(tuple(position_tests(prompts, tokens, sampling, scipy_stats, scorer)), alpha)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from specjax.audit import control_rule
 from specjax.rule import LocalVocab, _correction, softmax, verify_reference
-from specjax.sampling import PURPOSE_DRAFT, VerifyResult, sample_race, warp_logits
+from specjax.sampling import PURPOSE_DRAFT, VerifyResult, warp_logits
 
 __all__ = ["rule_q_from_float_model", "rule_residual_with_draft_stream",
            "rule_round_local_stream", "rule_stop_from_residual", "rule_warping_only_p",
@@ -64,18 +64,13 @@ def rule_residual_with_draft_stream(target_logits, draft_logits, draft_tokens, *
                             seeds=seeds, positions=positions, **extra)
   if sampling.greedy or draft_logits is None:
     return result
-  k = draft_tokens.shape[1]
-  n = result.num_accepted
   ops = LocalVocab()
+  n = result.num_accepted
+  proposed = jnp.full_like(n, draft_tokens.shape[1]) if num_drafted is None else num_drafted
   p = softmax(ops, warp_logits(target_logits, sampling))
   q = softmax(ops, warp_logits(draft_logits, sampling))
-  p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
-  q_n = jnp.take_along_axis(q, jnp.minimum(n, k - 1)[:, None, None], axis=1)[:, 0]
-  rest = jnp.maximum(p_n - q_n, 0.0)
-  weights = jnp.where(jnp.sum(rest, axis=-1, keepdims=True) > 0, rest, p_n)
-  scores = jnp.where(weights > 0, jnp.log(jnp.where(weights > 0, weights, 1.0)), -jnp.inf)
-  token = sample_race(scores, seeds, positions + n, PURPOSE_DRAFT)
-  proposed = k if num_drafted is None else num_drafted
+  token = _correction(ops, p, q, draft_tokens, n, proposed, seeds, positions,
+                      purpose=PURPOSE_DRAFT)
   return _set_final(result, token, n < proposed)
 
 
