@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import cpu_gemv
+from specjax.models import host_memory
 
 __all__ = ["BITS", "QuantizedWeight", "abstract_quantized", "dequantize_model", "is_quantized",
            "linear", "linear_t", "quantization_of", "quantize", "quantize_weight", "take_rows"]
@@ -212,6 +213,10 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept
       else:
         p["lm_head"] = quantize_weight(np.asarray(p["lm_head"]).T, bits, group)  # [E, V] -> [V, E]
+  if not model.is_stacked:  # the CPU layout: quantized weights in 2 MiB pages, as float ones are
+    p = jax.tree.map(
+        lambda w: host_memory.weights_on_huge_pages(w) if isinstance(w, QuantizedWeight) else w,
+        p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
   return dataclasses.replace(model, params=p)
 
 
