@@ -1,4 +1,5 @@
-"""The CPU layout's small products as a hand-written kernel: an XLA FFI custom call (`cpu_gemv.cc`).
+"""The CPU layout's small products and attention as hand-written XLA FFI custom calls (`cpu_gemv.cc`,
+`cpu_attention.cc`, sharing `cpu_common.h`; one library).
 
 A batch-1 decode step on CPU is a chain of about a hundred matrix-vector products that should each
 stream their weight at memory bandwidth. XLA:CPU's dot reaches that on one large product but loses
@@ -11,7 +12,7 @@ reads each weight once for all of them.
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ /
 clang++), `-O3 -march=native` (plus the flags in `$SPECJAX_CPU_KERNEL_FLAGS`, e.g. `-mno-avx512f`
 to build the AVX2 code paths on a host with AVX-512), against `jax.ffi.include_dir()`, and cached under
-`$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the source, compiler, flags, jaxlib and
+`$SPECJAX_CACHE_DIR` (default `~/.cache/specjax`) keyed by the sources, compiler, flags, jaxlib and
 CPU, beside the SHA-256 of the built file: a cached library whose bytes do not match it (a
 truncated or replaced file) is rebuilt, not loaded. The build and the registration happen once
 per process, under a lock. Where it cannot be built (no compiler, not x86-64, no AVX2/FMA) or
@@ -48,6 +49,9 @@ import jax.numpy as jnp
 import numpy as np
 
 SOURCE = pathlib.Path(__file__).with_name("cpu_gemv.cc")
+# Compiled together into one library; the header is part of its cache key.
+SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
+HEADERS = (SOURCE.with_name("cpu_common.h"),)
 TARGET = "specjax_cpu_gemv"
 QUANT_TARGET = "specjax_cpu_qgemv"
 ATTENTION_TARGET = "specjax_cpu_attention"
@@ -78,7 +82,7 @@ def _cache_dir() -> pathlib.Path:
 
 
 def build() -> pathlib.Path:
-  """Compiles `cpu_gemv.cc` (or finds it compiled) and returns the shared library's path."""
+  """Compiles `SOURCES` (or finds them compiled) into one shared library and returns its path."""
   if platform.machine().lower() not in ("x86_64", "amd64"):
     raise RuntimeError(f"the kernel is written for x86-64 (AVX2 + FMA), not {platform.machine()}")
   cxx = _compiler()
@@ -87,7 +91,8 @@ def build() -> pathlib.Path:
   flags += os.environ.get("SPECJAX_CPU_KERNEL_FLAGS", "").split()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   import jaxlib
-  key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, *flags, jaxlib.__version__,
+  texts = [f.read_text() for f in SOURCES + HEADERS]
+  key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, jaxlib.__version__,
                                   _cpu_signature()]).encode()).hexdigest()[:16]
   directory = _cache_dir() / "cpu_kernels"
   library = directory / f"cpu_gemv-{key}.so"
@@ -100,8 +105,8 @@ def build() -> pathlib.Path:
                    "rebuilding it", library)
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / f".cpu_gemv-{key}.{os.getpid()}.{threading.get_ident()}.so"
-    done = subprocess.run([cxx, *flags, str(SOURCE), "-o", str(partial)], capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(partial)],
+                          capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
       partial.unlink(missing_ok=True)
       raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[-2000:]}")
