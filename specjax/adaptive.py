@@ -80,12 +80,12 @@ picked by `lax.switch` among the compiled widths.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from specjax.adaptive_stop import CostAwareStop, log_odds, takes_stop
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.state import Proposal
@@ -140,57 +140,6 @@ class AdaptiveState:
   stopped: jax.Array
   idle: jax.Array
   wait: jax.Array
-
-
-def _log_odds(a: jax.Array) -> jax.Array:
-  """`log(a / (1 - a))`, for probabilities already kept away from 0 and 1."""
-  return jnp.log(a) - jnp.log1p(-a)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class CostAwareStop:
-  """The token-level stop rule of `AdaptiveDrafter` (module docstring), for `draft_chain`'s
-  `stop=`: `init(batch)` and `(index, confidence [B], stats) -> (keep [B], stats)`.
-
-  Attributes:
-    alpha: `[B, K]` each row's acceptance estimate per slot (`AdaptiveDrafter.alpha`), used for
-      the slots after the one being decided.
-    shift: `[B]` log-odds added to the drafter's confidence to estimate the acceptance of the slot
-      being decided (`AdaptiveDrafter.confidence_shift`).
-    round_ms: `K + 1` round costs for `k = 0 .. K` drafts.
-  """
-
-  alpha: jax.Array
-  shift: jax.Array
-  round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
-
-  def init(self, batch: int):
-    """`(expected tokens, chance of reaching the next slot)` with nothing proposed: `(1, 1)`."""
-    ones = jnp.ones((batch,), jnp.float32)
-    return ones, ones
-
-  def __call__(self, index, confidence, stats):
-    expected, reach = stats
-    num = self.alpha.shape[1]
-    cost = jnp.asarray(self.round_ms, jnp.float32)  # [K + 1]
-    log_alpha = jnp.cumsum(jnp.log(jnp.clip(self.alpha, 1e-6, 1.0)), axis=1)  # [B, K]
-    slot = jnp.arange(num, dtype=jnp.int32)[None]  # 0-based slot m = draft m + 1
-    here = jnp.take_along_axis(log_alpha, jnp.full((log_alpha.shape[0], 1), index), axis=1)
-    beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
-    tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
-    c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
-    accept = jax.nn.sigmoid(_log_odds(c) + self.shift)
-    gain = (reach * accept)[:, None]
-    rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
-    keep = jnp.max(rate, axis=1) > expected / cost[index]
-    return keep, (jnp.where(keep, expected + gain[:, 0], expected),
-                  jnp.where(keep, gain[:, 0], reach))
-
-
-def takes_stop(drafter) -> bool:
-  """Whether `drafter.propose` accepts a `stop=` rule (`draft_chain`)."""
-  return "stop" in inspect.signature(drafter.propose).parameters
 
 
 @jax.tree_util.register_dataclass
@@ -287,7 +236,7 @@ class AdaptiveDrafter(DrafterWrapper):
     weight = self.prior_weight
     tested = jnp.sum(state.reached, axis=1) + weight
     rate = jnp.clip((jnp.sum(state.accepted, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
-    return _log_odds(rate) - jnp.sum(state.believed, axis=1) / tested
+    return log_odds(rate) - jnp.sum(state.believed, axis=1) / tested
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position (of the head's drafts, around a
@@ -314,9 +263,9 @@ class AdaptiveDrafter(DrafterWrapper):
     seen = jnp.sum(accepted, axis=1) + weight * pooled
     expected = jnp.sum(reached * prior, axis=1) + weight * pooled
     tested = jnp.sum(reached, axis=1) + weight
-    shift = (_log_odds(jnp.clip(seen / tested, 0.01, 0.99))
-             - _log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
-    row_prior = jax.nn.sigmoid(_log_odds(prior)[None] + shift[:, None])  # [B, K]
+    shift = (log_odds(jnp.clip(seen / tested, 0.01, 0.99))
+             - log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
+    row_prior = jax.nn.sigmoid(log_odds(prior)[None] + shift[:, None])  # [B, K]
     return (accepted + weight * row_prior) / (reached + weight)
 
   def _best(self, alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -420,7 +369,7 @@ class AdaptiveDrafter(DrafterWrapper):
         state, inner=inner,
         accepted=state.accepted * decay + hit.astype(jnp.float32),
         reached=state.reached * decay + tested.astype(jnp.float32),
-        believed=state.believed * decay + jnp.where(tested, _log_odds(jnp.clip(
+        believed=state.believed * decay + jnp.where(tested, log_odds(jnp.clip(
             state.confidence, 1e-6, 1.0 - 1e-6)), 0.0))
     if not self.copies:
       return state

@@ -33,7 +33,7 @@ LAYERS = (
     ("checkpoint io", ("specjax.io",)),
     ("round parts", ("specjax.state", "specjax.dispatch", "specjax.costs", "specjax.tree_rule",
                      "specjax.tree_builders")),
-    ("drafters", ("specjax.drafters", "specjax.adaptive")),
+    ("drafters", ("specjax.drafters", "specjax.adaptive", "specjax.adaptive_stop")),
     ("decoding", ("specjax.round", "specjax.generate", "specjax.decode", "specjax.stream")),
     ("tools", ("specjax.audit", "specjax.audit_report", "specjax.audit_stats", "specjax.default",
                "specjax.train", "specjax.training", "specjax.testing")),
