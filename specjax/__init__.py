@@ -19,6 +19,8 @@ from specjax.parallel import ShardingRules, make_mesh, shard
 from specjax.io.tokenizer import Tokenizer, load_tokenizer
 from specjax.default import PAIRS, DefaultPair, load_default, load_pair
 from specjax.audit import AuditReport, audit
+from specjax.adaptive import AdaptiveDrafter, adaptive_drafter
+from specjax.costs import AutoChoice, Calibration, auto_num_draft
 
 __version__ = "0.1.0"
 
@@ -34,4 +36,5 @@ __all__ = [
     "ShardingRules", "make_mesh", "shard",
     "DefaultPair", "PAIRS", "load_default", "load_pair",
     "AuditReport", "audit",
+    "AdaptiveDrafter", "AutoChoice", "Calibration", "adaptive_drafter", "auto_num_draft",
 ]

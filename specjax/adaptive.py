@@ -1,11 +1,11 @@
-"""Per-row adaptive draft length: `specjax.decode(..., num_draft="adaptive", calibration=DIR)`.
+"""Per-row adaptive draft length: `specjax.decode(target, adaptive_drafter(drafter, DIR), ...)`.
 
-`num_draft="auto"` picks one `k` for every prompt before compiling, from an acceptance profile
-averaged over many prompts. But acceptance differs by an order of magnitude between prompts (a
-head that writes code well may rarely guess a translation), so the `k` that is best on average is
-too long for some rows and too short for others. `AdaptiveDrafter` wraps a drafter and, at the
-start of every round, gives each row its own limit `k_b` in `0 .. K`: the one that maximises
-expected tokens per millisecond,
+`specjax.auto_num_draft` picks one `k` for every prompt before compiling, from an acceptance
+profile averaged over many prompts. But acceptance differs by an order of magnitude between
+prompts (a head that writes code well may rarely guess a translation), so the `k` that is best on
+average is too long for some rows and too short for others. `AdaptiveDrafter` wraps a drafter
+(`adaptive_drafter` builds one from a calibration) and, at the start of every round, gives each
+row its own limit `k_b` in `0 .. K`: the one that maximises expected tokens per millisecond,
 
     E[tokens | k] / round_ms[k],   E[tokens | k] = 1 + sum_{j <= k} prod_{i <= j} alpha_{b,i},
 
@@ -85,12 +85,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax import costs
 from specjax.adaptive_stop import CostAwareStop, log_odds, takes_stop
+from specjax.drafters import as_drafter
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.state import Proposal
+from specjax.validation import check_count
 
-__all__ = ["AdaptiveDrafter", "AdaptiveState", "CostAwareStop"]
+__all__ = ["AdaptiveDrafter", "AdaptiveState", "CostAwareStop", "adaptive_drafter"]
 
 
 @jax.tree_util.register_dataclass
@@ -147,6 +150,9 @@ class AdaptiveState:
 class AdaptiveDrafter(DrafterWrapper):
   """A drafter whose rows each draft their own number of tokens per round (module docstring).
 
+  `adaptive_drafter` builds one from a calibration. It brings its own `K` and verify widths:
+  `specjax.decode` takes them from it (leave `num_draft` and `verify_widths` out).
+
   Attributes:
     drafter: the wrapped `Drafter`; its `propose` takes `limits=` (every built-in one does).
     max_draft: `K`, the longest chain a row may draft (the loop's static `num_draft`).
@@ -171,6 +177,8 @@ class AdaptiveDrafter(DrafterWrapper):
     plain: never run a drafter that catches up (the calibration says no `k >= 1` can beat a
       plain target step, even for rows accepting far more than the profile): every round is a
       target step.
+    widths: the verify widths `decode` compiles (sorted; `K + 1` is always added; the plan's
+      `specjax.costs.AdaptivePlan.widths` from `adaptive_drafter`); None: `K + 1` only.
   """
 
   drafter: Any
@@ -186,9 +194,12 @@ class AdaptiveDrafter(DrafterWrapper):
   probe_max: int = dataclasses.field(default=128, metadata=dict(static=True))
   plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
   stop_rounds: int = dataclasses.field(default=4, metadata=dict(static=True))
+  widths: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     k = self.max_draft
+    if hasattr(self.widths, "__iter__") and not isinstance(self.widths, str):
+      object.__setattr__(self, "widths", tuple(self.widths))  # static: must hash; decode checks
     if isinstance(self.drafter, AdaptiveDrafter):
       raise ValueError("the drafter is already adaptive")
     if len(self.round_ms) != k + 1 or len(self.prior) != k:
@@ -387,3 +398,32 @@ class AdaptiveDrafter(DrafterWrapper):
     return dataclasses.replace(
         state, copy_accepted=state.copy_accepted * decay + (tested & match).astype(jnp.float32),
         copy_reached=state.copy_reached * decay + tested.astype(jnp.float32))
+
+
+def adaptive_drafter(drafter, calibration, *, max_draft: int | None = None,
+                     **options) -> AdaptiveDrafter:
+  """`drafter` wrapped so that each row drafts its own `k` every round, planned from measurements.
+
+      drafter = specjax.adaptive_drafter(drafter, calibration="DIR")
+      specjax.decode(target, drafter, tokens, rng, ...)  # K and the widths come with it
+
+  Args:
+    drafter: a `Drafter` (its `propose` takes `limits=`: every built-in one) or a draft model.
+    calibration: a directory holding `cost_table_<backend>.json` and `acceptance_profile.json`
+      (`specjax calibrate --out DIR`), or a `specjax.costs.Calibration`.
+    max_draft: an upper bound on `K` (the drafter's own `max_draft`, e.g. Medusa's heads, too).
+    **options: further `AdaptiveDrafter` fields (`token_stop`, `prior_weight`, `decay`, ...).
+
+  Returns:
+    An `AdaptiveDrafter` with `specjax.costs.adaptive_plan`'s `K`, round costs, priors, verify
+    widths and `plain` flag (set: `decode` runs `specjax.generate`, drafting cannot pay).
+  """
+  drafter = as_drafter(drafter)
+  measured = costs.resolve_calibration(calibration)
+  bounds = [check_count(b, "max_draft") for b in (max_draft, getattr(drafter, "max_draft", None))
+            if b is not None]
+  plan = costs.adaptive_plan(measured.costs, measured.profile,
+                             max_draft=min(bounds) if bounds else None)
+  return AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
+                         copy_prior=plan.copy_prior, plain=plan.plain, widths=plan.widths,
+                         **options)

@@ -1,4 +1,5 @@
-"""Measured costs and acceptance profiles: what `specjax.decode(..., num_draft="auto")` picks from.
+"""Measured costs and acceptance profiles: what `specjax.auto_num_draft` and
+`specjax.adaptive_drafter` read.
 
 A **cost table** is measured once per backend (`specjax.calibrate.measure_costs`, or `specjax
 calibrate`): the target's forward over blocks of `w = 1 .. W` positions at batch `B` (a chain
@@ -13,14 +14,15 @@ prompts) holds the drafter's per-position acceptance `alpha_j`: the probability 
 is accepted given that drafts `1 .. j-1` were. A round with `k` drafts then yields
 `E[tokens | k] = 1 + sum_{j<=k} prod_{i<=j} alpha_i` tokens on average. For a
 `HybridDrafter` it also holds the head's profile alone and its prompt-lookup copies' profile
-(`AcceptanceProfile.head`, `.lookup`): the priors of `num_draft="adaptive"`, which keeps the two
-apart per row.
+(`AcceptanceProfile.head`, `.lookup`): the priors of `specjax.adaptive_drafter`, which keeps the
+two apart per row.
 
 `choose_num_draft` maximises expected tokens per unit time,
 `E[tokens | k] / (verify(k + 1) + k * draft_step + round_overhead)`, over the `k` both files
-cover, on the host before anything is compiled (so `k` is static and the loop has no host syncs).
-There is no fallback guess: without both files `num_draft="auto"` raises a ValueError that says
-how to make them.
+cover, on the host before anything is compiled (so `k` is static and the loop has no host syncs);
+`auto_num_draft(drafter, calibration)` is its front door, whose `AutoChoice` the caller passes to
+`decode` as `num_draft=choice.num_draft, verify_widths=choice.widths`. There is no fallback guess:
+without both files it raises a ValueError that says how to make them.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import numpy as np
 from specjax.sampling import Sampling
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
-           "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "choose_num_draft",
+           "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "auto_num_draft", "choose_num_draft",
            "choose_widths", "cost_table_file", "expected_tokens", "load_calibration",
            "resolve_calibration"]
 
@@ -192,7 +194,8 @@ class AcceptanceProfile:
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-  """A cost table and an acceptance profile: everything `num_draft="auto"` needs."""
+  """A cost table and an acceptance profile: everything `auto_num_draft` and
+  `specjax.adaptive_drafter` need."""
 
   costs: CostTable
   profile: AcceptanceProfile
@@ -200,11 +203,12 @@ class Calibration:
 
 @dataclasses.dataclass(frozen=True)
 class AutoChoice:
-  """What `choose_num_draft` picked, and why.
+  """What `choose_num_draft` (`auto_num_draft`) picked, and why: pass
+  `num_draft=choice.num_draft, verify_widths=choice.widths` to `specjax.decode`.
 
   Attributes:
     num_draft: `k`.
-    widths: the compiled verify widths (ending in `k + 1`).
+    widths: the compiled verify widths (ending in `k + 1`; `decode`'s `verify_widths`).
     expected_tokens: `E[tokens | k]` per round.
     round_ms: `verify(k + 1) + k * draft_step + round_overhead` from the table.
     speedup: `expected_tokens / round_ms * generate_step_ms`: the predicted speedup over
@@ -284,9 +288,33 @@ def choose_num_draft(costs: CostTable, profile: AcceptanceProfile, *,
                     scores[best - 1] * costs.generate_step_ms, tuple(scores))
 
 
+def auto_num_draft(drafter, calibration) -> AutoChoice:
+  """The `k` (and verify widths) that `drafter` should draft under a measured calibration.
+
+  `choose_num_draft` for this drafter: its `max_draft` (e.g. a Medusa drafter's heads) bounds `k`,
+  and a confidence stop (`confidence=`) makes narrower verify widths worth compiling. Usage:
+
+      choice = specjax.auto_num_draft(drafter, calibration="DIR")
+      specjax.decode(target, drafter, ..., num_draft=choice.num_draft,
+                     verify_widths=choice.widths)
+
+  Args:
+    drafter: the drafter (or draft model) `decode` will run.
+    calibration: a directory holding `cost_table_<backend>.json` and `acceptance_profile.json`
+      (`specjax calibrate --out DIR`), or a `Calibration`.
+
+  Raises:
+    ValueError: no calibration, a missing file, or one that covers no `k >= 1`.
+  """
+  measured = resolve_calibration(calibration)
+  return choose_num_draft(measured.costs, measured.profile,
+                          max_draft=getattr(drafter, "max_draft", None),
+                          confidence_stop=getattr(drafter, "confidence", None) is not None)
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptivePlan:
-  """What `num_draft="adaptive"` compiles (`adaptive_plan`; see `specjax.adaptive`).
+  """What `specjax.adaptive_drafter` compiles (`adaptive_plan`; see `specjax.adaptive`).
 
   Attributes:
     max_draft: `K`, the longest chain a row may draft.
@@ -394,7 +422,7 @@ def load_calibration(directory, backend: str | None = None) -> Calibration:
   missing = [name for name in (cost_table_file(backend), PROFILE_FILE)
              if not (directory / name).is_file()]
   if missing:
-    raise ValueError(f"num_draft='auto' needs measured costs: {', '.join(missing)} not found in "
+    raise ValueError(f"a calibration needs measured costs: {', '.join(missing)} not found in "
                      f"{directory}; run `specjax calibrate --out {directory}` on this backend "
                      "(or pass an explicit num_draft)")
   return Calibration(CostTable.load(directory, backend), AcceptanceProfile.load(directory))
@@ -405,9 +433,9 @@ def resolve_calibration(calibration) -> Calibration:
   if isinstance(calibration, Calibration):
     return calibration
   if calibration is None:
-    raise ValueError("num_draft='auto' needs a calibration: pass calibration=DIR, a directory "
-                     "with cost_table_<backend>.json and acceptance_profile.json written by "
-                     "`specjax calibrate --out DIR` (there is no unmeasured default)")
+    raise ValueError("choosing the draft length needs a calibration: pass calibration=DIR, a "
+                     "directory with cost_table_<backend>.json and acceptance_profile.json "
+                     "written by `specjax calibrate --out DIR` (there is no unmeasured default)")
   if isinstance(calibration, (str, pathlib.Path)):
     return load_calibration(calibration)
   raise ValueError(f"calibration must be a directory or a specjax.costs.Calibration, got "
