@@ -97,7 +97,7 @@ def control_rule(target_logits, draft_logits, draft_tokens, *, sampling, seeds, 
 # --------------------------------------------------------------------------------------------
 
 def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1.0),
-          num_draft: int = 4, max_new_tokens: int = 32, num_samples: int = 2000,
+          num_draft: int | None = None, max_new_tokens: int = 32, num_samples: int = 2000,
           num_positions: int = 3, seed: int = 0, alpha: float = 1e-3,
           tie_tolerance: float = TIE_TOLERANCE, tokenizer=None,
           verify_impl="auto", control: bool = True) -> AuditReport:
@@ -108,7 +108,8 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     draft: the drafter: a draft model or a `Drafter` such as `specjax.NGramDrafter()`.
     prompts: a list of prompts, each a sequence of token ids or (with `tokenizer`) a string.
     sampling: the settings of the sampled check (temperature > 0; greedy settings skip it).
-    num_draft: draft tokens per round (`k`).
+    num_draft: draft tokens per round (`k`); None: as `specjax.decode` (4, or an
+      `AdaptiveDrafter`'s own `K`).
     max_new_tokens: tokens per prompt in the greedy identity check.
     num_samples: samples per prompt in the sampled check (batch rows, one random stream each).
     num_positions: first positions tested per prompt (each adds one test per prompt).
@@ -132,13 +133,17 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
   """
   from scipy import stats as scipy_stats
 
-  from specjax.decode import decode
+  from specjax.decode import check_decode_arguments, decode
   from specjax.generate import generate
   from specjax.sampling import GREEDY
   from specjax.validation import check_count
 
   rows = _prompt_rows(prompts, tokenizer)
-  num_draft = check_count(num_draft, "num_draft")
+  tokens, lengths = _pad(rows)
+  num_draft = check_decode_arguments(  # decode's own checks: k (or the drafter's K), the rest
+      target, draft, tokens, jax.random.key(seed), lengths=lengths,
+      max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=GREEDY, eos_id=None,
+      verify_impl=verify_impl).num_draft
   max_new_tokens = check_count(max_new_tokens, "max_new_tokens")
   num_samples = check_count(num_samples, "num_samples", 2)
   num_positions = check_count(num_positions, "num_positions")
@@ -150,7 +155,6 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
   rule_name = "exact" if isinstance(rule, str) else getattr(rule, "__name__", repr(rule))
 
   # 1. Greedy identity.
-  tokens, lengths = _pad(rows)
   spec = decode(target, draft, tokens, jax.random.key(seed), lengths=lengths,
                 max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=GREEDY,
                 verify_impl=rule)

@@ -4,8 +4,9 @@
 
 writes `DIR/cost_table_<backend>.json` (`measure_costs`: forwards, draft steps, whole decode
 rounds) and `DIR/acceptance_profile.json` (`measure_acceptance`: greedy by default, or the given
-sampling), then prints what `num_draft="auto"` would pick from them. Heavy imports happen inside the
-handlers, so `specjax --help` stays instant.
+sampling), then prints what `specjax.auto_num_draft` picks from them (`specjax.adaptive_drafter`
+reads the same files). Heavy imports happen inside the handlers, so `specjax --help` stays
+instant.
 """
 
 from __future__ import annotations
@@ -249,12 +250,12 @@ def add_subcommand(subparsers):
   """Registers `calibrate` (called by `specjax.cli`)."""
   parser = subparsers.add_parser(
       "calibrate", help="measure the backend's cost table and the drafter's acceptance profile "
-      "(for num_draft='auto')",
+      "(for specjax.auto_num_draft and specjax.adaptive_drafter)",
       description="Measure, on this backend, the target's forward cost over 1..W positions, the "
       "drafter's cost per draft step and one plain generate step (cost_table_<backend>.json), "
       "and the drafter's per-position acceptance on a few prompts (acceptance_profile.json); "
-      "both go to --out, where specjax.decode(..., num_draft='auto', calibration=DIR) reads "
-      "them.")
+      "both go to --out, where specjax.auto_num_draft(drafter, calibration=DIR) and "
+      "specjax.adaptive_drafter(drafter, calibration=DIR) read them.")
   parser.add_argument("--out", required=True, metavar="DIR",
                       help="where to write the JSON files (e.g. the checkpoint directory)")
   parser.add_argument("--max-width", type=int, default=9,
@@ -296,8 +297,7 @@ def run(args) -> int:
   out = pathlib.Path(args.out)
   for path in (table.save(out), profile.save(out)):
     print(f"wrote {path}")
-  choice = costs.choose_num_draft(table, profile, max_draft=getattr(drafter, "max_draft", None),
-                                  confidence_stop=getattr(drafter, "confidence", None) is not None)
+  choice = costs.auto_num_draft(drafter, costs.Calibration(table, profile))
   verify = ", ".join(f"{w}: {ms:.2f}" for w, ms in enumerate(table.verify_ms, 1))
   print(f"verify ms by width: {verify}; draft step {table.draft_step_ms:.2f} ms; generate step "
         f"{table.generate_step_ms:.2f} ms; per-round overhead {table.round_overhead_ms:.2f} ms")
@@ -305,7 +305,7 @@ def run(args) -> int:
                      ("lookup alpha", profile.lookup)):
     if part is not None:
       print(f"{name}: {', '.join(f'{a:.3f}' for a in part.alpha)}")
-  print(f"num_draft='auto' picks k = {choice.num_draft} (widths {choice.widths}): "
+  print(f"specjax.auto_num_draft picks k = {choice.num_draft} (widths {choice.widths}): "
         f"{choice.expected_tokens:.2f} tokens per {choice.round_ms:.2f} ms round, predicted "
         f"speedup {choice.speedup:.2f}x over generate")
   return 0

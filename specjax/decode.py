@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax import costs, validation
+from specjax import validation
 from specjax.adaptive import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.drafters.tree import tree_drafter
@@ -53,41 +53,54 @@ class DecodeArguments(NamedTuple):
   widths: tuple[int, ...]  # compiled verify widths, sorted, ending in num_draft + 1
 
 
-def resolve_num_draft(drafter, num_draft, *, verify_widths=None,
-                      calibration=None) -> tuple[Any, int, tuple[int, ...]]:
-  """`(drafter, k, verify widths)` from `decode`'s `num_draft`, `verify_widths`, `calibration`.
+DEFAULT_NUM_DRAFT = 4
 
-  `num_draft="auto"` picks `k` (and, for a drafter with a confidence stop, the widths) from the
-  measured cost table and acceptance profile (`specjax.costs.choose_num_draft`), on the host.
-  `num_draft="adaptive"` wraps the drafter in a `specjax.adaptive.AdaptiveDrafter` that picks
-  each row's `k` every round on device, up to `K` (`specjax.costs.adaptive_plan`).
+# The string modes `decode` took before they became explicit calls.
+REPLACED_MODES = {
+    "auto": "num_draft='auto' was replaced by specjax.auto_num_draft(drafter, calibration=DIR): "
+            "choice = specjax.auto_num_draft(drafter, calibration=DIR), then decode(..., "
+            "num_draft=choice.num_draft, verify_widths=choice.widths)",
+    "adaptive": "num_draft='adaptive' was replaced by specjax.adaptive_drafter(drafter, "
+                "calibration=DIR): decode(target, specjax.adaptive_drafter(drafter, "
+                "calibration=DIR), ...), which brings its own K and verify widths",
+}
+
+
+def check_mode(num_draft, calibration) -> None:
+  """Rejects the string modes and `calibration=` that `decode` no longer takes (a ValueError
+  naming the call that replaced them)."""
+  if isinstance(num_draft, str):
+    raise ValueError(REPLACED_MODES.get(num_draft, f"num_draft must be an int >= 1, got "
+                                        f"{num_draft!r} (the string modes became "
+                                        "specjax.auto_num_draft and specjax.adaptive_drafter)"))
+  if calibration is not None:
+    raise ValueError("calibration= was removed from decode: choose k with "
+                     "specjax.auto_num_draft(drafter, calibration=DIR), or wrap the drafter in "
+                     "specjax.adaptive_drafter(drafter, calibration=DIR)")
+
+
+def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, tuple[int, ...]]:
+  """`(k, verify widths)` from `decode`'s `num_draft` and `verify_widths`.
+
+  None is `DEFAULT_NUM_DRAFT`, or an `AdaptiveDrafter`'s own `K`: the wrapper brings `K` and its
+  widths, and a `num_draft` or `verify_widths` given beside it must equal them.
 
   Raises:
-    ValueError: a bad count or width, "auto"/"adaptive" without a calibration, a calibration
-      without them.
+    ValueError: a bad count or width, or one that contradicts the `AdaptiveDrafter`'s.
   """
-  if num_draft == "adaptive":
-    measured = costs.resolve_calibration(calibration)
-    plan = costs.adaptive_plan(measured.costs, measured.profile,
-                               max_draft=getattr(drafter, "max_draft", None))
-    drafter = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
-                              copy_prior=plan.copy_prior, plain=plan.plain)
-    widths = plan.widths if verify_widths is None else verify_widths
-    return drafter, plan.max_draft, check_verify_widths(widths, plan.max_draft)
-  if isinstance(num_draft, str):
-    if num_draft != "auto":
-      raise ValueError(f"num_draft must be an int >= 1, 'auto' or 'adaptive', got {num_draft!r}")
-    stop = getattr(drafter, "confidence", None) is not None
-    measured = costs.resolve_calibration(calibration)
-    choice = costs.choose_num_draft(measured.costs, measured.profile,
-                                    max_draft=getattr(drafter, "max_draft", None),
-                                    confidence_stop=stop)
-    num_draft = choice.num_draft
-    verify_widths = choice.widths if verify_widths is None else verify_widths
-  elif calibration is not None:
-    raise ValueError("calibration= is read only with num_draft='auto' or 'adaptive'")
-  num_draft = validation.check_count(num_draft, "num_draft")
-  return drafter, num_draft, check_verify_widths(verify_widths, num_draft)
+  if num_draft is not None:
+    num_draft = validation.check_count(num_draft, "num_draft")
+  if not isinstance(drafter, AdaptiveDrafter):
+    num_draft = DEFAULT_NUM_DRAFT if num_draft is None else num_draft
+    return num_draft, check_verify_widths(verify_widths, num_draft)
+  k = drafter.max_draft
+  widths = check_verify_widths(drafter.widths, k)
+  if num_draft not in (None, k) or (verify_widths is not None
+                                    and check_verify_widths(verify_widths, k) != widths):
+    raise ValueError(f"an AdaptiveDrafter brings its own K = {k} and verify widths {widths}: "
+                     f"leave num_draft and verify_widths out (got num_draft={num_draft!r}, "
+                     f"verify_widths={verify_widths!r})")
+  return k, widths
 
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
@@ -98,17 +111,17 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   Raises:
     ValueError: naming the problem (see `decode`).
   """
+  check_mode(num_draft, calibration)
   validation.check_model(target, "target")
   if tree is None:
-    drafter, num_draft, widths = resolve_num_draft(as_drafter(draft), num_draft,
-                                                   verify_widths=verify_widths,
-                                                   calibration=calibration)
+    drafter = as_drafter(draft)
+    num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths)
     scratch = 0
   else:
-    if num_draft != 4 or verify_widths is not None or calibration is not None:
+    if num_draft is not None or verify_widths is not None:
       raise ValueError("with tree=, the tree spec sets the draft shape (TreeSpec.widths the "
-                       "verify widths): leave num_draft, verify_widths and calibration at their "
-                       f"defaults (got num_draft={num_draft!r})")
+                       "verify widths): leave num_draft and verify_widths out (got "
+                       f"num_draft={num_draft!r})")
     drafter = tree_drafter(target, draft, tree)
     num_draft, widths = tree.depth, (tree.depth + 1,)
     scratch = drafter.extra_slots  # a round's tree block lies past the new tokens
@@ -132,7 +145,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
 
 
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-           num_draft: int | str = 4, sampling: Sampling = GREEDY,
+           num_draft: int | None = None, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
            tree: TreeSpec | None = None, verify_widths: tuple[int, ...] | None = None,
@@ -152,14 +165,12 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       depend only on its own key and prompt, not on its batch slot or neighbours.
     lengths: `[B]` prompt lengths; None = every row is `T` long.
     max_new_tokens: new tokens per row at most.
-    num_draft: draft tokens per round (`k`), or "auto": the `k` that maximises expected tokens
-      per unit time under the measured `calibration` (`specjax.costs.choose_num_draft`), chosen
-      on the host before compilation; or "adaptive": every round each row drafts its own `k` in
-      `0 .. K` (0 = a plain target step), the one that maximises its expected tokens per unit
-      time under the calibration's costs and the row's own running acceptance
-      (`specjax.adaptive`), chosen on device; rounds in which no row drafts skip a draft
-      model altogether, and where the calibration says no `k` can beat a plain step
-      (`specjax.costs.AdaptivePlan.plain`) this runs `specjax.generate`.
+    num_draft: draft tokens per round (`k`), an int; None: 4, or the `max_draft` (`K`) of a
+      `specjax.adaptive.AdaptiveDrafter`. To pick `k` from measured costs, pass
+      `specjax.auto_num_draft(draft, calibration=DIR)`'s `num_draft` and `widths`; to let every
+      row draft its own `k` in `0 .. K` each round, pass `specjax.adaptive_drafter(draft,
+      calibration=DIR)` as `draft` (it brings `K` and its verify widths; where drafting cannot
+      beat a plain step, `AdaptivePlan.plain`, this runs `specjax.generate`).
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
@@ -173,16 +184,15 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       and dynamic trees, `MedusaDrafter` for static and sampled ones) or, for
       `TreeSpec(builder="ngram")`, anything (None included). `verify_impl` picks the tree rule's
       implementation (also "pallas": the fused kernel, interpreted on CPU; the fused Pallas tree
-      kernel on TPU/GPU under "auto"); `num_draft`, `verify_widths` and `calibration` keep
-      their defaults (`TreeSpec.widths` sets the tree's verify widths);
+      kernel on TPU/GPU under "auto"); leave `num_draft` and `verify_widths` out
+      (`TreeSpec.widths` sets the tree's verify widths);
       `stats.accepted_per_position` is then `[B, depth]`.
     verify_widths: compiled verify widths (each in `[1, k + 1]`; `k + 1` is always added) for a
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
-      None = `k + 1` only (with "auto": the widths `choose_num_draft` picks).
-    calibration: with `num_draft="auto"` or `"adaptive"`, a directory holding `cost_table_<backend>.json` and
-      `acceptance_profile.json` (`specjax calibrate --out DIR`), or a `specjax.costs.Calibration`.
-      Missing: a ValueError (no unmeasured default).
+      None = `k + 1` only (an `AdaptiveDrafter`'s own widths, which these must equal).
+    calibration: removed (a ValueError names `specjax.auto_num_draft` and
+      `specjax.adaptive_drafter`, which take it now).
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.

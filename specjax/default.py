@@ -42,8 +42,8 @@ class DefaultPair:
       `specjax.Model` for the toy).
     tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
     calibration: the directory beside the head holding this backend's cost table and the drafter's
-      acceptance profile (`specjax calibrate`), for `num_draft="auto"` / `"adaptive"`; None when
-      no cost table was measured for this backend.
+      acceptance profile (`specjax calibrate`), for `specjax.auto_num_draft` /
+      `specjax.adaptive_drafter`; None when no cost table was measured for this backend.
     num_draft: drafts per round that measured fastest for this pair (`benchmarks/self_draft.py`),
       or None (use a cost table or pick one).
     description: one line saying what the pair is.

@@ -20,6 +20,7 @@ DEFAULT_QUESTION = "What are some tips for getting better sleep?"
 
 
 def _num_draft(text: str):
+  """An int, or the command line's 'auto' / 'adaptive' (`run` builds what they stand for)."""
   if text in ("auto", "adaptive"):
     return text
   try:
@@ -39,8 +40,9 @@ def add_subcommand(subparsers, handler):
   parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,
-                      help="drafts per round: a number, 'auto' (the cost table beside the head "
-                      "picks k) or 'adaptive' (each row its own k every round, draft by draft); "
+                      help="drafts per round: a number, 'auto' (specjax.auto_num_draft: the cost "
+                      "table beside the head picks k) or 'adaptive' (specjax.adaptive_drafter: "
+                      "each row its own k every round, draft by draft); "
                       "default: the pair's measured best k, else adaptive where this backend has "
                       "a cost table beside the head, else 4")
   parser.add_argument("--repeats", type=int, default=2, help="timed calls of each (best kept)")
@@ -81,17 +83,24 @@ def run(args) -> int:
   if num_draft is None:
     num_draft = (pair.num_draft if pair.num_draft is not None
                  else "adaptive" if pair.calibration is not None else 4)
-  if isinstance(num_draft, str):
-    if pair.calibration is None:
-      raise ValueError(f"--num-draft {num_draft} needs a cost table for this backend beside the "
-                       "head: run `specjax calibrate --out DIR` and pass a number meanwhile")
-    common["calibration"] = pair.calibration
+  mode = num_draft if isinstance(num_draft, str) else None
+  if mode is not None and pair.calibration is None:
+    raise ValueError(f"--num-draft {mode} needs a cost table for this backend beside the "
+                     "head: run `specjax calibrate --out DIR` and pass a number meanwhile")
+  if mode == "adaptive":  # each row its own k every round; the wrapper brings K and the widths
+    draft = sj.adaptive_drafter(draft, calibration=pair.calibration)
+    num_draft, spec = draft.max_draft, {}
+  elif mode == "auto":  # one k (and its verify widths) from the cost table, chosen here
+    choice = sj.auto_num_draft(draft, calibration=pair.calibration)
+    num_draft, spec = choice.num_draft, dict(num_draft=choice.num_draft,
+                                             verify_widths=choice.widths)
+  else:
+    spec = dict(num_draft=num_draft)
 
   console.rule(f"user: {args.prompt}")
   streamed = []
   began = time.perf_counter()
-  for new_tokens, state in decode_stream(target, draft, ids, rng, num_draft=num_draft,
-                                         **common):
+  for new_tokens, state in decode_stream(target, draft, ids, rng, **spec, **common):
     before = tokenizer.decode(np.asarray(streamed, np.int32))
     streamed.extend(int(t) for t in new_tokens[0])
     console.print(tokenizer.decode(np.asarray(streamed, np.int32))[len(before):], end="",
@@ -100,10 +109,10 @@ def run(args) -> int:
   console.rule(f"[dim]streamed in {time.perf_counter() - began:.1f}s (first call compiles)[/dim]")
 
   def speculative():
-    return sj.decode(target, draft, ids, rng, num_draft=num_draft, **common)
+    return sj.decode(target, draft, ids, rng, **spec, **common)
 
   def plain():
-    return sj.generate(target, ids, rng, **{k: v for k, v in common.items() if k != "calibration"})
+    return sj.generate(target, ids, rng, **common)
 
   out = jax.block_until_ready(speculative())  # warm-up (compile)
   reference = jax.block_until_ready(plain())
@@ -111,10 +120,9 @@ def run(args) -> int:
   same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens))
               and np.asarray(out.tokens[0, :count]).tolist() == streamed[:count])
   stats = out.stats.summary()
-  from specjax.decode import resolve_num_draft
-  _, k, _ = resolve_num_draft(draft, num_draft, calibration=common.get("calibration"))
-  describe = {"auto": f"auto (k = {k})", "adaptive": f"adaptive (each round up to K = {k})"}.get(
-      num_draft, f"k = {k}")
+  describe = {"auto": f"auto (k = {num_draft})",
+              "adaptive": f"adaptive (each round up to K = {num_draft})"}.get(
+                  mode, f"k = {num_draft}")
   console.print(f"speculative decoding, {describe}: {count} tokens in {stats['rounds']} "
                 f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, tau = "
                 f"{stats['tokens_per_round']:.2f} tokens per target pass; accepted per position "

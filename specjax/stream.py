@@ -48,15 +48,16 @@ def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=N
 
 
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
-                  num_draft: int | str = 4, sampling: Sampling = GREEDY,
+                  num_draft: int | None = None, sampling: Sampling = GREEDY,
                   eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
                   verify_widths: tuple[int, ...] | None = None, calibration=None,
                   tree=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
   """Speculative decoding that yields after every round.
 
   Args:
-    Same as `specjax.decode` (without `pad_id`; `num_draft="auto"`, `verify_widths`,
-    `calibration` and `tree` as there).
+    Same as `specjax.decode` (without `pad_id`; `num_draft`, `verify_widths` and `tree` as
+    there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`; `calibration=`
+    raises the ValueError that names its replacement).
 
   Yields:
     `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`

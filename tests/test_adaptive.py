@@ -322,17 +322,20 @@ def test_bad_thresholds_raise(chain_target, make, message):
     (dict(verify_widths=(2, 6)), "outside"),
     (dict(verify_widths=(2.0,)), "must hold ints"),
     (dict(verify_widths=3), "sequence of ints"),
-    (dict(num_draft="fast"), "'auto'"),
-    (dict(num_draft="auto"), "needs a calibration"),
-    (dict(calibration="somewhere"), "only with num_draft='auto'"),
+    (dict(num_draft="fast"), "num_draft must be an int"),
+    (dict(num_draft="auto"), r"num_draft='auto' was replaced by specjax\.auto_num_draft"),
+    (dict(num_draft="adaptive"),
+     r"num_draft='adaptive' was replaced by specjax\.adaptive_drafter"),
+    (dict(calibration="somewhere"), "calibration= was removed"),
     (dict(tree=sj.TreeSpec("static", depth=2, width=1), verify_widths=(2,)), "with tree="),
+    (dict(tree=sj.TreeSpec("static", depth=2, width=1), num_draft=4), "with tree="),
 ])
 def test_bad_widths_and_counts_raise_before_compiling(chain_target, ragged, kwargs, message):
   tokens, lengths = ragged
   before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match=message):
     sj.decode(chain_target, _draft_model(chain_target, 0.2), tokens, jax.random.key(0),
-              lengths=lengths, **{"num_draft": 4, **kwargs})
+              lengths=lengths, **{**({} if "tree" in kwargs else {"num_draft": 4}), **kwargs})
   assert TRACE_COUNTS["decode"] == before
 
 

@@ -1,10 +1,10 @@
-"""Per-row adaptive draft length (`num_draft="adaptive"`, `specjax.adaptive.AdaptiveDrafter`).
+"""Per-row adaptive draft length (`sj.adaptive_drafter`, `specjax.adaptive.AdaptiveDrafter`).
 
 * The row's choice: with a drafter that always agrees with the target (the target itself) rows
   draft the full `K` every round after the first; with one that almost never agrees they settle
   at 0 drafts (plain target steps) and still decode; the choice is the first maximum of the
   expected tokens per millisecond, checked against a hand-worked case.
-* Greedy with `num_draft="adaptive"` equals `sj.generate` on a ragged batch, for a draft model,
+* Greedy with `sj.adaptive_drafter` equals `sj.generate` on a ragged batch, for a draft model,
   the n-gram drafter and an EAGLE-3 head, in one jitted program (one top-level while loop, no
   callbacks).
 * Exactness of sampled decoding with a prior and costs that make rows switch between 0, 1 and 2
@@ -217,16 +217,10 @@ def test_confidence_shift_learns_a_drafter_that_is_right_when_unsure():
 
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20,
                             token_stop=True):
-  if token_stop:
-    decode = lambda t, l: sj.decode(target, drafter, t, jax.random.key(0), lengths=l,
-                                    max_new_tokens=max_new, num_draft="adaptive",
-                                    calibration=calibration)
-  else:  # each row's k fixed before the round from its history alone
-    plan = costs.adaptive_plan(calibration.costs, calibration.profile)
-    rows = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior, token_stop=False)
-    decode = lambda t, l: sj.decode(target, rows, t, jax.random.key(0), lengths=l,
-                                    max_new_tokens=max_new, num_draft=plan.max_draft,
-                                    verify_widths=plan.widths)
+  # token_stop=False: each row's k fixed before the round from its history alone.
+  rows = sj.adaptive_drafter(drafter, calibration=calibration, token_stop=token_stop)
+  decode = lambda t, l: sj.decode(target, rows, t, jax.random.key(0), lengths=l,
+                                  max_new_tokens=max_new)  # K and the widths come with `rows`
   jaxpr = jax.make_jaxpr(decode)(tokens, lengths)
   assert "callback" not in str(jaxpr)
   calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name in ("pjit", "jit")]
@@ -320,7 +314,7 @@ def test_sampled_adaptive_decode_matches_target_distribution(name, power, token_
   tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (N, 1))
   impl = DRAFT_MODEL_BROKEN[name] if power else "auto"
   out = sj.decode(gof_target, drafter, tokens, jax.random.key(3), max_new_tokens=NEW,
-                  num_draft=2, sampling=sampling, verify_impl=impl)
+                  sampling=sampling, verify_impl=impl)  # K = 2 comes with the drafter
   assert np.all(np.asarray(out.num_tokens) == NEW)
   rounds = np.asarray(out.stats.rounds)
   drafted = np.asarray(out.stats.drafted)
@@ -380,6 +374,8 @@ def test_bad_plans_raise(kwargs, message):
 def test_adaptive_needs_a_calibration(target, ragged):
   tokens, lengths = ragged
   with pytest.raises(ValueError, match="calibrat"):
+    sj.adaptive_drafter(sj.NGramDrafter(), calibration=None)
+  with pytest.raises(ValueError, match=r"replaced by specjax\.adaptive_drafter"):
     sj.decode(target, sj.NGramDrafter(), tokens, jax.random.key(0), num_draft="adaptive")
   with pytest.raises(ValueError, match="already adaptive"):
     AdaptiveDrafter(AdaptiveDrafter(sj.NGramDrafter(), 1, (1.0, 2.0), (0.5,)), 1, (1.0, 2.0),
@@ -495,9 +491,10 @@ def test_greedy_with_skipped_rounds_equals_generate(target, ragged, token_stop):
   # the rows' history, not the stop's decisions).
   tokens, lengths = ragged
   stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
-  drafter = _idle_drafter(stranger, token_stop=token_stop, probe_every=1, probe_max=4)
+  drafter = _idle_drafter(stranger, token_stop=token_stop, probe_every=1, probe_max=4,
+                          widths=(1, 2, 3))
   out = sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths,
-                  max_new_tokens=40, num_draft=2, verify_widths=(1, 2, 3))
+                  max_new_tokens=40)
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=40)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
@@ -524,8 +521,8 @@ def test_a_plan_where_drafting_never_pays_runs_plain_steps(target, ragged):
                                    round_overhead_ms=0.5)
   assert costs.adaptive_plan(near(8.0).costs, near(8.0).profile).plain
   assert not costs.adaptive_plan(near(6.0).costs, near(6.0).profile).plain
-  out = sj.decode(target, sj.ModelDrafter(target), tokens, jax.random.key(0), lengths=lengths,
-                  max_new_tokens=12, num_draft="adaptive", calibration=dear)
+  out = sj.decode(target, sj.adaptive_drafter(target, calibration=dear), tokens,
+                  jax.random.key(0), lengths=lengths, max_new_tokens=12)
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
   summary = out.stats.summary()
@@ -542,11 +539,11 @@ def test_sampled_decode_with_skipped_rounds_matches_target_distribution(name, po
   sampling = SETTINGS[name]
   gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
   draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
-  drafter = _idle_drafter(draft, probe_every=1, probe_max=1)
+  drafter = _idle_drafter(draft, probe_every=1, probe_max=1, widths=(1, 2, 3))
   tokens = jnp.tile(jnp.asarray(PROMPT, jnp.int32), (3 * N, 1))
   impl = DRAFT_MODEL_BROKEN[name] if power else "auto"
   out = sj.decode(gof_target, drafter, tokens, jax.random.key(3), max_new_tokens=NEW,
-                  num_draft=2, sampling=sampling, verify_impl=impl, verify_widths=(1, 2, 3))
+                  sampling=sampling, verify_impl=impl)
   drafted = np.asarray(out.stats.drafted)
   assert 0.05 < np.mean(drafted > 0) < 0.95  # some rows drafted after the probe, some did not
   pvalue = chi_square_pvalue(np.asarray(out.tokens), exact_joint(gof_target, sampling))

@@ -1,18 +1,21 @@
-"""Cost tables, acceptance profiles and `num_draft="auto"`.
+"""Cost tables, acceptance profiles and `sj.auto_num_draft` (what `num_draft="auto"` was).
 
 * `measure_costs` on a tiny model, saved as `cost_table_<backend>.json` and loaded back.
 * `AcceptanceProfile.from_counts` and `expected_tokens` against hand-worked numbers.
 * `choose_num_draft` picks the `k` that maximises `E[tokens | k] / (verify(k+1) + k * draft)` for
   a hand-written table and profile; the expected value is computed here independently, from the
   distribution of the number of accepted drafts.
-* `sj.decode(..., num_draft="auto", calibration=DIR)` runs with that `k` (and greedy still equals
-  `sj.generate`); without the files, or without a calibration, it raises a ValueError that names
-  `specjax calibrate`, before compiling.
+* `sj.auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
+  `max_draft` and with narrower widths for a confidence stop, and `sj.decode` runs with it (greedy
+  still equals `sj.generate`); without the files, or without a calibration, it raises a
+  ValueError that names `specjax calibrate`; `num_draft="auto"` and `calibration=` given to
+  `decode` raise a ValueError that names `sj.auto_num_draft`, before compiling.
 * `specjax calibrate` end to end on the shipped toy pair (slow).
 """
 
 import json
 import pathlib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -175,11 +178,33 @@ def test_decode_auto_runs_the_chosen_k(tiny, tmp_path):
   _profile(ALPHA).save(tmp_path)
   tokens = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
   lengths = jnp.array([5, 3], jnp.int32)
+  choice = sj.auto_num_draft(draft, calibration=tmp_path)
+  assert (choice.num_draft, choice.widths) == (3, (4,))  # as worked out above; no stop: k + 1
   out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
-                  num_draft="auto", calibration=tmp_path)
-  assert out.stats.accepted_per_position.shape == (2, 3)  # k = 3, as worked out above
+                  num_draft=choice.num_draft, verify_widths=choice.widths)
+  assert out.stats.accepted_per_position.shape == (2, 3)  # k = 3
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def test_auto_num_draft_reads_the_drafter(tmp_path):
+  """A drafter's `max_draft` bounds k and a confidence stop adds the narrower widths, as
+  `choose_num_draft` is told them; a directory and a `Calibration` give the same choice."""
+  table, profile = _table(VERIFY_MS), _profile(ALPHA)
+  table.save(tmp_path)
+  profile.save(tmp_path)
+  measured = costs.Calibration(table, profile)
+  plain = sj.auto_num_draft(sj.NGramDrafter(), calibration=measured)
+  assert plain == costs.choose_num_draft(table, profile)
+  assert sj.auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
+  bounded = types.SimpleNamespace(max_draft=2, confidence=None)
+  assert sj.auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
+                                                                        max_draft=2)
+  assert sj.auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
+  stopping = types.SimpleNamespace(confidence=0.5)
+  choice = sj.auto_num_draft(stopping, measured)
+  assert choice == costs.choose_num_draft(table, profile, confidence_stop=True)
+  assert choice.widths == costs.choose_widths(table, choice.num_draft) != plain.widths
 
 
 def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
@@ -187,14 +212,19 @@ def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
   tokens = jnp.array([[3, 1, 4]], jnp.int32)
   before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match="needs a calibration"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto")
+    sj.auto_num_draft(draft, calibration=None)
   with pytest.raises(ValueError, match=r"cost_table_\w+\.json, acceptance_profile\.json not "
                      r"found.*specjax calibrate --out"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto", calibration=tmp_path)
+    sj.auto_num_draft(draft, calibration=tmp_path)
   _profile(ALPHA).save(tmp_path)
   _table(VERIFY_MS, backend="some-other-backend").save(tmp_path)  # not this backend's
   with pytest.raises(ValueError, match=f"cost_table_{jax.default_backend()}.json not found"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto", calibration=tmp_path)
+    sj.auto_num_draft(draft, calibration=tmp_path)
+  with pytest.raises(ValueError, match=r"num_draft='auto' was replaced by "
+                     r"specjax\.auto_num_draft\(drafter, calibration=DIR\)"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto")
+  with pytest.raises(ValueError, match="calibration= was removed"):
+    sj.decode(target, draft, tokens, jax.random.key(0), num_draft=3, calibration=tmp_path)
   assert TRACE_COUNTS["decode"] == before
 
 
@@ -221,7 +251,7 @@ def test_calibrate_command_on_the_toy_pair(tmp_path, capsys):
                      "import os\n"])
   assert status == 0
   printed = capsys.readouterr().out
-  assert "num_draft='auto' picks k =" in printed
+  assert "specjax.auto_num_draft picks k =" in printed
   calibration = costs.load_calibration(tmp_path)
   assert len(calibration.costs.verify_ms) == 4 and len(calibration.profile.alpha) == 3
   assert calibration.profile.rounds > 0

@@ -242,7 +242,7 @@ TREES = {
 def _adaptive(draft):
   return AdaptiveDrafter(sj.ModelDrafter(draft), max_draft=K,
                          round_ms=tuple(1.0 + 0.15 * k for k in range(K + 1)),
-                         prior=(0.6,) * K)
+                         prior=(0.6,) * K, widths=(1, 2, 4))  # decode compiles them (and K + 1)
 
 
 PATHS = {
@@ -257,7 +257,7 @@ PATHS = {
     "hybrid": lambda w: dict(draft=HybridDrafter(_eagle(w["target"], "eagle3"), ngram=2)),
     "confidence_stop": lambda w: dict(draft=sj.ModelDrafter(w["draft"], confidence=0.5),
                                       verify_widths=(1, 2, 4)),
-    "adaptive": lambda w: dict(draft=_adaptive(w["draft"]), verify_widths=(1, 2, 4)),
+    "adaptive": lambda w: dict(draft=_adaptive(w["draft"])),
     "self_int4": lambda w: dict(draft=sj.self_drafter(w["target"], bits=4, group=32)),
 }
 
@@ -291,8 +291,7 @@ MUTANTS = {
         draft=sj.ModelDrafter(w["draft"], confidence=0.5), verify_widths=(1, 2, 4),
         verify_impl=rules.rule_stop_from_residual),
     "adaptive_stop_from_residual": lambda w: dict(
-        draft=_adaptive(w["draft"]), verify_widths=(1, 2, 4),
-        verify_impl=rules.rule_stop_from_residual),
+        draft=_adaptive(w["draft"]), verify_impl=rules.rule_stop_from_residual),
     "self_int4_q_from_float_model": lambda w: dict(
         draft=sj.self_drafter(w["target"], bits=4, group=32),
         verify_impl=rules.rule_q_from_float_model),

@@ -56,7 +56,7 @@ class HybridDrafter(DrafterWrapper):
       (prompt and answer so far); the latest occurrence is copied on from (static).
     max_ngram: longer matches are preferred, up to this many tokens (static, >= `ngram`).
 
-  Wrap it in nothing but `num_draft="adaptive"` (the `AdaptiveDrafter` goes around it).
+  Wrap it in nothing but `specjax.adaptive_drafter` (the `AdaptiveDrafter` goes around it).
   """
 
   drafter: Any

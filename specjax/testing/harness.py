@@ -103,7 +103,7 @@ class PathRun:
 
 
 def run_path(target, draft, prompts: list[list[int]], *, num_samples: int, max_new_tokens: int,
-             sampling, seed: int = 0, num_draft: int = 4, verify_impl: Any = "auto",
+             sampling, seed: int = 0, num_draft: int | None = None, verify_impl: Any = "auto",
              tree=None, verify_widths=None) -> PathRun:
   """Decodes `num_samples` rows of every prompt in ONE `specjax.decode` call (one compiled program
   per path and setting), row `b` seeded by `fold_in(key(seed), b)`.
