@@ -1,0 +1,251 @@
+"""The explicit draft-length modes: `sj.adaptive_drafter` and `sj.auto_num_draft` replace
+`decode`'s former `num_draft="adaptive"` / `num_draft="auto"` with `calibration=DIR`.
+
+* Every entry point that takes `num_draft` (`decode`, `decode_stream`, `audit`) rejects the old
+  strings, and `decode` / `decode_stream` reject `calibration=`, with a ValueError that names the
+  call that replaced them, before anything is traced (the jitted loops are replaced by functions
+  that fail the test if they are reached).
+* `sj.adaptive_drafter` builds the wrapper the string mode built from the same calibration (its
+  plan's K, round costs, priors, copy priors and `plain` flag), now carrying the plan's verify
+  widths; `max_draft` and the drafter's own `max_draft` bound K.
+* `decode` takes K and the widths from the wrapper; a `num_draft` or `verify_widths` beside it must
+  equal them, anything else raises before tracing.
+* Greedy `decode` and `decode_stream` with the wrapper equal `sj.generate` on a ragged batch, and
+  the loop runs at the wrapper's K.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+import specjax.decode as decode_module
+import specjax.generate as generate_module
+import specjax.stream as stream_module
+from specjax import costs
+from specjax.adaptive import AdaptiveDrafter
+from specjax.costs import AcceptanceProfile, Calibration, CostTable
+from specjax.decode import check_decode_arguments
+from specjax.testing.models import tiny_config
+from specjax.tracing import TRACE_COUNTS
+
+VOCAB = 64
+
+
+def _calibration(verify_ms, alpha, lookup=None):
+  table = CostTable(verify_ms=tuple(verify_ms), draft_step_ms=1.0,
+                    generate_step_ms=verify_ms[0], backend=jax.default_backend(),
+                    device_kind="hand-written", jax_version=jax.__version__, batch=1, context=16,
+                    date="2026-01-01")
+  profile = lambda a: AcceptanceProfile(tuple(a), {"temperature": 0.0, "top_k": None,
+                                                   "top_p": None},
+                                        rounds=1000, prompts=4, date="2026-01-01")
+  measured = profile(alpha)
+  if lookup is not None:
+    measured = dataclasses.replace(measured, head=profile(alpha), lookup=profile(lookup))
+  return Calibration(table, measured)
+
+
+# Flat verify costs (as on a TPU): K = 4 by default (tests/test_adaptive_rows.py).
+FLAT = _calibration([10.0, 12.0, 12.0, 12.5, 13.0], [0.6, 0.6, 0.6, 0.6])
+
+
+@pytest.fixture(scope="module")
+def target():
+  return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=2), jax.random.key(40))
+
+
+@pytest.fixture(scope="module")
+def draft():
+  return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(41))
+
+
+@pytest.fixture(scope="module")
+def ragged():
+  rng = np.random.default_rng(42)
+  tokens = jnp.asarray(rng.integers(0, VOCAB, size=(3, 8)), jnp.int32)
+  return tokens, jnp.array([8, 2, 5], jnp.int32)
+
+
+# --- The old strings ---------------------------------------------------------------------------
+
+def _decode(target, draft, tokens, lengths, **kwargs):
+  return sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,
+                   max_new_tokens=8, **kwargs)
+
+
+def _stream(target, draft, tokens, lengths, **kwargs):
+  return next(sj.decode_stream(target, draft, tokens, jax.random.key(0), lengths=lengths,
+                               max_new_tokens=8, **kwargs))
+
+
+def _audit(target, draft, tokens, lengths, **kwargs):
+  prompts = [np.asarray(row[:n]).tolist() for row, n in zip(tokens, lengths)]
+  return sj.audit(target, draft, prompts, max_new_tokens=8, num_samples=2, **kwargs)
+
+
+ENTRY_POINTS = {"decode": _decode, "decode_stream": _stream, "audit": _audit}
+AUTO = r"num_draft='auto' was replaced by specjax\.auto_num_draft\(drafter, calibration=DIR\)"
+ADAPTIVE = (r"num_draft='adaptive' was replaced by specjax\.adaptive_drafter\(drafter, "
+            r"calibration=DIR\)")
+CALIBRATION = (r"calibration= was removed from decode: .*specjax\.auto_num_draft.*"
+               r"specjax\.adaptive_drafter")
+
+
+@pytest.fixture
+def nothing_traced(monkeypatch):
+  """The jitted programs of every entry point fail the test if they are reached."""
+  def reached(*args, **kwargs):
+    raise AssertionError("validation let the call through to a jitted program")
+  for module, name in ((decode_module, "_decode"), (stream_module, "_start"),
+                       (stream_module, "_round"), (generate_module, "_generate")):
+    if hasattr(module, name):
+      monkeypatch.setattr(module, name, reached)
+  before = dict(TRACE_COUNTS)
+  yield
+  assert dict(TRACE_COUNTS) == before
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_draft="auto"), AUTO),
+    (dict(num_draft="adaptive"), ADAPTIVE),
+    (dict(num_draft="adaptive", calibration="DIR"), ADAPTIVE),
+    (dict(num_draft=4, calibration="DIR"), CALIBRATION),
+    (dict(num_draft="often"), r"num_draft must be an int >= 1, got 'often'"),
+])
+def test_old_modes_raise_naming_their_replacement(target, draft, ragged, nothing_traced, entry,
+                                                  kwargs, message):
+  if entry == "audit" and "calibration" in kwargs:
+    pytest.skip("audit never took calibration=")
+  tokens, lengths = ragged
+  with pytest.raises(ValueError, match=message):
+    ENTRY_POINTS[entry](target, draft, tokens, lengths, **kwargs)
+
+
+def test_old_modes_raise_with_a_tree_too(target, draft, ragged, nothing_traced):
+  """The tree path names the replacement too, not its own "leave num_draft out"."""
+  tokens, lengths = ragged
+  tree = sj.TreeSpec("static", depth=2, width=1)
+  with pytest.raises(ValueError, match=ADAPTIVE):
+    _decode(target, draft, tokens, lengths, num_draft="adaptive", tree=tree)
+  with pytest.raises(ValueError, match=CALIBRATION):
+    _decode(target, draft, tokens, lengths, calibration="DIR", tree=tree)
+
+
+# --- adaptive_drafter --------------------------------------------------------------------------
+
+def _fields(wrapper) -> dict:
+  return {f.name: getattr(wrapper, f.name) for f in dataclasses.fields(wrapper)
+          if f.name != "drafter"}
+
+
+def test_adaptive_drafter_is_the_wrapper_the_string_mode_built(draft):
+  """What `decode(..., num_draft="adaptive", calibration=c)` built inside, plus the widths it
+  compiled: `AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
+  copy_prior=plan.copy_prior, plain=plan.plain)` and `plan.widths`."""
+  measured = _calibration([10.0, 12.0, 12.0, 12.5, 13.0, 13.2], [0.6, 0.5, 0.5, 0.4, 0.4],
+                          lookup=[0.9, 0.9, 0.8, 0.8, 0.7])
+  plan = costs.adaptive_plan(measured.costs, measured.profile)
+  assert plan.copy_prior is not None and len(plan.widths) > 1  # both travel with the wrapper
+  want = AdaptiveDrafter(sj.ModelDrafter(draft), plan.max_draft, plan.round_ms, plan.prior,
+                         copy_prior=plan.copy_prior, plain=plan.plain, widths=plan.widths)
+  built = sj.adaptive_drafter(draft, calibration=measured)  # a model becomes a ModelDrafter
+  assert isinstance(built.drafter, sj.ModelDrafter) and built.drafter.model is draft
+  assert _fields(built) == _fields(want)
+  # Options reach the wrapper; a calibration directory reads as the Calibration it holds.
+  assert not sj.adaptive_drafter(draft, calibration=measured, token_stop=False).token_stop
+
+
+def test_adaptive_drafter_reads_a_calibration_directory(draft, tmp_path):
+  FLAT.costs.save(tmp_path)
+  FLAT.profile.save(tmp_path)
+  assert (_fields(sj.adaptive_drafter(draft, calibration=tmp_path))
+          == _fields(sj.adaptive_drafter(draft, calibration=FLAT)))
+  with pytest.raises(ValueError, match="acceptance_profile.json not found"):
+    sj.adaptive_drafter(draft, calibration=tmp_path / "elsewhere")
+
+
+@dataclasses.dataclass(frozen=True)
+class _TwoHeads(sj.NGramDrafter):
+  """A drafter that drafts at most 2 tokens (as a Medusa drafter with 2 heads)."""
+
+  max_draft = 2
+
+
+def test_adaptive_drafter_bounds_k(draft):
+  assert sj.adaptive_drafter(draft, calibration=FLAT).max_draft == 4
+  assert sj.adaptive_drafter(draft, calibration=FLAT, max_draft=3).max_draft == 3
+  assert (_fields(sj.adaptive_drafter(draft, calibration=FLAT, max_draft=3))
+          == _fields(AdaptiveDrafter(sj.NGramDrafter(), **_plan_args(FLAT, 3))))
+  assert sj.adaptive_drafter(_TwoHeads(), calibration=FLAT).max_draft == 2
+  assert sj.adaptive_drafter(_TwoHeads(), calibration=FLAT, max_draft=3).max_draft == 2
+  assert sj.adaptive_drafter(_TwoHeads(), calibration=FLAT, max_draft=1).max_draft == 1
+  with pytest.raises(ValueError, match="max_draft must be >= 1"):
+    sj.adaptive_drafter(draft, calibration=FLAT, max_draft=0)
+  with pytest.raises(ValueError, match="already adaptive"):
+    sj.adaptive_drafter(sj.adaptive_drafter(draft, calibration=FLAT), calibration=FLAT)
+
+
+def _plan_args(measured, max_draft):
+  plan = costs.adaptive_plan(measured.costs, measured.profile, max_draft=max_draft)
+  return dict(max_draft=plan.max_draft, round_ms=plan.round_ms, prior=plan.prior,
+              copy_prior=plan.copy_prior, plain=plan.plain, widths=plan.widths)
+
+
+def test_decode_takes_k_and_widths_from_the_wrapper(target, draft, ragged, nothing_traced):
+  tokens, lengths = ragged
+  rows = sj.adaptive_drafter(draft, calibration=FLAT, max_draft=3)
+  plan = costs.adaptive_plan(FLAT.costs, FLAT.profile, max_draft=3)
+  check = lambda **kwargs: check_decode_arguments(
+      target, rows, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=8,
+      sampling=sj.Sampling(), eos_id=None, verify_impl="auto", **kwargs)
+  for given in (dict(num_draft=None), dict(num_draft=3),
+                dict(num_draft=None, verify_widths=plan.widths)):
+    args = check(**given)
+    assert (args.num_draft, args.widths) == (3, plan.widths)
+  assert plan.widths != (4,)
+  for given in (dict(num_draft=4), dict(num_draft=2), dict(num_draft=None, verify_widths=(4,))):
+    with pytest.raises(ValueError, match=r"an AdaptiveDrafter brings its own K = 3 and verify "
+                       r"widths .*: leave num_draft and verify_widths out"):
+      check(**given)
+  # A hand-built wrapper without widths verifies at K + 1 only.
+  bare = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5))
+  args = check_decode_arguments(target, bare, tokens, jax.random.key(0), lengths=lengths,
+                                max_new_tokens=8, num_draft=None, sampling=sj.Sampling(),
+                                eos_id=None, verify_impl="auto")
+  assert (args.num_draft, args.widths) == (2, (3,))
+  with pytest.raises(ValueError, match="outside"):
+    check_decode_arguments(target, dataclasses.replace(bare, widths=(0, 3)), tokens,
+                           jax.random.key(0), lengths=lengths, max_new_tokens=8, num_draft=None,
+                           sampling=sj.Sampling(), eos_id=None, verify_impl="auto")
+
+
+def test_greedy_with_the_wrapper_equals_generate(target, draft, ragged):
+  """A ragged batch, greedy: `decode` and `decode_stream` with `sj.adaptive_drafter(...)` (no
+  `num_draft`) give `sj.generate`'s tokens, and the loop drafts up to the wrapper's K = 3 (the
+  default would be 4)."""
+  tokens, lengths = ragged
+  # The target as its own drafter always agrees: each row's k fixed from its history (no token
+  # stop, whose confidences would be a random model's) reaches K after the first round.
+  rows = sj.adaptive_drafter(target, calibration=FLAT, max_draft=3, token_stop=False)
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
+  out = sj.decode(target, rows, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=20)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
+  assert out.stats.accepted_per_position.shape == (3, 3)
+  assert int(np.max(np.asarray(out.stats.accepted_per_position)[:, 2])) > 0  # slot K was used
+  streamed = [[] for _ in range(3)]
+  for new, _ in sj.decode_stream(target, rows, tokens, jax.random.key(0), lengths=lengths,
+                                 max_new_tokens=20):
+    for b, row in enumerate(new):
+      streamed[b].extend(int(t) for t in row)
+  for b in range(3):
+    assert streamed[b] == np.asarray(ref.tokens[b, :int(ref.num_tokens[b])]).tolist()
+  noisy = sj.decode(target, sj.adaptive_drafter(draft, calibration=FLAT), tokens,
+                    jax.random.key(0), lengths=lengths, max_new_tokens=20)
+  np.testing.assert_array_equal(noisy.tokens, ref.tokens)
+  assert noisy.stats.accepted_per_position.shape == (3, 4)
