@@ -7,8 +7,8 @@ chat-templated, cycled to B rows) and in one process, alternating the sides:
 
   * `generate`: tokens/s;
   * `decode` with the demo's configuration (int8 self-draft, k = 4): tokens/s, ratio, tau;
-  * `decode` with `num_draft="adaptive"` and a calibration measured at that batch
-    (`specjax.calibrate.measure_costs(batch=B)`, and an acceptance profile on the calibration
+  * `decode` with `sj.adaptive_drafter(drafter, calibration)` and a calibration measured at that
+    batch (`specjax.calibrate.measure_costs(batch=B)`, and an acceptance profile on the calibration
     prompts of `specjax.calibrate.profile_prompts`, never the benchmark's): tokens/s, ratio, tau,
     whether the plan runs plain target steps (`AdaptivePlan.plain`). The calibration's own time is
     recorded, not counted in the ratio (it is measured once per machine and batch, like
@@ -91,21 +91,20 @@ def main():
         table.save(cached)
         profile.save(cached)
     table, profile = calibration.costs, calibration.profile
-    plan = costs.adaptive_plan(table, profile)
+    adaptive = sj.adaptive_drafter(drafter, calibration=calibration)  # its K, plain, widths
     calibrate_s = time.perf_counter() - start
     sides = {
         "generate": lambda: sj.generate(target, ids, key, **common),
         "k=4": lambda: sj.decode(target, drafter, ids, key, num_draft=4, **common),
-        "adaptive": lambda: sj.decode(target, drafter, ids, key, num_draft="adaptive",
-                                      calibration=calibration, **common),
+        "adaptive": lambda: sj.decode(target, adaptive, ids, key, **common),
     }
     timed = time_alternately(sides, args.reps)  # one warm-up (compile), then alternating
     best = {name: entry["seconds"] for name, entry in timed.items()}
     outs = {name: entry["result"] for name, entry in timed.items()}
     tokens = int(np.sum(np.asarray(outs["generate"].num_tokens)))
     row = {"batch": batch, "tokens": tokens, "calibrate_s": calibrate_s,
-           "plan": {"max_draft": plan.max_draft, "plain": plan.plain,
-                    "round_ms": list(plan.round_ms)},
+           "plan": {"max_draft": adaptive.max_draft, "plain": adaptive.plain,
+                    "round_ms": list(adaptive.round_ms)},
            "cost_table": {"generate_step_ms": table.generate_step_ms,
                           "draft_step_ms": table.draft_step_ms, "verify_ms": list(table.verify_ms),
                           "round_overhead_ms": table.round_overhead_ms}}
@@ -123,7 +122,8 @@ def main():
     print(f"B={batch}: generate {row['generate']['tokens_per_s']:.0f} tok/s; k=4 "
           f"{row['k=4']['ratio']:.2f}x (tau {row['k=4']['tau']:.2f}); adaptive "
           f"{row['adaptive']['ratio']:.2f}x (tau {row['adaptive']['tau']:.2f}, plain "
-          f"{plan.plain}, K {plan.max_draft}); calibration {calibrate_s:.0f} s", flush=True)
+          f"{adaptive.plain}, K {adaptive.max_draft}); calibration {calibrate_s:.0f} s",
+          flush=True)
     record["load_after"] = os.getloadavg()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(record, indent=1))

@@ -10,8 +10,8 @@ prompt in turns (so load bursts on a shared host hit every configuration alike):
 * chains with fixed `k` (`--ks`);
 * the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`)
   and the verify widths the cost table keeps (`specjax.costs.choose_widths`), chosen on device;
-* `num_draft="auto"`: the one `k` the measured cost table and acceptance profile pick;
-* `num_draft="adaptive"`: each row's own `k` in `0 .. K` every round, decided draft by draft
+* `sj.auto_num_draft`: the one `k` the measured cost table and acceptance profile pick;
+* `sj.adaptive_drafter`: each row's own `k` in `0 .. K` every round, decided draft by draft
   from the head's confidence, the cost table and the row's running acceptance (the token stop of
   `specjax.adaptive`), next to the best fixed `k` of each category; and "adaptive rows", the
   same with each row's `k` fixed at the start of the round from its history alone;
@@ -86,7 +86,6 @@ def main(argv=None):
 
   import specjax as sj
   from specjax import costs
-  from specjax.adaptive import AdaptiveDrafter
   from specjax.drafters.base import with_confidence
   from specjax.trees import TreeSpec
 
@@ -104,7 +103,8 @@ def main(argv=None):
   sampling = sj.Sampling(temperature=args.temperature)
   table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3,
                              sampling=sampling)
-  auto = costs.choose_num_draft(table, profile, max_draft=getattr(drafter, "max_draft", None))
+  measured = costs.Calibration(table, profile)
+  auto = sj.auto_num_draft(drafter, calibration=measured)
   widths = costs.choose_widths(table, max(ks))
   print(json.dumps({"calibration": str(calib_dir), "alpha": profile.alpha,
                     "verify_ms": table.verify_ms, "draft_step_ms": table.draft_step_ms,
@@ -126,15 +126,14 @@ def main(argv=None):
   configs[f"stop k={max(ks)} c={args.confidence:g}"] = lambda t, n: sj.decode(
       target, stopping, t, rng, lengths=n, num_draft=max(ks), verify_widths=widths, **common)
   configs[f"auto (k={auto.num_draft})"] = lambda t, n: sj.decode(
-      target, drafter, t, rng, lengths=n, num_draft="auto", calibration=calib_dir, **common)
-  plan = costs.adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
-  configs[f"adaptive (K={plan.max_draft})"] = lambda t, n: sj.decode(
-      target, drafter, t, rng, lengths=n, num_draft="adaptive", calibration=calib_dir, **common)
-  rows_only = AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
-                              token_stop=False, copy_prior=plan.copy_prior)
-  configs[f"adaptive rows (K={plan.max_draft})"] = lambda t, n: sj.decode(
-      target, rows_only, t, rng, lengths=n, num_draft=plan.max_draft, verify_widths=plan.widths,
+      target, drafter, t, rng, lengths=n, num_draft=auto.num_draft, verify_widths=auto.widths,
       **common)
+  adaptive = sj.adaptive_drafter(drafter, calibration=measured)  # K and the widths come with it
+  configs[f"adaptive (K={adaptive.max_draft})"] = lambda t, n: sj.decode(
+      target, adaptive, t, rng, lengths=n, **common)
+  rows_only = sj.adaptive_drafter(drafter, calibration=measured, token_stop=False)
+  configs[f"adaptive rows (K={adaptive.max_draft})"] = lambda t, n: sj.decode(
+      target, rows_only, t, rng, lengths=n, **common)
   for name in [t for t in args.trees.split(",") if t]:
     spec = TreeSpec(**TREES[name])
     configs[f"tree {name}"] = (lambda spec: lambda t, n: sj.decode(
@@ -204,9 +203,9 @@ def main(argv=None):
                             "generate_step_ms": table.generate_step_ms,
                             "auto_k": auto.num_draft, "auto_predicted_speedup": auto.speedup,
                             "adaptive_widths": list(widths)},
-            "adaptive_plan": {"max_draft": plan.max_draft, "widths": list(plan.widths),
-                              "round_ms": list(plan.round_ms), "prior": list(plan.prior),
-                              "copy_prior": (list(plan.copy_prior) if plan.copy_prior
+            "adaptive_plan": {"max_draft": adaptive.max_draft, "widths": list(adaptive.widths),
+                              "round_ms": list(adaptive.round_ms), "prior": list(adaptive.prior),
+                              "copy_prior": (list(adaptive.copy_prior) if adaptive.copy_prior
                                              else None)},
             "summary": summary, "best_fixed_chain_per_category": best_fixed,
             "speed_vs_best_fixed_chain": versus_best,

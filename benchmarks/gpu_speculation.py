@@ -23,7 +23,7 @@ finished):
     random prompts (16..64 tokens), 128 new tokens, alternating, best of 3: tokens/s and ratio.
   * `qwen`: the 1.5B target (bfloat16) with the 0.5B draft in int8, batch 1, k = 5: costs,
     decode vs generate.
-  * `adaptive`: at the smallest and largest batch, `num_draft="adaptive"` with a calibration
+  * `adaptive`: at the smallest and largest batch, `sj.adaptive_drafter` with a calibration
     measured there (`specjax.calibrate`), against `generate`.
 """
 
@@ -87,7 +87,9 @@ def prompts(batch: int, vocab: int, seed: int, low: int = 16, high: int = 64):
   return ids, lengths
 
 
-def race(target, drafter, ids, lengths, new: int, k: int, reps: int, **extra):
+def race(target, drafter, ids, lengths, new: int, k: int | None, reps: int, **extra):
+  """`decode` (k drafts per round; None: the drafter's own, an adaptive drafter's K) against
+  `generate`, alternating."""
   import specjax as sj
   key = jax.random.key(0)
   common = dict(lengths=lengths, max_new_tokens=new)
@@ -215,8 +217,8 @@ def main():
       profile = measure_acceptance(target, drafter, ids, lengths, num_draft=5,
                                    sampling=sj.Sampling(), max_new_tokens=64)
       plan = adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
-      adaptive[b] = race(target, drafter, ids, lengths, args.new, "adaptive", args.reps,
-                         calibration=Calibration(table, profile))
+      wrapped = sj.adaptive_drafter(drafter, calibration=Calibration(table, profile))
+      adaptive[b] = race(target, wrapped, ids, lengths, args.new, None, args.reps)
       adaptive[b]["plan"] = {"max_draft": plan.max_draft, "plain": plan.plain,
                              "round_ms": list(plan.round_ms), "prior": list(plan.prior),
                              "generate_step_ms": table.generate_step_ms,
