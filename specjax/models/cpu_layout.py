@@ -9,6 +9,7 @@ uses it (`Model.cpu_kernel`): a hand-written XLA FFI kernel that reads each weig
 rows. Larger blocks (prefill, big batches), and every block where the kernel is not built, use
 XLA's dot on the same matrix. A quantized projection (`specjax.models.quant.QuantizedWeight`)
 takes the same place and computes its own product. `split_layer` restores the canonical weights.
+`fuse_params` builds the layout with its weights in 2 MiB pages where Linux offers them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels import cpu_gemv
-from specjax.models import quant
+from specjax.models import host_memory, quant
 from specjax.models.config import ModelConfig
 
 # Blocks of up to this many rows (B * T) go through the kernel when the model uses it: every weight
@@ -56,6 +57,17 @@ def fuse_layer(lp: dict) -> dict:
     for name in ("bq", "bk", "bv"):
       del out[name]
   return out
+
+
+def fuse_params(params: dict) -> dict:
+  """An unstacked model's parameters -> the CPU layout (`fuse_layer` per layer), its new matrices
+  and the embedding (also a tied output projection, which the kernel reads) in 2 MiB pages where
+  Linux offers them (`specjax.models.host_memory`). Parameters already in the layout are kept as
+  they are (no second copy)."""
+  if all(is_cpu_layer(lp) for lp in params["layers"]):
+    return params
+  layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp)) for lp in params["layers"])
+  return dict(params, layers=layers, embed=host_memory.on_huge_pages(params["embed"]))
 
 
 def split_layer(lp: dict, c: ModelConfig) -> dict:

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from specjax.kernels import cpu_gemv
 from specjax.cache import KVBlock, KVCache, write_block, write_stacked_block
-from specjax.models import cpu_layout, host_memory, quant
+from specjax.models import cpu_layout, quant
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig
@@ -166,19 +166,13 @@ class Model:
 
     `cpu_kernel` (default: whether `specjax.kernels.cpu_gemv` builds on this machine) sends blocks
     of up to `cpu_layout.KERNEL_ROWS` rows, and a tied model's output projection, through that
-    hand-written kernel; False keeps XLA's dot. The weights lie in 2 MiB pages where Linux offers
-    them (`specjax.models.host_memory`)."""
+    hand-written kernel; False keeps XLA's dot. Weights in 2 MiB pages (`cpu_layout.fuse_params`)."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
     if cpu_kernel is None:
       cpu_kernel = cpu_gemv.available()
-    if all(cpu_layout.is_cpu_layer(lp) for lp in self.params["layers"]):
-      return dataclasses.replace(self, cpu_kernel=bool(cpu_kernel))
-    layers = tuple(host_memory.weights_on_huge_pages(cpu_layout.fuse_layer(lp))
-                   for lp in self.params["layers"])
-    params = dict(self.params, layers=layers)
-    params["embed"] = host_memory.on_huge_pages(params["embed"])  # also the tied output head
-    return dataclasses.replace(self, params=params, cpu_kernel=bool(cpu_kernel))
+    return dataclasses.replace(self, params=cpu_layout.fuse_params(self.params),
+                               cpu_kernel=bool(cpu_kernel))
 
   def without_fused_projections(self) -> "Model":
     """Splits fused projections (see `with_fused_projections`) back into their named parts."""
