@@ -100,6 +100,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                     help="comma-separated drafter names (default: every drafter the library has)")
   real.add_argument("--head", dest="heads", action="append", default=None, metavar="DIR",
                     help="a trained head checkpoint (EAGLE-3/MTP or Medusa) to add (repeatable)")
+  real.add_argument("--calibration", default=None, metavar="DIR",
+                    help="cost table + acceptance profile (`specjax calibrate --out DIR`) for "
+                         "drafters named NAME+adaptive; default: measured in the run")
   real.add_argument("--no-peer", dest="peer", action="store_false", default=None,
                     help="skip the transformers runs")
   parser.add_argument("--out", default=str(DEFAULT_OUT), help="results directory")

@@ -49,6 +49,48 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 
 
 SELF_DRAFTS = {"self-int8": 8, "self-int4": 4}  # the target's own quantized copies, by name
+ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
+
+
+def base_names(names) -> tuple[str, ...]:
+  """The drafters `names` needs built: each `NAME+adaptive` needs `NAME`."""
+  return tuple(dict.fromkeys(n[:-len(ADAPTIVE)] if n.endswith(ADAPTIVE) else n for n in names))
+
+
+def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, calibration=None,
+                  max_draft: int = 7, log=print) -> list[DrafterEntry]:
+  """`entries` with an `NAME+adaptive` entry for each such name in `names` (in the order of
+  `names`; the plain `NAME` only where asked for too): `specjax.adaptive_drafter` around NAME's
+  drafter, under `calibration` (a `specjax calibrate` directory) or, without one, a calibration
+  measured here at batch 1 (`specjax.calibrate.measure_costs`, and an acceptance profile on
+  `profile_prompts`: the training templates' conversations, never a benchmark prompt). Its `k`
+  is the plan's `K`; the suite's bound for it prices a fixed-`K` chain (indicative only: rows
+  draft fewer)."""
+  import specjax as sj
+  from specjax import costs
+
+  wanted = [n for n in names if n.endswith(ADAPTIVE)]
+  if not wanted:
+    return entries
+  by_name = {e.name: e for e in entries}
+  built = {}
+  for name in wanted:
+    base = by_name[name[:-len(ADAPTIVE)]]
+    measured = calibration
+    if measured is None:
+      from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
+      ids, lengths = profile_prompts(tokenizer)
+      table = measure_costs(target, base.drafter, batch=1, max_width=max_draft + 1, repeats=3)
+      profile = measure_acceptance(target, base.drafter, ids, lengths, num_draft=max_draft,
+                                   sampling=sj.Sampling(), max_new_tokens=48)
+      measured = costs.Calibration(table, profile)
+    drafter = sj.adaptive_drafter(base.drafter, calibration=measured, max_draft=max_draft)
+    log(f"{name}: K = {drafter.max_draft}, widths {drafter.widths}, plain {drafter.plain}")
+    built[name] = DrafterEntry(name, drafter, drafter.max_draft, None,
+                               f"{base.description}; each row its own k <= {drafter.max_draft} "
+                               "per round (specjax.adaptive_drafter)")
+  keep = [n for n in names if not n.endswith(ADAPTIVE)]
+  return [e for e in entries if e.name in keep] + [built[n] for n in wanted]
 
 
 def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:

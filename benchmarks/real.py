@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bound import analytic_bound, per_token_acceptance
-from benchmarks.drafters import DrafterEntry, library_drafters
+from benchmarks.drafters import DrafterEntry, base_names, library_drafters, with_adaptive
+from specjax.adaptive import AdaptiveDrafter
 from benchmarks.models import environment
 from benchmarks.timing import first_divergence, measure_costs, time_alternately
 
@@ -280,8 +281,11 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   probe = min(cases, key=lambda c: abs(_bucket(len(c.ids)) - width))
   tokens, lengths = _padded(probe, target.config.pad_id)
   for entry in drafters:
+    # An adaptive entry's round is priced as its inner drafter's fixed-K chain.
+    drafter = (entry.drafter.drafter if isinstance(entry.drafter, AdaptiveDrafter)
+               else entry.drafter)
     costs["draft_round_s"][entry.name] = draft_round_seconds(
-        target, entry.drafter, tokens, lengths,
+        target, drafter, tokens, lengths,
         buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET) + entry.num_draft + 1,
         num_draft=entry.num_draft, sampling=next(iter(samplings.values())),
         statistic=statistic)
@@ -349,8 +353,10 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                        if list(case.ids) != chat_ids(peer_tokenizer, messages, template)]
   if template_mismatch:
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
-  drafters = library_drafters(target, num_draft=settings.num_drafts[0], names=settings.drafters,
-                              heads=settings.heads)
+  drafters = library_drafters(target, num_draft=settings.num_drafts[0],
+                              names=base_names(settings.drafters), heads=settings.heads)
+  drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
+                           calibration=settings.calibration, log=log)
   measured = measure_suite(target, cases, drafters, samplings=_samplings(settings.temperatures),
                            max_new_tokens=settings.max_new_tokens, eos=eos,
                            repeats=settings.repeats, seed=settings.seed,

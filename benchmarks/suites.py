@@ -43,6 +43,7 @@ class Settings:
   drafters: tuple[str, ...] = ()  # () = every drafter the library has
   peer: bool = True  # also time `transformers` on the same weights
   heads: tuple[str, ...] = ()  # trained head checkpoints to add to the drafters
+  calibration: str | None = None  # for `NAME+adaptive` drafters; None = measured in the run
 
 
 def _buffer_len(tokens, settings: Settings, num_draft: int) -> int:

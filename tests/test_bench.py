@@ -244,3 +244,37 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
   for r in measured["summary"]:
     assert r["greedy_identical"], r["drafter"]
     assert r["draft_ratio"] > 0 and np.isfinite(r["bound"])
+
+
+def test_real_suite_runs_a_drafter_inside_adaptive_drafter():
+  """`NAME+adaptive` names build NAME and wrap it in `specjax.adaptive_drafter` (under a given
+  calibration here), take the plan's K as their k, and run through the suite like any drafter:
+  greedy output identical to `generate`."""
+  from specjax import costs
+  from specjax.adaptive import AdaptiveDrafter
+  from specjax.calibrate import measure_acceptance, measure_costs
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  names = ("ngram+adaptive", "self-int8")
+  assert drafters_module.base_names(names) == ("ngram", "self-int8")
+  entries = drafters_module.library_drafters(target, num_draft=2,
+                                             names=drafters_module.base_names(names))
+  ids = jnp.asarray([[1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]], jnp.int32)
+  lengths = jnp.asarray([12], jnp.int32)
+  ngram = entries[0].drafter
+  calibration = costs.Calibration(
+      measure_costs(target, ngram, batch=1, max_width=4, repeats=1),
+      measure_acceptance(target, ngram, ids, lengths, num_draft=3, sampling=sj.Sampling(),
+                         max_new_tokens=8))
+  drafters = drafters_module.with_adaptive(target, None, entries, names, calibration=calibration,
+                                           max_draft=3, log=lambda line: None)
+  assert [d.name for d in drafters] == ["self-int8", "ngram+adaptive"]
+  adaptive = drafters[1]
+  assert isinstance(adaptive.drafter, AdaptiveDrafter) and adaptive.drafter.drafter is ngram
+  assert adaptive.num_draft == adaptive.drafter.max_draft <= 3
+  cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6))]
+  measured = real.measure_suite(target, cases, drafters, samplings={"greedy": sj.Sampling()},
+                                max_new_tokens=6, eos=(2,), log=lambda line: None)
+  assert set(measured["records"][0]["calls"]) == {"generate", "self-int8", "ngram+adaptive"}
+  for r in measured["summary"]:
+    assert r["greedy_identical"], r["drafter"]
