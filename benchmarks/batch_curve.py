@@ -8,11 +8,11 @@ chat-templated, cycled to B rows) and in one process, alternating the sides:
   * `generate`: tokens/s;
   * `decode` with the demo's configuration (int8 self-draft, k = 4): tokens/s, ratio, tau;
   * `decode` with `sj.adaptive_drafter(drafter, calibration)` and a calibration measured at that
-    batch (`specjax.calibrate.measure_costs(batch=B)`, and an acceptance profile on the calibration
-    prompts of `specjax.calibrate.profile_prompts`, never the benchmark's): tokens/s, ratio, tau,
-    whether the plan runs plain target steps (`AdaptivePlan.plain`). The calibration's own time is
-    recorded, not counted in the ratio (it is measured once per machine and batch, like
-    `specjax calibrate`).
+    batch (`specjax.tuning.calibrate.measure_costs(batch=B)`, and an acceptance profile on the
+    calibration prompts of `specjax.tuning.calibrate.profile_prompts`, never the benchmark's):
+    tokens/s, ratio, tau, whether the plan runs plain target steps (`AdaptivePlan.plain`). The
+    calibration's own time is recorded, not counted in the ratio (it is measured once per machine
+    and batch, like `specjax calibrate`).
 
 Greedy. Each figure is the minimum over `--reps` alternating repetitions; the load average before
 and after is recorded. Writes benchmarks/results/batch_curve.json and .png.
@@ -48,9 +48,9 @@ def chat_rows(tokenizer, batch: int):
 
 def main():
   import specjax as sj
-  from specjax import costs
-  from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
-  from specjax.default import GGUF_NAME
+  from specjax.drafters.adaptive import costs
+  from specjax.tuning.calibrate import measure_acceptance, measure_costs, profile_prompts
+  from specjax.pretrained.pairs import GGUF_NAME
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
 

@@ -47,7 +47,7 @@ def _worker():
   import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec as P
   import specjax as sj
-  from specjax.cache import KVCache, write_stacked_block
+  from specjax.core.cache import KVCache, write_stacked_block
 
   new_layout = KVCache.create(1, 1, 4, 2, 8).k.shape == (1, 1, 2, 4, 8)
   shape = (L, B, KVH, S, D) if new_layout else (L, B, S, KVH, D)

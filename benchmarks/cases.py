@@ -8,9 +8,9 @@ import numpy as np
 from benchmarks.bound import analytic_bound, per_token_acceptance
 from benchmarks.synthetic import SYNTHETIC_LABEL, synthetic_verify
 from benchmarks.timing import first_divergence, paired_speedup, time_alternately, tokens_per_s
-from specjax.decode import decode
-from specjax.generate import generate
-from specjax.sampling import Sampling
+from specjax.loop.decode import decode
+from specjax.loop.generate import generate
+from specjax.core.sampling import Sampling
 
 
 def speedup_case(target, draft, tokens, lengths, *, num_draft: int, sampling: Sampling,

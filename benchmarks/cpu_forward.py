@@ -13,7 +13,7 @@ Measures, in one process and alternating between the variants so that load chang
     (`lax.scan`), per-layer weights with seven projections per layer ("unstacked_unfused"), and
     the CPU layout (`model.for_platform("cpu")`: per-layer weights with fused q/k/v and gate/up
     projections, `w_down` stored `[E, F]`, an `[E, V]` copy of the tied output projection, and
-    one-row products through the hand-written kernel `specjax.kernels.cpu_gemv` where it builds),
+    one-row products through the hand-written kernel `specjax.models.cpu.kernel` where it builds),
     reported as "unstacked", and the same layout with XLA's dot instead ("unstacked_xla_dot");
   * `transformers` greedy generate on the same weights (torch on CPU, same thread count), the
     same difference method;
@@ -155,10 +155,10 @@ def step_breakdown(model, reps, context=128):
   starts = jnp.full((1,), context, jnp.int32)
 
   q_dim, f = c.num_heads * c.head_dim, c.mlp_dim
-  from specjax.kernels import cpu_gemv
+  from specjax.models.cpu import kernel as cpu_gemv
 
   def matmuls(layers, x, kernel):  # the CPU layout's four per layer (step copies, one row)
-    from specjax.models import cpu_layout
+    from specjax.models.cpu import layout as cpu_layout
     x = x[None]
     for lp in layers:
       qkv = cpu_layout.project(x, lp, "wqkv", kernel)
@@ -179,7 +179,7 @@ def step_breakdown(model, reps, context=128):
     return jnp.einsum("bte,ev->btv", x, lm_head)
 
   def writes(k_cache, v_cache, block, starts):
-    from specjax.cache import write_block
+    from specjax.core.cache import write_block
     return ([write_block(k, block, starts) for k in k_cache],
             [write_block(v, block, starts) for v in v_cache])
 
@@ -229,7 +229,7 @@ def main():
 
   stacked = load_model(args).stacked()
   unstacked = stacked.for_platform("cpu")  # the CPU layout: per-layer fused weights, [E, V] copy
-  from specjax.kernels import cpu_gemv
+  from specjax.models.cpu import kernel as cpu_gemv
   record["cpu_kernel"] = {"available": cpu_gemv.available(), "status": cpu_gemv.status()[1],
                           "used": unstacked.cpu_kernel}
   xla_dot = dataclasses.replace(unstacked, cpu_kernel=False)  # same layout, XLA's dot for steps

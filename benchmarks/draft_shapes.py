@@ -8,13 +8,14 @@ prompt in turns (so load bursts on a shared host hit every configuration alike):
 
 * plain `specjax.generate` (the baseline of every speedup);
 * chains with fixed `k` (`--ks`);
-* the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`)
-  and the verify widths the cost table keeps (`specjax.costs.choose_widths`), chosen on device;
+* the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`) and
+  the verify widths the cost table keeps (`specjax.drafters.adaptive.costs.choose_widths`), chosen
+  on device;
 * `sj.auto_num_draft`: the one `k` the measured cost table and acceptance profile pick;
-* `sj.adaptive_drafter`: each row's own `k` in `0 .. K` every round, decided draft by draft
-  from the head's confidence, the cost table and the row's running acceptance (the token stop of
-  `specjax.adaptive`), next to the best fixed `k` of each category; and "adaptive rows", the
-  same with each row's `k` fixed at the start of the round from its history alone;
+* `sj.adaptive_drafter`: each row's own `k` in `0 .. K` every round, decided draft by draft from the
+  head's confidence, the cost table and the row's running acceptance (the token stop of
+  `specjax.drafters.adaptive.drafter`), next to the best fixed `k` of each category; and "adaptive
+  rows", the same with each row's `k` fixed at the start of the round from its history alone;
 * trees: EAGLE-2 dynamic trees and a static tree from the head (`--trees`).
 
 The cost table and the acceptance profile are measured first, on this backend, with prompts from
@@ -58,8 +59,8 @@ def _prompts(tokenizer, per_category: int):
 
 
 def calibrate(target, drafter, tokenizer, out: pathlib.Path, *, max_width: int, sampling):
-  from specjax import costs
-  from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
+  from specjax.drafters.adaptive import costs
+  from specjax.tuning.calibrate import measure_acceptance, measure_costs, profile_prompts
   table = measure_costs(target, drafter, max_width=max_width, repeats=5)
   tokens, lengths = profile_prompts(tokenizer)
   profile = measure_acceptance(target, drafter, tokens, lengths, num_draft=max_width - 1,
@@ -85,9 +86,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   import specjax as sj
-  from specjax import costs
+  from specjax.drafters.adaptive import costs
   from specjax.drafters.base import with_confidence
-  from specjax.trees import TreeSpec
+  from specjax.trees.structure import TreeSpec
 
   pair = sj.load_default()
   target, drafter, tokenizer = pair.target, pair.draft, pair.tokenizer

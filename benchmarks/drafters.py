@@ -62,12 +62,12 @@ def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, cali
   """`entries` with an `NAME+adaptive` entry for each such name in `names` (in the order of
   `names`; the plain `NAME` only where asked for too): `specjax.adaptive_drafter` around NAME's
   drafter, under `calibration` (a `specjax calibrate` directory) or, without one, a calibration
-  measured here at batch 1 (`specjax.calibrate.measure_costs`, and an acceptance profile on
+  measured here at batch 1 (`specjax.tuning.calibrate.measure_costs`, and an acceptance profile on
   `profile_prompts`: the training templates' conversations, never a benchmark prompt). Its `k`
   is the plan's `K`; the suite's bound for it prices a fixed-`K` chain (indicative only: rows
   draft fewer)."""
   import specjax as sj
-  from specjax import costs
+  from specjax.drafters.adaptive import costs
 
   wanted = [n for n in names if n.endswith(ADAPTIVE)]
   if not wanted:
@@ -78,7 +78,7 @@ def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, cali
     base = by_name[name[:-len(ADAPTIVE)]]
     measured = calibration
     if measured is None:
-      from specjax.calibrate import measure_acceptance, measure_costs, profile_prompts
+      from specjax.tuning.calibrate import measure_acceptance, measure_costs, profile_prompts
       ids, lengths = profile_prompts(tokenizer)
       table = measure_costs(target, base.drafter, batch=1, max_width=max_draft + 1, repeats=3)
       profile = measure_acceptance(target, base.drafter, ids, lengths, num_draft=max_draft,

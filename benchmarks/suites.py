@@ -17,7 +17,7 @@ from benchmarks.peer import run_peer
 from benchmarks.real import json_default, run_real
 from benchmarks.synthetic import SYNTHETIC_LABEL, random_pair
 from benchmarks.timing import measure_costs
-from specjax.sampling import Sampling
+from specjax.core.sampling import Sampling
 
 
 @dataclasses.dataclass
@@ -47,8 +47,8 @@ class Settings:
 
 
 def _buffer_len(tokens, settings: Settings, num_draft: int) -> int:
-  from specjax.validation import round_up
-  from specjax.decode import NEW_TOKEN_BUCKET
+  from specjax.core.validation import round_up
+  from specjax.loop.decode import NEW_TOKEN_BUCKET
   return tokens.shape[1] + round_up(settings.max_new_tokens, NEW_TOKEN_BUCKET) + num_draft + 1
 
 

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model, init_params
-from specjax.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, leading_true,
-                              sample_token, uniform)
+from specjax.core.sampling import (PURPOSE_RESIDUAL, Sampling, VerifyResult, leading_true,
+                                   sample_token, uniform)
 
 SYNTHETIC_LABEL = ("SYNTHETIC ACCEPTANCE (benchmark only): each draft is accepted with a fixed "
                    "probability, not by the exact rule; outputs are not the target's "

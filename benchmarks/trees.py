@@ -1,12 +1,12 @@
 """Tree vs chain on a real model: tokens per round (tau) and wall time, greedy, n-gram drafting.
 
-SmolLM2-135M-Instruct (its packaged Q4_1 GGUF, dequantized to float32) on the held-out chat
-prompts of `benchmarks/prompts/real.json` (the first `--per-category` conversations of each
-category), one ragged batch. Compared: plain `specjax.generate`; `specjax.decode` with the n-gram
-chain drafter at several `k`; `specjax.decode(..., tree=TreeSpec(...))` with n-gram trees (several earlier
-matches merged into a trie) at several widths and depths. Every speculative output is checked to
-be token-identical to `generate`. Wall times are the second call of each configuration (the first
-compiles); on a shared CPU they are noisy, the tau numbers are not.
+SmolLM2-135M-Instruct (its packaged Q4_1 GGUF, dequantized to float32) on the held-out chat prompts
+of `benchmarks/prompts/real.json` (the first `--per-category` conversations of each category), one
+ragged batch. Compared: plain `specjax.generate`; `specjax.decode` with the n-gram chain
+drafter at several `k`; `specjax.decode(..., tree=TreeSpec(...))` with n-gram trees (several
+earlier matches merged into a trie) at several widths and depths. Every speculative output is
+checked to be token-identical to `generate`. Wall times are the second call of each configuration
+(the first compiles); on a shared CPU they are noisy, the tau numbers are not.
 
 Usage: `python -m benchmarks.trees [--per-category 2] [--max-new-tokens 64]`; writes
 `benchmarks/results/trees.json` and `benchmarks/results/trees.png`.
@@ -58,7 +58,7 @@ def main(argv=None):
 
   import specjax as sj
   from benchmarks.real_models import gguf_path, load_tokenizer
-  from specjax.trees import TreeSpec
+  from specjax.trees.structure import TreeSpec
 
   path = gguf_path("smollm2-135m")
   target = sj.from_gguf(path, dtype=jnp.float32)

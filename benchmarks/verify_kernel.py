@@ -4,7 +4,7 @@ For V in {32k, 128k, 256k}, B in {1, 8, 64}, k in {4, 8} it times, on the defaul
 
   kernel     the fused kernel compiled: `fused_verify` (Mosaic) on a TPU, `fused_verify_gpu`
              (Triton) on a GPU
-  reference  `specjax.rule.verify_reference` under jit (XLA)
+  reference  `specjax.verify.rule.verify_reference` under jit (XLA)
   read       `max` over the same logits under jit: XLA reading them once, the practical floor
   floor      logits bytes / the chip's HBM bandwidth (when the chip is in `HBM_BANDWIDTH`)
 
@@ -40,8 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling as S
-from specjax.kernels import fused_verify, fused_verify_gpu
+from specjax.core import sampling as S
+from specjax.verify.kernels import fused_verify, fused_verify_gpu
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 VOCABS = (32768, 131072, 262144)
@@ -56,8 +56,9 @@ SAMPLINGS = {"greedy": S.GREEDY, "temperature": S.Sampling(temperature=1.0),
 
 
 def _reference():
-  """`specjax.rule.verify_reference` (imported late: `--passes --base` loads older checkouts)."""
-  return importlib.import_module("specjax.rule").verify_reference
+  """`specjax.verify.rule.verify_reference` (imported late: `--passes --base` loads older
+  checkouts)."""
+  return importlib.import_module("specjax.verify.rule").verify_reference
 
 
 def _inputs(batch, num_draft, vocab, dtype, seed=0):
@@ -182,7 +183,7 @@ PASS_KINDS = (None, "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite")
 def count_passes(vocab=128256, num_draft=4, itemsize=4) -> dict:
   """Passes over the vocabulary and HBM bytes per batch row per round, for the importable
   `specjax` (TPU kernel: per device kind's default blocks; GPU kernel: every pass streams)."""
-  tpu = importlib.import_module("specjax.kernels.fused_verify")  # the checkout being counted
+  tpu = importlib.import_module("specjax.verify.kernels.fused_verify")  # the checkout being counted
   logits_bytes = (2 * num_draft + 1) * vocab * itemsize  # target k+1 rows and draft k rows
   table = {}
   for name, setting in PASS_SETTINGS.items():
@@ -218,7 +219,7 @@ def run_passes(args):
     # The other checkout's `specjax` and `kernels` directories as bare packages (no __init__
     # runs, so nothing of this checkout's editable install is mixed in).
     code = ("import json, sys, types\n"
-            "for name, path in (('specjax', %r), ('specjax.kernels', %r)):\n"
+            "for name, path in (('specjax', %r), ('specjax.verify.kernels', %r)):\n"
             "  module = types.ModuleType(name); module.__path__ = [path]; sys.modules[name] = module\n"
             "sys.path.insert(0, %r)\n"
             "import verify_kernel\n"

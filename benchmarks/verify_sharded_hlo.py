@@ -2,15 +2,15 @@
 
     python -m benchmarks.verify_sharded_hlo [--vocab 151936] [--batch 8] [--k 5]
 
-Exports `specjax.dispatch.verify_tokens` (the rule `decode` runs each round, `impl="auto"`) for
-TPU with `jax.export` on this host's CPU devices, over Auto-axis meshes (data, model) of (1, 8),
+Exports `specjax.verify.dispatch.verify_tokens` (the rule `decode` runs each round, `impl="auto"`)
+for TPU with `jax.export` on this host's CPU devices, over Auto-axis meshes (data, model) of (1, 8),
 (8, 1) and (2, 4), for greedy and for T = 0.7 with top-k 50 and top-p 0.9, and counts in the
 exported StableHLO, per verify call:
 
   * collectives (`all_reduce`, `all_gather`, ...): each is one round trip over the mesh;
   * Mosaic kernels (`tpu_custom_call`): the fused verify kernel where the vocabulary is whole on
-    each device, else one `specjax.kernels.vocab_reduce` reduction per statistic, each streaming
-    the device's `[rows, V / shards]` slice of logits from HBM once;
+    each device, else one `specjax.verify.kernels.vocab_reduce` reduction per statistic, each
+    streaming the device's `[rows, V / shards]` slice of logits from HBM once;
   * `pad` ops on the logits (a vocabulary that does not divide the shards is padded: a copy).
 
 Counts are of executed ops: while counting, `jax.lax.fori_loop` is unrolled (the threshold
@@ -68,7 +68,7 @@ def count(text: str) -> dict:
 
 def measure(vocab: int, batch: int, k: int, mesh_shape, sampling) -> dict:
   from jax.sharding import AbstractMesh, AxisType
-  from specjax import dispatch
+  from specjax.verify import dispatch
   mesh = AbstractMesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
 
   def verify(target, draft, tokens, seeds, positions):

@@ -1,26 +1,26 @@
 """specjax: exact speculative decoding in JAX, built for Cloud TPU."""
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
-from specjax.decode import DecodeState, decode, draft_step, init_state
+from specjax.loop.decode import DecodeState, decode, draft_step, init_state
 from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.eagle3 import load_eagle3
-from specjax.generate import generate
+from specjax.loop.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.models.quant import QuantizedWeight, dequantize_model, quantize
-from specjax.outputs import DecodeOutput, DecodeStats
-from specjax.sampling import Sampling, row_seeds
-from specjax.stream import decode_stream
-from specjax.trees import TreeSpec
-from specjax.round import round_step, verify_block
+from specjax.core.outputs import DecodeOutput, DecodeStats
+from specjax.core.sampling import Sampling, row_seeds
+from specjax.loop.stream import decode_stream
+from specjax.trees.structure import TreeSpec
+from specjax.loop.round import round_step, verify_block
 from specjax.parallel import ShardingRules, make_mesh, shard
 from specjax.io.tokenizer import Tokenizer, load_tokenizer
-from specjax.default import PAIRS, DefaultPair, load_default, load_pair
-from specjax.audit import AuditReport, audit
-from specjax.adaptive import AdaptiveDrafter, adaptive_drafter
-from specjax.costs import AutoChoice, Calibration, auto_num_draft
+from specjax.pretrained.pairs import PAIRS, DefaultPair, load_default, load_pair
+from specjax.exactness.audit import AuditReport, audit
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter, adaptive_drafter
+from specjax.drafters.adaptive.costs import AutoChoice, Calibration, auto_num_draft
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 import specjax as sj  # noqa: E402
 from specjax import parallel as sh  # noqa: E402
-from specjax.decode import decode  # noqa: E402
+from specjax.loop.decode import decode  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_sharding import DRAFT_CONFIG, NEW_TOKENS, TARGET_CONFIG  # noqa: E402

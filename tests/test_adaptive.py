@@ -27,15 +27,16 @@ from jax.experimental.pallas import tpu as pltpu
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from specjax import sampling as S
-from specjax.dispatch import verify_tokens
-from specjax.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
+from specjax.core import sampling as S
+from specjax.verify.dispatch import verify_tokens
+from specjax.verify.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_stop_from_residual
-from specjax.round import verify_block
-from specjax.rule import verify_reference
-from specjax.state import init_state, Proposal
-from specjax.tracing import TRACE_COUNTS
+from specjax.loop.round import verify_block
+from specjax.verify.rule import verify_reference
+from specjax.loop.state import init_state
+from specjax.drafters.proposal import Proposal
+from specjax.core.tracing import TRACE_COUNTS
 from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, \
     exact_joint, numpy_distribution
 from test_heads_exactness import make_eagle

@@ -1,4 +1,5 @@
-"""Per-row adaptive draft length (`sj.adaptive_drafter`, `specjax.adaptive.AdaptiveDrafter`).
+"""Per-row adaptive draft length (`sj.adaptive_drafter`,
+`specjax.drafters.adaptive.drafter.AdaptiveDrafter`).
 
 * The row's choice: with a drafter that always agrees with the target (the target itself) rows
   draft the full `K` every round after the first; with one that almost never agrees they settle
@@ -8,9 +9,10 @@
   the n-gram drafter and an EAGLE-3 head, in one jitted program (one top-level while loop, no
   callbacks).
 * Exactness of sampled decoding with a prior and costs that make rows switch between 0, 1 and 2
-  drafts from round to round (from their history, or draft by draft with the token stop): the pooled chi-square harness of tests/test_exactness.py
-  (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0 and 0.7 with top-k; the same run through a
-  deliberately broken rule (no residual) fails (p < 1e-6), so the test can fail.
+  drafts from round to round (from their history, or draft by draft with the token stop): the pooled
+  chi-square harness of tests/test_exactness.py (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0
+  and 0.7 with top-k; the same run through a deliberately broken rule (no residual) fails (p <
+  1e-6), so the test can fail.
 * The token-level stop (`CostAwareStop`): its decisions checked against a hand-worked case at the
   first and a deep slot, applied draft by draft by `stopped_count`; greedy with it equals
   `sj.generate`, and sampled decoding with it passes (and with a broken verify fails) the same
@@ -26,10 +28,10 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import costs
-from specjax.adaptive import AdaptiveDrafter, CostAwareStop
-from specjax.state import stopped_count
-from specjax.costs import AcceptanceProfile, Calibration, CostTable
+from specjax.drafters.adaptive import costs
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter, CostAwareStop
+from specjax.drafters.proposal import stopped_count
+from specjax.drafters.adaptive.costs import AcceptanceProfile, Calibration, CostTable
 from specjax.testing.models import tiny_config
 from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
                             chi_square_pvalue, exact_joint)

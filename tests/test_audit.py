@@ -1,4 +1,5 @@
-"""`specjax.audit` passes an exact decoder, fails a deliberately broken verify rule, and says
+"""`specjax.audit` passes an exact decoder, fails a deliberately broken verify rule, and
+says
 INCONCLUSIVE when its negative control shows the sample size was too small.
 
 Tiny random models over a 32-token vocabulary; 2 prompts x 1500 samples, first 3 positions, at
@@ -17,8 +18,8 @@ import pytest
 from scipy import stats
 
 import specjax as sj
-from specjax.audit import audit, control_rule
-from specjax.audit_stats import POWER, ControlCheck, PositionTest, samples_needed, verdict
+from specjax.exactness.audit import audit, control_rule
+from specjax.exactness.stats import POWER, ControlCheck, PositionTest, samples_needed, verdict
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
 

@@ -12,7 +12,7 @@ import functools
 import pytest
 
 import specjax as sj
-from specjax import cli
+from specjax.cli import main as cli
 from specjax.testing.rules import rule_without_residual
 
 pytestmark = pytest.mark.slow  # about a minute of CPU per audit

@@ -250,9 +250,9 @@ def test_real_suite_runs_a_drafter_inside_adaptive_drafter():
   """`NAME+adaptive` names build NAME and wrap it in `specjax.adaptive_drafter` (under a given
   calibration here), take the plan's K as their k, and run through the suite like any drafter:
   greedy output identical to `generate`."""
-  from specjax import costs
-  from specjax.adaptive import AdaptiveDrafter
-  from specjax.calibrate import measure_acceptance, measure_costs
+  from specjax.drafters.adaptive import costs
+  from specjax.drafters.adaptive.drafter import AdaptiveDrafter
+  from specjax.tuning.calibrate import measure_acceptance, measure_costs
   config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
   target = sj.init_params(config, jax.random.key(0))
   names = ("ngram+adaptive", "self-int8")

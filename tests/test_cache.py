@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import specjax as sj
-from specjax.cache import write_block, write_kv_block, write_stacked_block
+from specjax.core.cache import write_block, write_kv_block, write_stacked_block
 
 L, KVH, S, D, T = 3, 2, 12, 4, 4
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import cli
+from specjax.cli import main as cli
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
 

@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import calibrate, cli, costs
-from specjax.costs import AcceptanceProfile, CostTable
+from specjax.tuning import calibrate
+from specjax.cli import main as cli
+from specjax.drafters.adaptive import costs
+from specjax.drafters.adaptive.costs import AcceptanceProfile, CostTable
 from specjax.testing.models import tiny_config
-from specjax.tracing import TRACE_COUNTS
+from specjax.core.tracing import TRACE_COUNTS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -260,3 +262,11 @@ def test_calibrate_command_on_the_toy_pair(tmp_path, capsys):
 def test_calibrate_rejects_a_bad_width(tmp_path, capsys):
   assert cli.main(["calibrate", "--out", str(tmp_path), "--max-width", "1"]) == 2
   assert "--max-width must be >= 2" in capsys.readouterr().err
+
+
+def test_a_cost_table_without_a_positive_generate_step_is_refused():
+  """Plans are priced in generate steps: a zero step (a timing slope lost in noise) is a clear
+  error at construction, not a division by zero inside `adaptive_drafter`."""
+  with pytest.raises(ValueError, match="positive generate step"):
+    _table([1.0, 1.2], generate_step_ms=0.0)
+  assert _table([1.0, 1.2], generate_step_ms=1e-3).generate_step_ms == 1e-3

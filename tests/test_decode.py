@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.decode import NEW_TOKEN_BUCKET
+from specjax.loop.decode import NEW_TOKEN_BUCKET
 from specjax.testing.models import tiny_config
-from specjax.tracing import TRACE_COUNTS
+from specjax.core.tracing import TRACE_COUNTS
 
 VOCAB = 61
 
@@ -112,7 +112,7 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   tokens, lengths = batch
   expected = _greedy(target, batch, max_new=8).tokens
   k = 3
-  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  seeds = sj.row_seeds(jax.random.key(0), 3)
   drafter = sj.ModelDrafter(draft)
   state = sj.init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
                         num_draft=k, capacity=NEW_TOKEN_BUCKET)
@@ -225,7 +225,7 @@ def test_decode_rejects_vocab_mismatch_and_short_draft_context(target, batch):
 
 
 def test_streaming_decode_validates_like_decode(target, batch):
-  from specjax.stream import decode_stream
+  from specjax.loop.stream import decode_stream
   tokens, lengths = batch
   other = sj.init_params(tiny_config(vocab_size=VOCAB + 1), jax.random.key(2))
   with pytest.raises(ValueError, match="draft vocabulary"):
@@ -307,7 +307,7 @@ class _TapReader(sj.ModelDrafter):
 def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batch):
   tokens, lengths = batch
   drafter = _TapReader(draft)
-  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  seeds = sj.row_seeds(jax.random.key(0), 3)
   # The pieces jitted, as the loop runs them (eagerly every op dispatches alone).
   state = jax.jit(lambda target, drafter, tokens, lengths, seeds: sj.init_state(
       target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds, num_draft=3,
@@ -338,7 +338,7 @@ def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batc
 
 
 def test_stream_equals_decode_and_donates_the_state(target, draft, batch):
-  from specjax.stream import decode_stream
+  from specjax.loop.stream import decode_stream
   tokens, lengths = batch
   sampling = sj.Sampling(temperature=0.8, top_k=10)
   out = sj.decode(target, draft, tokens, jax.random.key(7), lengths=lengths, max_new_tokens=16,

@@ -2,20 +2,21 @@
 is caught by the same test.
 
 **Setup.** A tiny random 4-layer target over V = 64 tokens with its output head scaled so that its
-next-token entropy is about 1 nat at T = 1 (`specjax.testing.harness`); three ragged prompts
-(8, 10 and 12 tokens, each repeating its start so prompt lookup finds matches); N rows per prompt
-in ONE `specjax.decode` call per path and setting (every row its own random stream): N = 2,000 for
-the chain, the static and i.i.d. trees, EAGLE-3 and MTP, N = 1,000 for the other paths (each broken
-variant uses its path's N). 24 new tokens per row, k = 7 for chains (trees of depth 4 and 5), so
-a row runs about ten rounds and the tested positions span several of them. Settings: T = 1, and
-T = 0.7 with top-k 16 and top-p 0.9. Drafters: a noisy copy of the target (first-draft acceptance
-about 0.6), prompt lookup, static / dynamic / sampled (i.i.d. and without replacement) / n-gram
-trees, EAGLE-3, MTP and Medusa heads with random weights (exactness does not depend on their
-quality; they are rarely accepted), the hybrid (lookup in front of an EAGLE-3 head), the confidence
-stop with verify widths, the per-row adaptive drafter, and the int4 self-drafter
+next-token entropy is about 1 nat at T = 1 (`specjax.testing.harness`); three ragged prompts (8, 10
+and 12 tokens, each repeating its start so prompt lookup finds matches); N rows per prompt in ONE
+`specjax.decode` call per path and setting (every row its own random stream): N = 2,000 for the
+chain, the static and i.i.d. trees, EAGLE-3 and MTP, N = 1,000 for the other paths (each broken
+variant uses its path's N). 24 new tokens per row, k = 7 for chains (trees of depth 4 and 5), so a
+row runs about ten rounds and the tested positions span several of them. Settings: T = 1, and T =
+0.7 with top-k 16 and top-p 0.9. Drafters: a noisy copy of the target (first-draft acceptance about
+0.6), prompt lookup, static / dynamic / sampled (i.i.d. and without replacement) / n-gram trees,
+EAGLE-3, MTP and Medusa heads with random weights (exactness does not depend on their quality; they
+are rarely accepted), the hybrid (lookup in front of an EAGLE-3 head), the confidence stop with
+verify widths, the per-row adaptive drafter, and the int4 self-drafter
 (`specjax.self_drafter(bits=4)`). Everything is seeded.
 
-**Statistic** (`specjax.audit_stats.position_tests`, the audit's own): at every (prompt, position)
+**Statistic** (`specjax.exactness.stats.position_tests`, the audit's own): at every (prompt,
+  position)
 rows are grouped by their sampled prefix; within a group every row's next token is, under
 exactness, an independent draw from the target's warped distribution given that prefix, whatever
 the drafter drew or where the round began. So Pearson's chi-square per group (cells of expected
@@ -59,13 +60,14 @@ import jax.numpy as jnp
 import pytest
 
 import specjax as sj
-from specjax import tree_rule, trees
-from specjax.adaptive import AdaptiveDrafter
+from specjax.verify import tree_rule
+from specjax.trees import structure as trees
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import eagle, medusa
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
-from specjax.kernels.tree_common import NodeResults
-from specjax.sampling import first_argmax, warp_logits
+from specjax.verify.kernels.tree_common import NodeResults
+from specjax.core.sampling import first_argmax, warp_logits
 from specjax.testing import harness, rules
 
 N = 2000  # rows per prompt, for the paths whose broken variants are subtle

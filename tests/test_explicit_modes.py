@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 
 import specjax as sj
-import specjax.decode as decode_module
-import specjax.generate as generate_module
-import specjax.stream as stream_module
-from specjax import costs
-from specjax.adaptive import AdaptiveDrafter
-from specjax.costs import AcceptanceProfile, Calibration, CostTable
-from specjax.decode import check_decode_arguments
+import specjax.loop.decode as decode_module
+import specjax.loop.generate as generate_module
+import specjax.loop.stream as stream_module
+from specjax.drafters.adaptive import costs
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter
+from specjax.drafters.adaptive.costs import AcceptanceProfile, Calibration, CostTable
+from specjax.loop.decode import check_decode_arguments
 from specjax.testing.models import tiny_config
-from specjax.tracing import TRACE_COUNTS
+from specjax.core.tracing import TRACE_COUNTS
 
 VOCAB = 64
 

@@ -30,9 +30,9 @@ from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.io.eagle3 import read_eagle3
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
-from specjax.round import round_step
-from specjax.sampling import row_seeds
-from specjax.state import init_state
+from specjax.loop.round import round_step
+from specjax.core.sampling import row_seeds
+from specjax.loop.state import init_state
 
 VOCAB = 12
 DRAFT_IDS = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11]

@@ -35,7 +35,7 @@ from specjax.drafters import eagle, medusa
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
-from specjax.state import Proposal
+from specjax.drafters.proposal import Proposal
 from test_exactness import (ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue,
                             exact_joint, numpy_distribution)
 

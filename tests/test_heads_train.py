@@ -328,7 +328,7 @@ def test_medusa_starts_as_the_target_head(target):
 
 def test_cli_trains_and_exports_a_head(target, tmp_path):
   """`specjax train head` on a saved tiny target; the exported head loads and drafts."""
-  from specjax import cli
+  from specjax.cli import main as cli
   from specjax.io.orbax import save
   save(target, tmp_path / "target")
   _write_chunks(tmp_path / "data", 2, target)

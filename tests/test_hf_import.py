@@ -382,7 +382,7 @@ def test_no_config_or_no_weights(llama, tmp_path):
 def test_convert_command(llama, tmp_path, capsys):
   from tokenizers import Tokenizer, models, pre_tokenizers
 
-  from specjax import cli
+  from specjax.cli import main as cli
 
   hf_model, source = llama
   hf_dir = _copy(source, tmp_path)

@@ -1,4 +1,4 @@
-"""CPU weights in 2 MiB pages (`specjax.models.host_memory`): same values, the advice taken, and
+"""CPU weights in 2 MiB pages (`specjax.models.cpu.host_memory`): same values, the advice taken, and
 a model in the CPU layout (float and quantized) that keeps its weights there and decodes the same
 tokens."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models import host_memory
+from specjax.models.cpu import host_memory
 from specjax.testing.models import tiny_config
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")

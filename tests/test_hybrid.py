@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.adaptive import AdaptiveDrafter
+from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.ngram import lookup
 from specjax.testing.models import tiny_config
@@ -93,7 +93,8 @@ def test_adaptive_length_wraps_the_hybrid(target):
 
 
 def copy_counts_oracle(copy, emitted, count, found, k):
-  """`(reached, accepted)` per slot of one row's copy, by the rule in `specjax.adaptive`, looped
+  """`(reached, accepted)` per slot of one row's copy, by the rule in
+  `specjax.drafters.adaptive.drafter`, looped
   slot by slot: slot j is reached when copies 0..j-1 equal the emitted tokens and j < count."""
   reached, accepted = np.zeros(k), np.zeros(k)
   if not found:
@@ -118,7 +119,7 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   hybrid = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
   drafter = AdaptiveDrafter(hybrid, k, (20.0, 21.0, 22.0, 40.0), (0.5, 0.5, 0.5),
                             copy_prior=(0.5, 0.5, 0.5))
-  seeds = sj.sampling.row_seeds(jax.random.key(0), 3)
+  seeds = sj.row_seeds(jax.random.key(0), 3)
   state = sj.init_state(target, drafter, tokens, lengths, lengths + 8, jnp.int32(-1), seeds,
                         num_draft=k, capacity=16)
   held = jnp.array([[40.0, 40.0, 40.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -158,7 +159,7 @@ def test_lookup_counts_hand_worked(target):
   (copies 3 4; the text goes on 3 9: slot 1 held, slot 2 not) and after `1 2 3` (copies 4 1,
   text 9 1: nothing held). Row 1: prompt 7 8, text 7 8 7: one match, after `7 8 7 8` (copies
   7 8, the text has only 7 left: slot 1 held, slot 2 past the end counts as wrong)."""
-  from specjax.calibrate import lookup_counts
+  from specjax.tuning.calibrate import lookup_counts
   hybrid = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
   tokens = np.array([[1, 2, 3, 4], [7, 8, 0, 0]])
   new = np.array([[1, 2, 3, 9, 1, 2], [7, 8, 7, 0, 0, 0]])

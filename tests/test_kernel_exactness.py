@@ -4,10 +4,10 @@
 distribution (N = 20,000 rows, vocabulary 8, 3 new tokens, joint of 512 cells, significance 1e-3,
 seeded). Here the same decodes run with `verify_impl="interpret"`: every round's accept/reject
 decision and correction / bonus token come from the Pallas kernel in interpret mode
-(`specjax.kernels.fused_verify`, `interpret=True`), for the draft-model and the n-gram drafter and
-all three sampling settings. Each goodness-of-fit test has a power check through the kernel path:
-`kernel_rule_without_residual` takes the kernel's accept/reject decisions and replaces the
-correction at a rejection by a draw from p (the residual step skipped); at the same N it must be
+(`specjax.verify.kernels.fused_verify`, `interpret=True`), for the draft-model and the n-gram
+drafter and all three sampling settings. Each goodness-of-fit test has a power check through the
+kernel path: `kernel_rule_without_residual` takes the kernel's accept/reject decisions and replaces
+the correction at a rejection by a draw from p (the residual step skipped); at the same N it must be
 rejected with p < 1e-6. With the interpret-mode default blocks (up to 1024 rows per grid step) the
 file takes minutes of CPU, too long for the default selection, hence `slow`.
 """
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.kernels import local_verify
-from specjax.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
+from specjax.verify.kernels import local_verify
+from specjax.core.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
 import test_exactness as exactness  # tests/ is on sys.path under pytest
 from test_exactness import draft, target  # noqa: F401  (module-scoped fixtures)
 

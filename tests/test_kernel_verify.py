@@ -1,12 +1,14 @@
-"""The fused verify kernels against `specjax.rule.verify_reference`, in Pallas interpret modes.
+"""The fused verify kernels against `specjax.verify.rule.verify_reference`, in Pallas interpret
+modes.
 
 `TestFusedVerify` runs the TPU kernel's cases with `interpret=True`; `TestFusedVerifyTpuInterpret`
-reruns a subset under `pltpu.InterpretParams()` (TPU memory semantics); `TestFusedVerifyGpuInterpret`
-runs the GPU (Triton) kernel's body in interpret mode. Compiled runs need a TPU or a GPU; on CPU the
-compiled paths are checked by exporting them for TPU and for CUDA (the Mosaic / Triton custom call
-must be in the module). `TestFusedVerifyCompiled` (marker `tpu`) and `TestFusedVerifyGpuCompiled`
-(marker `gpu`) rerun the interpret-mode cases compiled; tests/conftest.py selects them only where
-jax has such a device. No GPU or TPU was available while writing them: they have not run yet.
+reruns a subset under `pltpu.InterpretParams()` (TPU memory semantics);
+`TestFusedVerifyGpuInterpret` runs the GPU (Triton) kernel's body in interpret mode. Compiled runs
+need a TPU or a GPU; on CPU the compiled paths are checked by exporting them for TPU and for CUDA
+(the Mosaic / Triton custom call must be in the module). `TestFusedVerifyCompiled` (marker `tpu`)
+and `TestFusedVerifyGpuCompiled` (marker `gpu`) rerun the interpret-mode cases compiled;
+tests/conftest.py selects them only where jax has such a device. No GPU or TPU was available while
+writing them: they have not run yet.
 
 The default selection keeps one shape per sampling setting and mode, the hand-worked cases, every
 vocabulary size at small B and k, and the exports; `-m slow` adds every shape in every mode.
@@ -22,9 +24,10 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import specjax as sj
-from specjax import sampling as S
-from specjax.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes, fused_verify,
-                             fused_verify_gpu, fused_verify_reference, local_verify)
+from specjax.core import sampling as S
+from specjax.verify.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes,
+                                    fused_verify, fused_verify_gpu, fused_verify_reference,
+                                    local_verify)
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -367,7 +370,7 @@ def test_lowered_kernel_fits_the_vmem_of_its_generation(device_kind, vocab, num_
   # Independent of `BlockSizes.get_default`'s arithmetic: the blocks and scratch are read from
   # the pallas_call the kernel lowers to, and must fit the VMEM limit it asks Mosaic for (or the
   # 16 MiB scoped default without one), which must fit the generation's physical VMEM.
-  from specjax.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
+  from specjax.verify.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
   batch = 8
   args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
           jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype),

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.kernels import cpu_gemv
+from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models import quant, transformer
 from specjax.testing.models import random_quantized, tiny_config
 
@@ -237,7 +237,7 @@ def test_a_self_draft_starts_from_the_targets_prompt_cache(target, layout):
 def test_a_self_draft_streams_and_calibrates_with_donated_state(target):
   # The shared prompt cache is a copy: the loop state's two caches are separate buffers, so the
   # stream (state donated every round) and the calibration (draft state donated) run.
-  from specjax.calibrate import measure_costs
+  from specjax.tuning.calibrate import measure_costs
   tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
   lengths = jnp.array([7, 3], jnp.int32)
   drafter = sj.self_drafter(target, 8)
@@ -263,7 +263,7 @@ def small_target():
 def _told_the_float_q(target_logits, draft_logits, draft_tokens, **kwargs):
   """The broken variant: drafts come from the int4 copy, but the verify is told q = the float
   target's own distribution (a self-drafter that reports its source's logits)."""
-  from specjax.rule import verify_reference
+  from specjax.verify.rule import verify_reference
   k = draft_tokens.shape[1]
   return verify_reference(target_logits, target_logits[:, :k], draft_tokens, **kwargs)
 

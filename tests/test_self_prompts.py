@@ -9,7 +9,7 @@ import pytest
 
 import specjax as sj
 from specjax.testing.models import tiny_config
-from specjax.sampling import GREEDY, Sampling
+from specjax.core.sampling import GREEDY, Sampling
 from specjax.training import self_prompts
 
 TEMPLATE = ("{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe kind.<|im_end|>\\n' }}"

@@ -20,15 +20,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax as sj
 from specjax import parallel as sh
-from specjax.parallel import verify as parallel_verify
-from specjax.decode import _decode, decode
+from specjax.verify import sharded as parallel_verify
+from specjax.loop.decode import _decode, decode
 from specjax.drafters import ModelDrafter
 from specjax.drafters.tree import ModelTreeDrafter
-from specjax.generate import _generate
+from specjax.loop.generate import _generate
 from specjax.testing.models import tiny_config
-from specjax.rule import verify_reference
-from specjax.sampling import Sampling, warp_logits
-from specjax.trees import TreeSpec
+from specjax.verify.rule import verify_reference
+from specjax.core.sampling import Sampling, warp_logits
+from specjax.trees.structure import TreeSpec
 
 MESH_SHAPES = [(1, 8), (8, 1), (2, 4), (4, 2)]  # (data, model)
 SAMPLED = Sampling(temperature=0.8, top_k=30, top_p=0.9)
@@ -346,7 +346,7 @@ def test_tree_decode_on_a_mesh_matches_single_device(models, prompts, single_dev
 
 @pytest.mark.parametrize("kind", MESH_KINDS)
 def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, single_device, kind):
-  from specjax.stream import decode_stream
+  from specjax.loop.stream import decode_stream
   target, draft = models
   tokens, lengths = prompts
   mesh = _mesh(kind, (2, 4))
@@ -363,7 +363,7 @@ def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, singl
 
 
 def test_models_on_different_meshes_raise_before_tracing(models, prompts):
-  from specjax.tracing import TRACE_COUNTS
+  from specjax.core.tracing import TRACE_COUNTS
   target, draft = models
   tokens, lengths = prompts
   devices = jax.devices()
@@ -429,7 +429,7 @@ def _verify_inputs(seed: int, batch: int = 8, k: int = 4, vocab: int = 128):
   draft = target[:, :k] + 0.5 * jax.random.normal(keys[1], (batch, k, vocab))
   draft_tokens = jax.random.categorical(keys[2], draft).astype(jnp.int32)
   positions = 3 * jnp.arange(batch, dtype=jnp.int32) + 5
-  return target, draft, draft_tokens, sj.sampling.row_seeds(jax.random.key(seed), batch), positions
+  return target, draft, draft_tokens, sj.row_seeds(jax.random.key(seed), batch), positions
 
 
 @pytest.mark.parametrize("sampling", VERIFY_SAMPLINGS, ids=str)

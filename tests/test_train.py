@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax import corpus
+from specjax.training import corpus
 from specjax import train as T
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import Model

@@ -19,10 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import tree_rule, trees
-from specjax.sampling import Sampling, row_seeds
-from specjax.tree_builders import build_tree
-from specjax.trees import TreeSpec
+from specjax.verify import tree_rule
+from specjax.trees import structure as trees
+from specjax.core.sampling import Sampling, row_seeds
+from specjax.trees.builders import build_tree
+from specjax.trees.structure import TreeSpec
 # The float64 oracle and the pooled chi-square of tests/test_exactness.py (same VOCAB and NEW).
 from test_exactness import chi_square_pvalue, numpy_distribution
 
@@ -196,8 +197,8 @@ def test_acceptance_threshold_below_one_is_detected(monkeypatch):
   assert pvalue < POWER_ALPHA
 
 
-# End to end: `decode(..., tree=)` with real (tiny) transformer models, the tree forward, compaction and
-# the per-row streams across rounds, against the target's exact joint (same N, same alpha).
+# End to end: `decode(..., tree=)` with real (tiny) transformer models, the tree forward, compaction
+# and the per-row streams across rounds, against the target's exact joint (same N, same alpha).
 
 @pytest.mark.slow
 @pytest.mark.parametrize("builder", ["sampled_wor", "dynamic"])

@@ -32,13 +32,13 @@ import specjax as sj
 from specjax.drafters import eagle, tree_heads
 from specjax.drafters.heads import EagleDrafter
 from specjax.models.transformer import forward
-from specjax.sampling import row_seeds
+from specjax.core.sampling import row_seeds
 from specjax.testing.models import tiny_config
-from specjax.tracing import TRACE_COUNTS
+from specjax.core.tracing import TRACE_COUNTS
 from specjax.drafters.tree import tree_drafter
-from specjax.round import round_step, score_tree
-from specjax.state import init_state
-from specjax.trees import TreeSpec
+from specjax.loop.round import round_step, score_tree
+from specjax.loop.state import init_state
+from specjax.trees.structure import TreeSpec
 from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
 from test_heads import DRAFT_IDS, make_drafter
 from test_heads_exactness import SETTINGS, make_eagle

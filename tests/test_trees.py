@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import tree_builders, trees
-from specjax.cache import KVCache, compact
+from specjax.trees import builders as tree_builders, structure as trees
+from specjax.core.cache import KVCache, compact
 from specjax.testing.models import tiny_config
-from specjax.tracing import TRACE_COUNTS
-from specjax.trees import Tree, TreeSpec
+from specjax.core.tracing import TRACE_COUNTS
+from specjax.trees.structure import Tree, TreeSpec
 
 VOCAB = 61
 ATOL = 2e-5  # float32 logits of the tree forward vs a plain causal forward over the same path
@@ -307,7 +307,7 @@ def test_adaptive_widths_keep_greedy_identity(target, draft, batch, spec):
 def test_stream_with_a_tree_equals_decode(target, draft, batch, name):
   """`decode_stream(..., tree=)` runs the same round as `decode(..., tree=)`, one host step per
   round: each row's yields concatenate to decode's tokens (sampled, so the streams matter)."""
-  from specjax.stream import decode_stream
+  from specjax.loop.stream import decode_stream
   tokens, lengths = batch
   common = dict(lengths=lengths, max_new_tokens=16, tree=SPECS[name],
                 sampling=sj.Sampling(temperature=0.8, top_k=20))

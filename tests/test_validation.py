@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.tracing import TRACE_COUNTS
+from specjax.core.tracing import TRACE_COUNTS
 from specjax.testing.models import tiny_config
 
 
@@ -116,7 +116,7 @@ def test_a_subclass_with_its_parents_fields_gets_its_own_compiled_decode():
   import dataclasses
 
   from specjax.drafters.ngram import NGramDrafter
-  from specjax.validation import pytree_classes
+  from specjax.core.validation import pytree_classes
 
   @jax.tree_util.register_dataclass
   @dataclasses.dataclass(frozen=True)

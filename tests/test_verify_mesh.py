@@ -1,10 +1,11 @@
 """The verify under meshes: the fused kernel inside `shard_map`, token-identical to one device.
 
-* Export for TPU of the whole `sj.decode` with `verify_impl="auto"` under (8, 1), (1, 8) and
-  (2, 4) meshes (`sj.make_mesh`, Auto axes, and `jax.make_mesh`, Explicit axes): the Mosaic call
+* Export for TPU of the whole `sj.decode` with `verify_impl="auto"` under (8, 1), (1, 8) and (2, 4)
+  meshes (`sj.make_mesh`, Auto axes, and `jax.make_mesh`, Explicit axes): the Mosaic call
   (`tpu_custom_call`) is there and sits inside a `shard_map` (`sdy.manual_computation`): the fused
   kernel on each device's rows when only the batch is split, the Pallas vocabulary reductions
-  (`kernels/vocab_reduce.py`) combined with collectives where the vocabulary is split.
+  (`specjax/verify/kernels/vocab_reduce.py`) combined with collectives where the vocabulary is
+  split.
 * `verify_tokens` with every implementation under every mesh equals the reference on one device.
 * Interpret-mode decodes under those meshes equal the single-device decode token for token.
 """
@@ -17,11 +18,11 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax import sampling as S
-from specjax.dispatch import verify_tokens
+from specjax.core import sampling as S
+from specjax.verify.dispatch import verify_tokens
 from specjax.testing.models import tiny_config
-from specjax.parallel import verify as parallel_verify
-from specjax.rule import verify_reference
+from specjax.verify import sharded as parallel_verify
+from specjax.verify.rule import verify_reference
 
 SHAPES = [(8, 1), (1, 8), (2, 4)]
 SAMPLED = sj.Sampling(temperature=1.0, top_k=20, top_p=0.9)

@@ -22,14 +22,14 @@ import pytest
 from scipy import stats
 
 import specjax as sj
-from specjax.rule import verify_reference
-from specjax.sampling import PURPOSE_ACCEPT, uniform
+from specjax.verify.rule import verify_reference
+from specjax.core.sampling import PURPOSE_ACCEPT, uniform
 from specjax.testing.rules import rule_without_residual
 
 N = 50_000
 ALPHA = 1e-3
 POWER_ALPHA = 1e-6
-SEEDS = sj.sampling.row_seeds(jax.random.key(2024), N)  # [N] one stream per row
+SEEDS = sj.row_seeds(jax.random.key(2024), N)  # [N] one stream per row
 P_LOGITS = np.log(np.array([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]))
 Q_LOGITS = np.log(np.array([0.05, 0.10, 0.40, 0.30, 0.05, 0.10]))
 BONUS_LOGITS = np.log(np.array([0.05, 0.05, 0.10, 0.20, 0.30, 0.30]))  # p one past the drafts
@@ -212,7 +212,7 @@ def test_first_argmax_is_jnp_argmax_on_ties_infinities_and_nans():
   x[2, :, 3] = np.nan
   x[3, 1, 999] = np.nan
   x[4] = rng.standard_normal((3, 1000)).astype(np.float32)
-  got = jax.jit(sj.sampling.first_argmax)(jnp.asarray(x))
+  got = jax.jit(sj.core.sampling.first_argmax)(jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
   assert got.dtype == jnp.int32
   assert int(got[2, 0]) == 3 and int(got[1, 0]) == 17 and int(got[0, 0]) == 0

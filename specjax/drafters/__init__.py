@@ -6,7 +6,7 @@ front of one."""
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter, self_drafter
 from specjax.drafters.ngram import NGramDrafter
-from specjax.state import Proposal
+from specjax.drafters.proposal import Proposal
 
 __all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "as_drafter", "self_drafter"]
 

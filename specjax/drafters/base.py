@@ -12,11 +12,11 @@ A drafter is a pytree (it crosses `jax.jit` as an argument) with:
   cache), built from the right-padded prompt; `prefill` is the target's `ForwardOutput` over
   the prompt.
 * `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Proposal)`: `k`
-  tokens for positions `lengths .. lengths + k - 1`, given the whole token buffer. Random
-  numbers come from the row's `seeds [B]` and absolute positions (purpose `PURPOSE_DRAFT`).
-  Optionally `limits=[B]`: row `b` proposes at most `limits[b]` drafts (`Proposal.num_drafted`);
-  a chain drafter stops drafting there (`specjax.adaptive` sets it per row each round). Every
-  built-in drafter takes it; a drafter without it cannot be wrapped by `AdaptiveDrafter`.
+  tokens for positions `lengths .. lengths + k - 1`, given the whole token buffer. Random numbers
+  come from the row's `seeds [B]` and absolute positions (purpose `PURPOSE_DRAFT`). Optionally
+  `limits=[B]`: row `b` proposes at most `limits[b]` drafts (`Proposal.num_drafted`); a chain
+  drafter stops drafting there (`specjax.drafters.adaptive.drafter` sets it per row each round).
+  Every built-in drafter takes it; a drafter without it cannot be wrapped by `AdaptiveDrafter`.
 * `observe(state, scored, block, emitted, count, lengths) -> state`: called after every verify
   with the target's `ForwardOutput` over `block [B, k + 1] = [last, d_1 .. d_k]` at positions
   `lengths - 1 .. lengths + k - 1`; `emitted [B, k + 1]` are the tokens the row keeps (the first
@@ -39,8 +39,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import jax
 
-from specjax.sampling import Sampling
-from specjax.state import Proposal
+from specjax.core.sampling import Sampling
+from specjax.drafters.proposal import Proposal
 
 __all__ = ["Drafter", "DrafterWrapper", "OwnModelDrafter", "Proposal", "with_confidence"]
 

@@ -33,10 +33,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cache import KVCache, write_stacked_block
+from specjax.core.cache import KVCache, write_stacked_block
 from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
 from specjax.models.config import ModelConfig
-from specjax.models.transformer import Model, apply_rope, attention, rms_norm, rope_inv_freq, rope_tables
+from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, rope_inv_freq,
+                                        rope_tables)
 
 __all__ = ["EagleHead", "HeadConfig", "head_config_for", "head_forward", "init_head", "load_head",
            "project_features", "save_head", "to_target_logits"]

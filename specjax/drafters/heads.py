@@ -39,12 +39,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 from specjax.drafters import eagle, medusa
 from specjax.drafters.model import draft_chain
-from specjax.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_token
-from specjax.state import (Proposal, check_confidence, confident_count, stopped_count,
-                           top_probability)
+from specjax.core.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_token
+from specjax.drafters.proposal import (Proposal, check_confidence, confident_count, stopped_count,
+                                       top_probability)
 
 __all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
 

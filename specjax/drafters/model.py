@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
-from specjax.sampling import PURPOSE_DRAFT, sample_token
-from specjax.state import (Proposal, check_confidence, confident_count, gather_tokens,
-                           top_probability)
+from specjax.core.sampling import PURPOSE_DRAFT, sample_token
+from specjax.drafters.proposal import Proposal, check_confidence, confident_count, top_probability
+from specjax.core.sequence import gather_tokens
 
 __all__ = ["ModelDrafter", "draft_chain", "self_drafter"]
 
@@ -49,14 +49,14 @@ def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
     confidence: None = every row drafts `k` (a `lax.scan`); a threshold in (0, 1] = the
       confidence stop (see the module docstring; a `lax.while_loop` that ends when every row
       has stopped).
-    limits: None, or `[B]` int32: row `b` drafts at most `limits[b]` tokens (0 = none; chosen
-      before the round from past rounds only, e.g. `specjax.adaptive`); with a stop, the loop
-      ends when every row has stopped.
-    stop: None, or a stop rule decided in the loop (e.g. `specjax.adaptive.CostAwareStop`):
-      `stop.init(batch) -> stats` and `stop(index, confidence [B], stats) -> (keep [B], stats)`,
-      called for draft `index + 1` with its top probability before it is proposed (a function of
-      the drafts before it, never of the draft itself); a row proposes a draft only while
-      `keep` (and the threshold and limit) allow.
+    limits: None, or `[B]` int32: row `b` drafts at most `limits[b]` tokens (0 = none; chosen before
+      the round from past rounds only, e.g. `specjax.drafters.adaptive.drafter`); with a stop, the
+      loop ends when every row has stopped.
+    stop: None, or a stop rule decided in the loop (e.g.
+      `specjax.drafters.adaptive.drafter.CostAwareStop`): `stop.init(batch) -> stats` and
+      `stop(index, confidence [B], stats) -> (keep [B], stats)`, called for draft `index + 1` with
+      its top probability before it is proposed (a function of the drafts before it, never of the
+      draft itself); a row proposes a draft only while `keep` (and the threshold and limit) allow.
 
   Returns:
     `(carry after the last step run, Proposal(tokens [B, k], logits [B, k, V] or None,
@@ -162,7 +162,7 @@ class ModelDrafter(OwnModelDrafter):
           for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
       if target_cache is not None and same(target_cache, own):
         # A copy: the target's cache and this one are separate buffers in the loop state, which
-        # callers donate (`decode_stream`, `specjax.calibrate`).
+        # callers donate (`decode_stream`, `specjax.tuning.calibrate`).
         return jax.tree.map(jnp.copy, target_cache).with_lengths(lengths - 1)
     cache = self.model.init_cache(batch, buffer_len)
     cache = self.model(tokens, jnp.zeros((batch,), jnp.int32), cache).cache

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.state import Proposal
+from specjax.drafters.proposal import Proposal
 
 
 @jax.tree_util.register_dataclass

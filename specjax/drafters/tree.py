@@ -1,15 +1,15 @@
 """Tree drafters: the `Drafter` protocol for a proposal that is a tree of continuations.
 
-A tree is a proposal shape, not a second decoder: `specjax.decode(..., tree=TreeSpec(...))` runs
-the same loop, state and round (`specjax.round`) as a chain, with a tree drafter built here by
-`tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs_hidden`,
+A tree is a proposal shape, not a second decoder: `specjax.decode(..., tree=TreeSpec(...))`
+runs the same loop, state and round (`specjax.loop.round`) as a chain, with a tree drafter built
+here by `tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs_hidden`,
 `forwards_per_round` and `init` (`specjax.drafters.base`), a tree drafter has
 
 * `spec`: its `specjax.TreeSpec` (static);
 * `extra_slots`: the scratch slots past a row's length that one round writes (the tree block and,
   for a dynamic tree, its expansion pool);
-* `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this
-  round's `specjax.trees.Tree` below each row's last token (`num_draft` is the tree's depth);
+* `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this round's
+  `specjax.trees.structure.Tree` below each row's last token (`num_draft` is the tree's depth);
 * `observe_path(state, scored, tree, root, path, emitted, count, lengths) -> state`: after the
   verify, with the target's `ForwardOutput` over the extended tree `[root, nodes]`, the accepted
   node indices by depth `path [B, D]`, the emitted tokens and how many each row keeps.
@@ -34,12 +34,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import tree_builders, trees
+from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import tree_heads
 from specjax.drafters.base import DrafterWrapper, OwnModelDrafter
 from specjax.drafters.hybrid import HybridDrafter
-from specjax.state import gather_tokens
-from specjax.trees import Tree, TreeSpec
+from specjax.core.sequence import gather_tokens
+from specjax.trees.structure import Tree, TreeSpec
 
 __all__ = ["HeadTreeDrafter", "ModelTreeDrafter", "NGramTreeDrafter", "extra_slots",
            "tree_drafter"]

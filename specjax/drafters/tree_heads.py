@@ -1,22 +1,22 @@
 """Draft trees from feature heads: `EagleDrafter` (EAGLE-3, MTP) and `MedusaDrafter`.
 
-The decode loop (with `specjax.drafters.tree.HeadTreeDrafter`) keeps the head's own state between rounds, with the chain
-invariant of `specjax.drafters.heads`: per row with `L` tokens, the head's cache holds the pairs
-`(target feature_t, token_{t+1})` of slots `0 .. L - 2`, and `hidden`/`logits` are the head's
-output at slot `L - 2`. A round:
+The decode loop (with `specjax.drafters.tree.HeadTreeDrafter`) keeps the head's own state between
+rounds, with the chain invariant of `specjax.drafters.heads`: per row with `L` tokens, the head's
+cache holds the pairs `(target feature_t, token_{t+1})` of slots `0 .. L - 2`, and `hidden`/`logits`
+are the head's output at slot `L - 2`. A round:
 
 * **Drafting** (`draft_tree`). An `EagleDrafter` grows the tree through `EagleTreeExpand`, the
-  generic `expand` of `specjax.trees`: the root's children come from the stored `logits`; a
-  depth-`d` node is the pair (its parent's head output, its token) at slot/position `L - 2 + d`
-  (a depth-1 node pairs the stored `hidden` with its token), attending to the committed slots
-  `0 .. L - 2` of the head's cache and to its tree ancestors only (an ancestor mask over the tree
-  block, kept in a small per-round key/value buffer; the committed cache is read, never written).
-  Nodes are evaluated depth by depth, each once: the builders tell an incremental `expand` which
-  nodes were added since its last call. Dynamic (EAGLE-2) and sampled trees use it directly;
-  static trees take the head's greedy chain with its top-`K` candidates per depth. A
-  `MedusaDrafter` gives static trees (head `i`'s top-`K` are the depth-`i + 1` candidates) and
-  sampled trees (every depth-`d` node draws its children from head `d`); its heads never see the
-  tree's tokens, so EAGLE-2's dynamic trees are refused.
+  generic `expand` of `specjax.trees.structure`: the root's children come from the stored `logits`;
+  a depth-`d` node is the pair (its parent's head output, its token) at slot/position `L - 2 + d` (a
+  depth-1 node pairs the stored `hidden` with its token), attending to the committed slots `0 .. L -
+  2` of the head's cache and to its tree ancestors only (an ancestor mask over the tree block, kept
+  in a small per-round key/value buffer; the committed cache is read, never written). Nodes are
+  evaluated depth by depth, each once: the builders tell an incremental `expand` which nodes were
+  added since its last call. Dynamic (EAGLE-2) and sampled trees use it directly; static trees take
+  the head's greedy chain with its top-`K` candidates per depth. A `MedusaDrafter` gives static
+  trees (head `i`'s top-`K` are the depth-`i + 1` candidates) and sampled trees (every depth-`d`
+  node draws its children from head `d`); its heads never see the tree's tokens, so EAGLE-2's
+  dynamic trees are refused.
 * **Drafts over the full vocabulary.** Head logits live on the reduced draft vocabulary and are
   mapped with `to_target_logits` (`-inf` outside), so a sampled child is drawn from, and verified
   against, the very `q` it came from.
@@ -35,11 +35,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax import tree_builders, trees
+from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import eagle, medusa
 from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.models.transformer import ForwardOutput, attention, check_taps
-from specjax.trees import Tree, TreeSpec
+from specjax.trees.structure import Tree, TreeSpec
 
 __all__ = ["EagleTreeExpand", "check_tree_drafter", "draft_tree", "forwards_per_round",
            "is_head_drafter", "observe_path", "path_output"]
@@ -95,7 +95,7 @@ def forwards_per_round(drafter, spec: TreeSpec) -> int:
 
 
 class EagleTreeExpand:
-  """An `EagleDrafter`'s `expand` (`specjax.trees`) below each row's root, for one round.
+  """An `EagleDrafter`'s `expand` (`specjax.trees.structure`) below each row's root, for one round.
 
   Trace-time helper (not a pytree): it keeps every evaluated node's head output, draft logits
   and keys/values between the builder's calls. With `incremental` (the default) each call
@@ -199,7 +199,7 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
     drafter: an `EagleDrafter` or a `MedusaDrafter`; state: its state.
     spec: the tree spec ("static", "sampled", or "dynamic" for an `EagleDrafter`).
     root: `[B]` each row's last token; sequence: `[B, S]` tokens; lengths: `[B]` (`L`).
-    sampling, seeds: as for `specjax.tree_builders.build_tree`.
+    sampling, seeds: as for `specjax.trees.builders.build_tree`.
     incremental: `EagleTreeExpand`'s evaluation mode.
 
   Returns:

@@ -1,12 +1,12 @@
 """Adapters: a Flax NNX or Linen module plus its parameters as a specjax model.
 
-`specjax.decode` and `specjax.generate` need a pytree with `__call__(tokens, starts, cache) ->
-ForwardOutput`, `init_cache(batch, max_len)`, `vocab_size` and `max_len`. The adapters below give
-that to any Flax module that maps `(tokens [B, T], starts [B], cache: KVCache)` to
+`specjax.decode` and `specjax.generate` need a pytree with `__call__(tokens, starts,
+cache) -> ForwardOutput`, `init_cache(batch, max_len)`, `vocab_size` and `max_len`. The adapters
+below give that to any Flax module that maps `(tokens [B, T], starts [B], cache: KVCache)` to
 `(logits [B, T, V], cache)` (see `specjax.models.flax_decoder` for a template). Their pytree leaves
-are the user's parameters and everything else is static, so an adapted model crosses `jax.jit`
-as an argument: inside a jitted training-eval step, build it from the current (traced) params and
-call `specjax.decode` -- the step compiles once, whatever the parameter values.
+are the user's parameters and everything else is static, so an adapted model crosses `jax.jit` as an
+argument: inside a jitted training-eval step, build it from the current (traced) params and call
+`specjax.decode` -- the step compiles once, whatever the parameter values.
 
     decoder = NNXDecoder(config, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(decoder)
@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 from specjax.models.transformer import ForwardOutput
 
 

@@ -2,7 +2,7 @@
 
 Both modules map `(tokens [B, T], starts [B], cache: KVCache) -> (logits [B, T, V], KVCache)`:
 keys and values of the block are written into the fixed-shape cache at each row's own offset
-(`specjax.cache.write_block`) and the returned cache's lengths are `starts + T`. That is all
+(`specjax.core.cache.write_block`) and the returned cache's lengths are `starts + T`. That is all
 `specjax.decode` needs from a model; `specjax.models.adapter` turns either module plus its
 parameters into a pytree following the specjax model protocol. They are deliberately plain
 (learned absolute positions, pre-norm, multi-head attention, GELU MLP): a template for adapting
@@ -17,8 +17,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax._extras import require
-from specjax.cache import KVCache, write_block
+from specjax.core.extras import require
+from specjax.core.cache import KVCache, write_block
 
 nn = require("flax.linen", "train")
 nnx = require("flax.nnx", "train")

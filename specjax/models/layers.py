@@ -7,7 +7,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import cpu_gemv
+from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
 
 
@@ -54,7 +54,7 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
 
 def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
-  masking: the masks here, the math in `specjax.kernels.cpu_gemv.attention_reference` (one
+  masking: the masks here, the math in `specjax.models.cpu.kernel.attention_reference` (one
   softmax over all segments; only the small scores are concatenated, never the keys).
 
   Args:
@@ -66,7 +66,7 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     window: scalar int, 0 for global attention.
     config: the model config.
     kernel: a cache and a block (two segments) of at most 8 query rows go through the CPU kernel
-      `specjax.kernels.cpu_gemv.attention` (same math up to float32 rounding; XLA:CPU spends tens
+      `specjax.models.cpu.kernel.attention` (same math up to float32 rounding; XLA:CPU spends tens
       of microseconds on each of the two small products), where it is usable.
 
   Returns:

@@ -3,7 +3,7 @@
 A `QuantizedWeight` replaces one float matrix of a `specjax.Model`: symmetric integers per group of
 `group` input columns (int8, or int4 packed two to a byte) and one float32 scale per group,
 stored `[..., out, in]` so that each group is contiguous. It knows its own product
-(`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.kernels.cpu_gemv`) reads the
+(`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.models.cpu.kernel`) reads the
 integers at their narrow width, so a batch-1 step reads 1/4 (int8) or about 1/7 (int4) of the
 float32 bytes, and quantizes the rows of x per group too (integer dot products; where the kernel
 is not built, `cpu_gemv.quant_reference` does the same arithmetic in jnp); on TPU/GPU the product
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import cpu_gemv
-from specjax.models import host_memory
+from specjax.models.cpu import kernel as cpu_gemv
+from specjax.models.cpu import host_memory
 
 __all__ = ["BITS", "QuantizedWeight", "abstract_quantized", "dequantize_model", "is_quantized",
            "linear", "linear_t", "quantization_of", "quantize", "quantize_weight", "take_rows"]
@@ -122,7 +122,8 @@ def is_quantized(w) -> bool:
 
 
 def linear(h: jax.Array, w) -> jax.Array:
-  """`h [..., in]` times a weight `[in, out]` (a float array) or a `QuantizedWeight` -> `[..., out]`."""
+  """`h [..., in]` times a weight `[in, out]` (a float array) or a `QuantizedWeight` -> `[...,
+  out]`."""
   if isinstance(w, QuantizedWeight):
     return w.matmul(h)
   return jnp.einsum("...i,io->...o", h, w)

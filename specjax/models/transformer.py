@@ -31,9 +31,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.kernels import cpu_gemv
-from specjax.cache import KVBlock, KVCache, write_block, write_stacked_block
-from specjax.models import cpu_layout, quant
+from specjax.models.cpu import kernel as cpu_gemv
+from specjax.core.cache import KVBlock, KVCache, write_block, write_stacked_block
+from specjax.models.cpu import layout as cpu_layout
+from specjax.models import quant
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig
@@ -53,8 +54,8 @@ class ForwardOutput(NamedTuple):
     taps: `[n, B, T, E]` the residual stream entering each requested layer, else None.
     cache: the updated cache (`lengths = starts + T`), or None for a cache-free pass or a
       deferred write.
-    block_kv: with `write_cache=False`, the block's keys/values (`specjax.cache.KVBlock`) for
-      the caller to write (`specjax.cache.write_kv_block`); else None.
+    block_kv: with `write_cache=False`, the block's keys/values (`specjax.core.cache.KVBlock`) for
+      the caller to write (`specjax.core.cache.write_kv_block`); else None.
   """
 
   logits: jax.Array
@@ -76,7 +77,7 @@ class Model:
     config: the architecture; hashable, so it is part of the jit cache key.
     cpu_kernel: whether the CPU layout's blocks of up to `cpu_layout.KERNEL_ROWS` rows (a decode
       step, a verify block) and a tied output projection go through the hand-written kernel
-      `specjax.kernels.cpu_gemv` rather than XLA's dot (same products up to float32 summation
+      `specjax.models.cpu.kernel` rather than XLA's dot (same products up to float32 summation
       order). Static, so a model with and one without it compile apart;
       `with_fused_projections` turns it on where the kernel builds.
   """
@@ -159,14 +160,15 @@ class Model:
     return self.stacked().without_output_copy()
 
   def with_fused_projections(self, cpu_kernel: bool | None = None) -> "Model":
-    """An unstacked model in the CPU layout (`specjax.models.cpu_layout`): per layer, the
+    """An unstacked model in the CPU layout (`specjax.models.cpu.layout`): per layer, the
     query/key/value projections fused into one matrix and gate/up into one, each kept once,
     row-major `[out, in]`. Same math; `stacked()` and `without_fused_projections()` restore the
     canonical weights.
 
-    `cpu_kernel` (default: whether `specjax.kernels.cpu_gemv` builds on this machine) sends blocks
+    `cpu_kernel` (default: whether `specjax.models.cpu.kernel` builds on this machine) sends blocks
     of up to `cpu_layout.KERNEL_ROWS` rows, and a tied model's output projection, through that
-    hand-written kernel; False keeps XLA's dot. Weights in 2 MiB pages (`cpu_layout.fuse_params`)."""
+    hand-written kernel; False keeps XLA's dot. Weights in 2 MiB pages
+    (`cpu_layout.fuse_params`)."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
     if cpu_kernel is None:

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from specjax.cache import KVCache
+from specjax.core.cache import KVCache
 from specjax.parallel.rules import (CACHE_AXES, DEFAULT_RULES, ShardingRules, active_rules,
                                     logical_axes, use_rules)
 

@@ -25,11 +25,11 @@ the dimension is replicated. So a vocabulary of 50257 on a 4-way `model` axis is
 a batch of 6 on an 8-way `data` axis is replicated, and both still compute the right answer.
 
 **Inside the forward pass** `constrain(x, logical_axes)` pins activations (`[B, T, E]` residual,
-queries/keys/values, MLP hidden, logits, the cache) with `jax.lax.with_sharding_constraint`. It is
-a no-op unless a mesh is active, so the single-device program is unchanged. The rules it reads
-are set by `rules_scope` *inside* a traced function whose static arguments include the rules
-(`specjax.decode`, `specjax.generate` and the stream pass them as a static `rules=` argument), so
-a change of rules is a change of the jit cache key, never a stale compiled program.
+queries/keys/values, MLP hidden, logits, the cache) with `jax.lax.with_sharding_constraint`. It is a
+no-op unless a mesh is active, so the single-device program is unchanged. The rules it reads are set
+by `rules_scope` *inside* a traced function whose static arguments include the rules
+(`specjax.decode`, `specjax.generate` and the stream pass them as a static `rules=`
+argument), so a change of rules is a change of the jit cache key, never a stale compiled program.
 """
 
 from __future__ import annotations

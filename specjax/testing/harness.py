@@ -2,15 +2,15 @@
 
 `run_path` decodes `num_samples` rows of each of several prompts with one `specjax.decode` call
 (every row its own random stream), then `goodness_of_fit` runs the audit's statistic
-(`specjax.audit_stats.position_tests`) on the new tokens: at every (prompt, position) the rows are
-grouped by their sampled prefix; within a group every row's next token is an independent draw
+(`specjax.exactness.stats.position_tests`) on the new tokens: at every (prompt, position) the rows
+are grouped by their sampled prefix; within a group every row's next token is an independent draw
 from the target's warped distribution given that prefix (exactness says so, whatever the drafter,
 the tree, the number of rounds or where a round started), which is computed from the target's own
-logits (`specjax.sampling.probabilities`, the definition `specjax.generate` samples from). Pearson
-chi-square per group with cells of expected count < 5 pooled; groups are independent given their
-prefixes, so their statistics and degrees of freedom add. A token of probability 0 is an outright
-failure. One p-value per (prompt, position) that has a group of >= 10 rows; the path passes when
-every p-value exceeds the Bonferroni level `alpha / number_of_tests`.
+logits (`specjax.core.sampling.probabilities`, the definition `specjax.generate` samples from).
+Pearson chi-square per group with cells of expected count < 5 pooled; groups are independent given
+their prefixes, so their statistics and degrees of freedom add. A token of probability 0 is an
+outright failure. One p-value per (prompt, position) that has a group of >= 10 rows; the path passes
+when every p-value exceeds the Bonferroni level `alpha / number_of_tests`.
 
 The models (`harness_target`, `noisy_copy`) are tiny random transformers over a 64-token
 vocabulary whose output head is scaled up, so that the target's next-token entropy is about one
@@ -31,10 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.audit import _last_logits, _memoized
-from specjax.audit_stats import position_tests
-from specjax.decode import decode
-from specjax.generate import generate
+from specjax.exactness.audit import _last_logits, _memoized
+from specjax.exactness.stats import position_tests
+from specjax.loop.decode import decode
+from specjax.loop.generate import generate
 from specjax.models import Model, init_params
 from specjax.testing.models import tiny_config
 
@@ -105,7 +105,8 @@ class PathRun:
 def run_path(target, draft, prompts: list[list[int]], *, num_samples: int, max_new_tokens: int,
              sampling, seed: int = 0, num_draft: int | None = None, verify_impl: Any = "auto",
              tree=None, verify_widths=None) -> PathRun:
-  """Decodes `num_samples` rows of every prompt in ONE `specjax.decode` call (one compiled program
+  """Decodes `num_samples` rows of every prompt in ONE `specjax.decode` call (one compiled
+  program
   per path and setting), row `b` seeded by `fold_in(key(seed), b)`.
 
   Returns:
@@ -134,7 +135,7 @@ class Fit:
   """The grouped chi-square of one run (see the module docstring).
 
   Attributes:
-    tests: one `specjax.audit_stats.PositionTest` per (prompt, position).
+    tests: one `specjax.exactness.stats.PositionTest` per (prompt, position).
     alpha: the family-wise level.
   """
 
@@ -186,7 +187,7 @@ class Fit:
 
 def goodness_of_fit(prompts: list[list[int]], tokens: np.ndarray, sampling, scorer: Scorer, *,
                     alpha: float) -> Fit:
-  """The audit's prefix-grouped chi-square (`specjax.audit_stats.position_tests`) of `tokens
+  """The audit's prefix-grouped chi-square (`specjax.exactness.stats.position_tests`) of `tokens
   [P, N, positions]` against `scorer.target` under `sampling`, Bonferroni over its tests."""
   from scipy import stats as scipy_stats  # lazily, as the audit does
   return Fit(tuple(position_tests(prompts, tokens, sampling, scipy_stats, scorer)), alpha)

@@ -1,13 +1,14 @@
 """Small models for tests: `tiny_config` (a random-weight Llama-style config), `load_toy` (the
-7M toy pair shipped under `checkpoints/toy`) and `random_quantized` (a quantized weight's arrays)."""
+7M toy pair shipped under `specjax/pretrained/toy`) and `random_quantized` (a quantized weight's
+arrays)."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.default import (DRAFT_DIR, TARGET_DIR, TOKENIZER_FILE, TOY_DIR, DefaultPair,
-                             default_dir)
+from specjax.pretrained.pairs import (DRAFT_DIR, TARGET_DIR, TOKENIZER_FILE, TOY_DIR, DefaultPair,
+                                      default_dir)
 from specjax.models.config import ModelConfig
 
 __all__ = ["load_toy", "random_quantized", "tiny_config"]
@@ -32,20 +33,21 @@ def random_quantized(rng: np.random.Generator, out: int, n: int, bits: int, grou
 
 
 def load_toy(dtype=jnp.float32) -> DefaultPair:
-  """The 7M toy pair of `checkpoints/toy` (a target trained on the Python standard library, a
+  """The 7M toy pair of `specjax/pretrained/toy` (a target trained on the Python standard library, a
   draft distilled from it, their byte-level BPE tokenizer): small and fast, for tests.
 
   A test fixture of the source checkout (and of editable installs of it): the wheel leaves it out.
 
   Raises:
-    FileNotFoundError: no `checkpoints/toy` here (specjax installed from a wheel).
+    FileNotFoundError: no `specjax/pretrained/toy` here (specjax installed from a wheel).
   """
   from specjax.io.orbax import load
   from specjax.io.tokenizer import load_tokenizer
   directory = default_dir() / TOY_DIR
   if not directory.is_dir():
     raise FileNotFoundError(f"the toy pair is a test fixture of the specjax source checkout "
-                            f"(checkpoints/toy), not part of an installed wheel: no {directory}")
+                            f"(specjax/pretrained/toy), not part of an installed wheel: no "
+                            f"{directory}")
   return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
                      draft=load(directory / DRAFT_DIR, dtype=dtype),
                      tokenizer=load_tokenizer(directory / TOKENIZER_FILE))

@@ -1,14 +1,14 @@
 """Deliberately broken verify rules, for proving that an exactness check can fail.
 
-Each wraps the real rule (`specjax.rule.verify_reference`) so that only the named step is wrong.
-`rule_without_residual` (on a rejection, the correction is sampled from p instead of
-normalize(max(p - q, 0))) is `specjax.audit.control_rule`, the audit's own negative control.
-They have the signature of `verify_impl=` callables, so `specjax.decode(..., verify_impl=rule)`
-and `specjax.audit(..., verify_impl=rule)` run them; an exactness test that accepts the real rule
-must reject them (its power check).
+Each wraps the real rule (`specjax.verify.rule.verify_reference`) so that only the named step is
+wrong. `rule_without_residual` (on a rejection, the correction is sampled from p instead of
+normalize(max(p - q, 0))) is `specjax.exactness.audit.control_rule`, the audit's own negative
+control. They have the signature of `verify_impl=` callables, so `specjax.decode(...,
+verify_impl=rule)` and `specjax.audit(..., verify_impl=rule)` run them; an exactness test
+that accepts the real rule must reject them (its power check).
 
 Random-stream misuse (the chain's streams are keyed by row seed, absolute position and purpose,
-`specjax.sampling`): `rule_residual_with_draft_stream` draws the correction with the noise that
+`specjax.core.sampling`): `rule_residual_with_draft_stream` draws the correction with the noise that
 drew the rejected draft; `rule_round_local_stream` keys the ratio tests and the correction by the
 slot within the round, so every round reuses the previous round's numbers. (Keying every round
 one position back, `positions - 1`, is NOT a bug: shifting all positions by one constant relabels
@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.audit import control_rule
-from specjax.rule import LocalVocab, _correction, softmax, verify_reference
-from specjax.sampling import PURPOSE_DRAFT, VerifyResult, warp_logits
+from specjax.exactness.audit import control_rule
+from specjax.verify.rule import LocalVocab, _correction, softmax, verify_reference
+from specjax.core.sampling import PURPOSE_DRAFT, VerifyResult, warp_logits
 
 __all__ = ["rule_q_from_float_model", "rule_residual_with_draft_stream",
            "rule_round_local_stream", "rule_stop_from_residual", "rule_warping_only_p",

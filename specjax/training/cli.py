@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pathlib
 
-from specjax import corpus
+from specjax.training import corpus
 from specjax.training.data import corpus_stream, train_tokenizer
 from specjax.training.evaluate import acceptance, evaluate
 from specjax.training.loop import train
@@ -23,14 +23,15 @@ TASKS = {
 def add_arguments(parser) -> None:
   """Declares the arguments of `specjax train {tokenizer,lm,distill,evaluate,export}` (the task
   itself is the subcommand)."""
-  parser.add_argument("--tokenizer", default="checkpoints/toy/tokenizer.json",
+  parser.add_argument("--tokenizer", default="specjax/pretrained/toy/tokenizer.json",
                       help="tokenizer.json to read (or, for the tokenizer task, to write)")
   parser.add_argument("--vocab-size", type=int, default=8192)
   parser.add_argument("--model", default="target", help="architecture preset: target, draft, tiny")
   parser.add_argument("--run-dir", action="append",
                       help="train-state checkpoints; an existing run is resumed (evaluate: may be "
                       "repeated, one per draft)")
-  parser.add_argument("--out", default="checkpoints/toy", help="export: destination directory")
+  parser.add_argument("--out", default="specjax/pretrained/toy",
+                      help="export: destination directory")
   parser.add_argument("--eval-windows", type=int, default=64,
                       help="evaluate: held-out windows of --seq-len tokens for perplexity")
   parser.add_argument("--eval-prompts", type=int, default=32,
@@ -62,7 +63,7 @@ def run_cli(args) -> int:
   if args.task == "evaluate":
     return _evaluate_cli(args)
   if args.task == "export":
-    from specjax.default import export
+    from specjax.pretrained.pairs import export
     target, _, _ = load_run(args.target_run)
     draft, _, _ = load_run(args.run_dir[0])
     print(f"wrote {export(target, draft, args.tokenizer, args.out)}")

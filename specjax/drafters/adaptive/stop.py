@@ -1,0 +1,68 @@
+"""The token-level stop rule of per-row adaptive length (`AdaptiveDrafter.token_stop`).
+
+`CostAwareStop` decides, draft by draft, whether a row proposes its next draft: from the drafter's
+confidence in it, the row's running acceptance and the round costs. Why, and why it keeps the output
+law: the "Token-level stop" part of `specjax.drafters.adaptive.drafter`'s docstring.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["CostAwareStop", "log_odds", "takes_stop"]
+
+
+def log_odds(a: jax.Array) -> jax.Array:
+  """`log(a / (1 - a))`, for probabilities already kept away from 0 and 1."""
+  return jnp.log(a) - jnp.log1p(-a)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CostAwareStop:
+  """The token-level stop rule of `AdaptiveDrafter` (`specjax.drafters.adaptive.drafter`), for
+  `draft_chain`'s
+  `stop=`: `init(batch)` and `(index, confidence [B], stats) -> (keep [B], stats)`.
+
+  Attributes:
+    alpha: `[B, K]` each row's acceptance estimate per slot (`AdaptiveDrafter.alpha`), used for
+      the slots after the one being decided.
+    shift: `[B]` log-odds added to the drafter's confidence to estimate the acceptance of the slot
+      being decided (`AdaptiveDrafter.confidence_shift`).
+    round_ms: `K + 1` round costs for `k = 0 .. K` drafts.
+  """
+
+  alpha: jax.Array
+  shift: jax.Array
+  round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
+
+  def init(self, batch: int):
+    """`(expected tokens, chance of reaching the next slot)` with nothing proposed: `(1, 1)`."""
+    ones = jnp.ones((batch,), jnp.float32)
+    return ones, ones
+
+  def __call__(self, index, confidence, stats):
+    expected, reach = stats
+    num = self.alpha.shape[1]
+    cost = jnp.asarray(self.round_ms, jnp.float32)  # [K + 1]
+    log_alpha = jnp.cumsum(jnp.log(jnp.clip(self.alpha, 1e-6, 1.0)), axis=1)  # [B, K]
+    slot = jnp.arange(num, dtype=jnp.int32)[None]  # 0-based slot m = draft m + 1
+    here = jnp.take_along_axis(log_alpha, jnp.full((log_alpha.shape[0], 1), index), axis=1)
+    beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
+    tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
+    c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
+    accept = jax.nn.sigmoid(log_odds(c) + self.shift)
+    gain = (reach * accept)[:, None]
+    rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
+    keep = jnp.max(rate, axis=1) > expected / cost[index]
+    return keep, (jnp.where(keep, expected + gain[:, 0], expected),
+                  jnp.where(keep, gain[:, 0], reach))
+
+
+def takes_stop(drafter) -> bool:
+  """Whether `drafter.propose` accepts a `stop=` rule (`draft_chain`)."""
+  return "stop" in inspect.signature(drafter.propose).parameters

@@ -1,0 +1,123 @@
+"""Plain autoregressive generation, fully on device: prefill, then a `lax.while_loop`.
+
+This is the baseline speculative decoding must reproduce: `decode` at temperature 0 returns exactly
+`generate`'s tokens. One compiled program serves every `max_new_tokens` within a bucket of
+`NEW_TOKEN_BUCKET` and every rng: those are traced values; only shapes, the model config and the
+sampling settings are static.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.core import validation
+from specjax.core.outputs import DecodeOutput, DecodeStats
+from specjax.parallel.mesh import call_context, under_auto_axes
+from specjax.parallel.rules import rules_scope
+from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
+from specjax.core.sequence import clear_padding
+from specjax.core.tracing import TRACE_COUNTS
+from specjax.core.validation import NEW_TOKEN_BUCKET
+
+def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+             sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
+             pad_id: int | None = None) -> DecodeOutput:
+  """Generates up to `max_new_tokens` tokens per row with the model alone.
+
+  Args:
+    model: a `specjax.Model` (or anything following the model protocol).
+    tokens: `[B, T]` int prompt ids, right-padded.
+    rng: a JAX PRNG key, or a `[B]` array of keys (one per row); unused when greedy. As in
+      `specjax.decode`, a row's tokens depend only on its own key and prompt.
+    lengths: `[B]` prompt lengths; None means every row is `T` tokens long.
+    max_new_tokens: how many tokens to generate at most per row.
+    sampling: temperature / top-k / top-p; the default is greedy.
+    eos_id: a row stops after emitting this id, or any id of a sequence of them (the stop token is
+      included in the output); None = never.
+    pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
+
+  Returns:
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+  """
+  validation.check_model(model)
+  tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
+  max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
+  validation.check_context(lengths, tokens.shape[1], max_new_tokens, model.max_len)
+  rng = validation.check_rng(rng, tokens.shape[0])
+  eos = validation.check_eos(eos_id, model.vocab_size)
+  validation.check_sampling(sampling)
+  pad = validation.resolve_pad_id(model, pad_id)
+  capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+  inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
+  with call_context(inputs) as call:
+    model, tokens, lengths, rng, eos_ids = call.inputs
+    run = under_auto_axes(functools.partial(_generate, sampling=sampling, capacity=capacity,
+                                            pad_id=int(pad), rules=call.rules,
+                                            classes=validation.pytree_classes(model)))
+    out = run(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids)
+    out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
+    return call.output(out)
+
+def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
+  """The logits at each row's last prompt token: `[B, T, V]` -> `[B, V]`."""
+  return jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
+                                             "classes"))
+def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+              capacity: int, pad_id: int, rules=None, classes=()) -> DecodeOutput:
+  del classes  # a cache key only (`validation.pytree_classes`)
+  TRACE_COUNTS["generate"] += 1
+  with rules_scope(rules):
+    return _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids,
+                          sampling=sampling, capacity=capacity, pad_id=pad_id)
+
+
+def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+                   capacity: int, pad_id: int) -> DecodeOutput:
+  batch, width = tokens.shape
+  tokens = clear_padding(tokens, lengths)
+  rows = jnp.arange(batch, dtype=jnp.int32)
+  seeds = row_seeds(rng, batch)  # [B]
+
+  cache = model.init_cache(batch, width + capacity)
+  if getattr(model, "selects_logit_rows", False):  # score only each row's last prompt token
+    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache, logits_at=(lengths - 1)[:, None])
+    logits = prefill.logits[:, 0]
+  else:
+    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
+    logits = last_logits(prefill.logits, lengths)
+  cache = prefill.cache.with_lengths(lengths)
+  first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
+
+  out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
+  num_tokens = jnp.ones((batch,), jnp.int32)
+  done = validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens)
+
+  def cond(state):
+    _, _, _, _, done = state
+    return ~jnp.all(done)
+
+  def body(state):
+    cache, token, out, num_tokens, done = state
+    step = model(token[:, None], cache.lengths, cache)
+    positions = cache.lengths + 1  # absolute position of the token being sampled
+    new_token = sample_token(step.logits[:, 0], sampling, seeds, positions, PURPOSE_SAMPLE)
+    live = ~done
+    cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
+    out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
+    num_tokens = num_tokens + live
+    done = done | validation.is_eos(new_token, eos_ids) | (num_tokens >= max_new_tokens)
+    token = jnp.where(live, new_token, token)
+    return cache, token, out, num_tokens, done
+
+  _, _, out, num_tokens, _ = jax.lax.while_loop(cond, body, (cache, first, out, num_tokens, done))
+  zeros = jnp.zeros((batch,), jnp.int32)
+  stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
+                      accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
+                      target_calls=num_tokens, draft_calls=zeros)
+  return DecodeOutput(out, num_tokens, stats)

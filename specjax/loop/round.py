@@ -1,0 +1,300 @@
+"""One draft/verify round: `draft_step`, `verify_block` and `round_step`, the one loop body.
+
+`specjax.decode` runs `round_step` inside a `lax.while_loop`;
+`specjax.loop.stream.decode_stream` runs the same function from the host, one jitted (and donated)
+call per round. A round:
+
+1. `draft_step`: the drafter proposes `k` tokens per row after each row's sequence (a drafter
+   with a confidence stop proposes only each row's first `Proposal.num_drafted[b]`).
+2. `verify_block`: the target scores `[last token, d_1 .. d_k]` at each row's own offset in one
+   forward pass, which gives its distributions at the `k` draft positions and one past them; the
+   exact accept/reject rule keeps a prefix of the drafts plus one target token (the correction,
+   or the bonus when every proposed draft is accepted), cut at EOS and at the row's length limit.
+   Rejected drafts are rolled back by setting the target cache's length, never by copying. The
+   drafter then observes the target's outputs over the block (`Drafter.observe`).
+
+A tree drafter (`specjax.drafters.tree`, `decode(..., tree=TreeSpec(...))`) runs the same round with
+a tree proposal: `draft_step` returns a `specjax.trees.structure.Tree` of continuations below each
+row's last token, and `verify_block` scores `[last token, nodes]` in one forward with an ancestor
+mask, walks the exact tree rule (`specjax.verify.tree_rule`), moves the accepted path's keys/values
+to contiguous slots (`specjax.core.cache.compact`) and lets the drafter observe the path.
+
+Verify widths: with `widths=(w_1, .., k + 1)` the target's forward is compiled once per width and
+each round runs the smallest one that holds every live row's `num_drafted + 1` positions, picked
+on device with `lax.switch` (one program, fixed shapes per branch, no host sync).
+
+Random numbers are keyed by each row's seed and the token's absolute position, so a round needs
+no key and no round counter: a row's tokens depend on its own seed and prompt only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.core.cache import compact, write_kv_block
+from specjax.verify.dispatch import verify_tokens, verify_tree
+from specjax.parallel.rules import CACHE_AXES, constrain
+from specjax.core.sampling import Sampling
+from specjax.loop.state import DecodeState, target_features
+from specjax.drafters.proposal import Proposal
+from specjax.core.sequence import gather_tokens
+from specjax.trees.structure import Tree, TreeSpec
+from specjax.core.validation import is_eos as is_eos_token
+
+__all__ = ["check_verify_widths", "draft_step", "round_step", "score_tree", "verify_block"]
+
+
+def check_verify_widths(widths, num_draft: int) -> tuple[int, ...]:
+  """The sorted compiled verify widths: `widths` plus `num_draft + 1`, each in [1, k + 1].
+
+  Raises:
+    ValueError: a width that is not an int or lies outside [1, num_draft + 1].
+  """
+  if widths is None:
+    return (num_draft + 1,)
+  if isinstance(widths, (int, str)) or not hasattr(widths, "__iter__"):
+    raise ValueError(f"verify_widths must be a sequence of ints, got {widths!r}")
+  widths = tuple(widths)
+  for width in widths:
+    if isinstance(width, bool) or not isinstance(width, int):
+      raise ValueError(f"verify_widths must hold ints, got {width!r} in {widths}")
+    if not 1 <= width <= num_draft + 1:
+      raise ValueError(f"verify width {width} is outside [1, num_draft + 1 = {num_draft + 1}]: "
+                       "a round verifies its last token plus at most num_draft drafts")
+  return tuple(sorted(set(widths) | {num_draft + 1}))
+
+
+def draft_step(drafter, state: DecodeState, *, num_draft: int,
+               sampling: Sampling) -> tuple[DecodeState, Proposal]:
+  """Proposes `num_draft` tokens per row after each row's current sequence.
+
+  Args:
+    drafter: a `specjax.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
+    state: the decode state.
+    num_draft: `k`.
+    sampling: the sampling settings (identical to the target's).
+
+  Returns:
+    `(state with the drafter's new state, Proposal(tokens [B, k], logits [B, k, V] or None,
+    num_drafted [B] or None))`; a tree drafter's proposal is a `specjax.trees.structure.Tree`.
+  """
+  draft_state, proposal = drafter.propose(
+      state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
+      seeds=state.seeds)
+  calls = drafter.forwards_per_round(num_draft)
+  skipped = getattr(draft_state, "skipped", None)  # an AdaptiveDrafter's round without it
+  if skipped is not None:
+    calls = jnp.where(skipped, 0, calls)
+  live = (~state.done).astype(jnp.int32)
+  stats = dataclasses.replace(state.stats, draft_calls=state.stats.draft_calls + calls * live)
+  return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
+
+
+def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, block, num_drafted,
+                     width: int, *, sampling: Sampling, impl, defer: bool = False):
+  """The target's forward over the first `width` positions of `block [B, k + 1]`, the rule, the
+  kept counts and the drafter's `observe`, all at that width; tokens padded back to `k + 1`.
+
+  Every live row needs at most `width` positions (`num_drafted + 1 <= width`), so this is the
+  full-width result: the rule keys its random numbers by position, the forward is causal, and
+  the drafter observes only what the row keeps. Running the drafter's catch-up at the same width
+  keeps rounds that draft little cheap (a round with no drafts is a plain target step plus the
+  drafter's catch-up on one token). With `defer`, the target cache is only read and the block's
+  keys/values come back zero-padded to `k + 1` entries (a `KVBlock`) for the caller to write.
+  """
+  k = proposal.tokens.shape[1]
+  lengths = state.lengths
+  kwargs = target_features(drafter)
+  if defer:
+    kwargs["write_cache"] = False
+  narrow = block[:, :width]
+  scored = target(narrow, lengths - 1, state.target_cache, **kwargs)
+  drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
+  logits, slots = scored.logits, max(width - 1, 1)
+  if width == 1:  # no drafts: the rule with one unproposed slot gives the bonus from p
+    logits = jnp.concatenate([logits, logits], axis=1)
+    drafted = jnp.zeros_like(lengths)
+  draft_logits = None if proposal.logits is None else proposal.logits[:, :slots]
+  result = verify_tokens(logits, draft_logits, proposal.tokens[:, :slots], sampling=sampling,
+                         seeds=state.seeds, positions=lengths, num_drafted=drafted, impl=impl)
+  result = result._replace(tokens=result.tokens[:, :width])
+  accepted = result.num_accepted
+
+  # How many of the candidate tokens each row keeps: up to the correction, cut at EOS
+  # (inclusive) and at the row's limit.
+  index = jnp.arange(width, dtype=jnp.int32)
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
+  count = jnp.where(~state.done, count, 0)
+  draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
+  tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
+  written = scored.block_kv.padded(k + 1) if defer else scored.cache
+  return tokens, accepted, count, first_eos < count, written, draft_state
+
+
+def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
+                 sampling: Sampling, impl="auto",
+                 widths: tuple[int, ...] | None = None) -> DecodeState:
+  """Verifies one round of drafts for every row and advances the state.
+
+  Args:
+    target: the target model.
+    drafter: the drafter that made `proposal` (its taps are asked of the target, and it observes
+      the target's outputs).
+    state: the decode state before verification (its target cache holds all but the last token).
+    proposal: the round's drafts from `draft_step`.
+    sampling: the sampling settings (identical to the drafter's).
+    impl: which verify implementation to run (see `specjax.verify.dispatch.verify_tokens`).
+    widths: sorted compiled verify widths ending in `k + 1` (`check_verify_widths`); the forward,
+      the rule and the drafter's `observe` run at the smallest that holds every live row's
+      `num_drafted + 1`. None or a proposal without `num_drafted`: always `k + 1`.
+
+  Returns:
+    The advanced state. Rows already done are left unchanged.
+  """
+  if isinstance(proposal, Tree):
+    return _verify_tree_block(target, drafter, state, proposal, sampling=sampling, impl=impl)
+  _, k = proposal.tokens.shape
+  lengths = state.lengths
+  live = ~state.done
+  num_drafted = proposal.num_drafted
+  if num_drafted is not None:
+    num_drafted = jnp.clip(num_drafted.astype(jnp.int32), 0, k)
+  last = gather_tokens(state.tokens, lengths - 1, 1)
+  block = jnp.concatenate([last, proposal.tokens.astype(jnp.int32)], axis=1)  # [B, k+1]
+  switch = not (widths is None or len(widths) == 1 or num_drafted is None)
+  # A cache updated inside a switch branch is copied there, every layer, every round: a model that
+  # can defer its write (`write_cache=False`) only reads it there, and the block is written after.
+  defer = switch and getattr(target, "defers_cache_writes", False)
+  run = functools.partial(_verify_at_width, target, drafter, state, proposal, block, num_drafted,
+                          sampling=sampling, impl=impl, defer=defer)
+  if not switch:
+    out = run(k + 1)
+  else:  # the smallest compiled width that holds every live row's drafts plus one
+    needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
+    branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
+    out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
+  emitted, accepted, count, hit_eos, target_cache, draft_state = out
+  if defer:
+    target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
+    axes = CACHE_AXES[1:] if target_cache.per_layer else CACHE_AXES  # as the forward's own write
+    target_cache = dataclasses.replace(
+        target_cache, k=jax.tree.map(lambda x: constrain(x, axes), target_cache.k),
+        v=jax.tree.map(lambda x: constrain(x, axes), target_cache.v))
+  new_lengths = lengths + count
+
+  def write(row, new, start):
+    return jax.lax.dynamic_update_slice(row, new, (start,))
+
+  tokens = jax.vmap(write)(state.tokens, emitted, lengths)  # past new_lengths is scratch
+  done = state.done | (live & hit_eos) | (new_lengths >= state.limits)
+  target_cache = target_cache.with_lengths(new_lengths - 1)
+  index = jnp.arange(k + 1, dtype=jnp.int32)
+
+  live_i = live.astype(jnp.int32)
+  drafted = k if num_drafted is None else num_drafted
+  stats = state.stats
+  stats = dataclasses.replace(
+      stats,
+      rounds=stats.rounds + live_i,
+      drafted=stats.drafted + drafted * live_i,
+      accepted=stats.accepted + accepted * live_i,
+      accepted_per_position=stats.accepted_per_position
+      + (index[None, :k] < accepted[:, None]).astype(jnp.int32) * live_i[:, None],
+      target_calls=stats.target_calls + live_i,
+  )
+  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
+                             target_cache=target_cache, draft_state=draft_state, stats=stats)
+
+
+def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **features):
+  """The target's forward over `[root, nodes]` with the ancestor mask, at `starts + depth`: its
+  `ForwardOutput` (logits `[B, N + 1, V]`, the cache, and the `features` asked for: `taps`,
+  `return_hidden`).
+
+  With `spec.widths`, valid nodes come first (the tree drafters order them so) and the forward
+  runs on the smallest compiled width that holds every live row's valid nodes (`lax.switch`, one
+  program); outputs past that width are zeros, at nodes that are invalid and never reached.
+  """
+  n = tree.num_nodes
+  ext_tokens = tree.ext_tokens(root)
+  positions = starts[:, None] + tree.ext_depths()
+  mask = tree.ancestor_mask()
+  if spec.widths is None:
+    return target(ext_tokens, starts, cache, positions=positions, block_mask=mask, **features)
+
+  def branch(width):
+    def run(cache):
+      out = target(ext_tokens[:, :width + 1], starts, cache, positions=positions[:, :width + 1],
+                   block_mask=mask[:, :width + 1, :width + 1], **features)
+      pad = lambda x, axis: None if x is None else jnp.pad(
+          x, [(0, n - width if a == axis else 0) for a in range(x.ndim)])
+      return out._replace(logits=pad(out.logits, 1), hidden=pad(out.hidden, 1),
+                          taps=pad(out.taps, 2))
+    return run
+
+  needed = jnp.max(jnp.where(done, 0, jnp.sum(tree.valid, axis=1)))
+  widths = jnp.asarray(spec.widths, jnp.int32)
+  choice = jnp.argmax(widths >= needed)  # the smallest width that holds every row
+  return jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
+
+
+def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampling: Sampling,
+                       impl) -> DecodeState:
+  """`verify_block` for a tree proposal: the target scores `[root, nodes]` in one forward with an
+  ancestor mask, the exact tree rule walks down the tree and emits the accepted path plus one
+  target token (cut at EOS and at the row's limit), the path's keys/values move to contiguous
+  slots `[L, L + a)` (`specjax.core.cache.compact`), and the drafter observes the path
+  (`observe_path`)."""
+  spec = drafter.spec
+  lengths = state.lengths
+  root = gather_tokens(state.tokens, lengths - 1, 1)[:, 0]
+  scored = score_tree(target, tree, root, lengths - 1, state.target_cache, state.done, spec,
+                      **target_features(drafter))
+  result = verify_tree(scored.logits, tree, spec=spec, sampling=sampling, seeds=state.seeds,
+                       positions=lengths, impl=impl)
+  accepted = result.num_accepted
+  depth = spec.depth
+  index = jnp.arange(depth + 1, dtype=jnp.int32)
+  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), depth + 1)
+  live = ~state.done
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
+  count = jnp.where(live, count, 0)
+  new_lengths = lengths + count
+  write = lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,))
+  tokens = jax.vmap(write)(state.tokens, result.tokens, lengths)  # past new_lengths: scratch
+  tokens = jnp.where(live[:, None], tokens, state.tokens)
+  # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
+  moved = jnp.maximum(count - 1, 0)
+  cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
+  cache = cache.with_lengths(jnp.where(live, new_lengths - 1, lengths - 1))
+  done = state.done | (new_lengths >= state.limits) | (live & (first_eos <= accepted))
+  draft_state = drafter.observe_path(state.draft_state, scored, tree, root, result.path,
+                                     result.tokens, count, lengths)
+  used = jnp.minimum(accepted, moved)  # accepted nodes that were kept
+  live_i = live.astype(jnp.int32)
+  stats = state.stats
+  stats = dataclasses.replace(
+      stats,
+      rounds=stats.rounds + live_i,
+      drafted=stats.drafted + live_i * jnp.sum(tree.valid, axis=1).astype(jnp.int32),
+      accepted=stats.accepted + used,
+      accepted_per_position=stats.accepted_per_position
+      + (jnp.arange(depth)[None] < used[:, None]).astype(jnp.int32),
+      target_calls=stats.target_calls + live_i)
+  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
+                             target_cache=cache, draft_state=draft_state, stats=stats)
+
+
+def round_step(target, drafter, state: DecodeState, *, num_draft: int, sampling: Sampling,
+               verify_impl="auto", widths: tuple[int, ...] | None = None) -> DecodeState:
+  """One round: `draft_step` then `verify_block`. The body of `decode`'s loop and of the stream."""
+  state, proposal = draft_step(drafter, state, num_draft=num_draft, sampling=sampling)
+  return verify_block(target, drafter, state, proposal, sampling=sampling, impl=verify_impl,
+                      widths=widths)

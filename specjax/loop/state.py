@@ -1,0 +1,104 @@
+"""The decode loop's state: `DecodeState`, the prefill that builds it and the output it becomes.
+
+Everything here sits below both the driver (`specjax.decode`, `specjax.loop.stream`) and the
+round (`specjax.loop.round`), so neither imports the other for a type. What a drafter returns each
+round is `specjax.drafters.proposal.Proposal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.core.cache import KVCache
+from specjax.core.sequence import clear_padding
+from specjax.core.outputs import DecodeOutput, DecodeStats
+
+__all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "init_state", "prefill", "finish",
+           "target_features"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """Everything the decode loop carries from one round to the next."""
+
+  tokens: jax.Array  # [B, S] int32: prompt, generated tokens, scratch past `lengths`
+  lengths: jax.Array  # [B] int32 valid tokens per row
+  prompt_lengths: jax.Array  # [B] int32
+  limits: jax.Array  # [B] int32: prompt length + max_new_tokens
+  eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
+  done: jax.Array  # [B] bool
+  seeds: jax.Array  # [B] uint32 per-row random-stream seeds (`sampling.row_seeds`)
+  target_cache: KVCache  # [L, B, KVH, S, D] keys/values for tokens[:, :lengths - 1]
+  draft_state: Any  # the drafter's own state (e.g. its KV cache)
+  stats: DecodeStats
+
+
+def target_features(drafter) -> dict:
+  """The keyword arguments that make the target's forward return what `drafter` reads: its
+  `taps` and its final normed hidden state (`needs_hidden`). Only what it reads is passed, so
+  models whose forward has no `taps` argument work with drafters that read none."""
+  kwargs = dict(return_hidden=True) if drafter.needs_hidden else {}
+  if drafter.taps:
+    kwargs["taps"] = tuple(drafter.taps)
+  return kwargs
+
+
+def prefill(model, tokens, cache, **features):
+  """The model's forward over right-padded prompts from position 0, with the `features` asked
+  for (`target_features`)."""
+  return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, **features)
+
+
+def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds, *,
+               num_draft: int, capacity: int) -> DecodeState:
+  """Prefills the target and the drafter on the prompts and builds the loop state.
+
+  Args:
+    target: the target model.
+    drafter: a `specjax.Drafter`.
+    tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
+    max_new_tokens: `[]` int32 (traced) number of new tokens per row at most.
+    eos_ids: `[E]` int32 stop ids, `[-1]` for none.
+    seeds: `[B]` uint32 per-row seeds (`specjax.core.sampling.row_seeds`).
+    num_draft: `k` (a tree drafter: the tree's depth).
+    capacity: static upper bound on `max_new_tokens` (the buffers' size).
+
+  Returns:
+    The state before the first round. The drafter's `init` gets the target's prefill output
+    (with the taps and hidden state the drafter asks for).
+  """
+  batch, width = tokens.shape
+  tokens = clear_padding(tokens, lengths)
+  # Verification writes k + 1 slots past a row's length (a tree drafter: its `extra_slots`).
+  buffer_len = width + capacity + getattr(drafter, "extra_slots", num_draft + 1)
+  sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
+  out = prefill(target, tokens, target.init_cache(batch, buffer_len),
+                **target_features(drafter))
+  cache = out.cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
+  zeros = jnp.zeros((batch,), jnp.int32)
+  stats = DecodeStats(rounds=zeros, drafted=zeros, accepted=zeros,
+                      accepted_per_position=jnp.zeros((batch, num_draft), jnp.int32),
+                      target_calls=zeros + 1, draft_calls=zeros)
+  return DecodeState(tokens=sequence, lengths=lengths, prompt_lengths=lengths,
+                     limits=lengths + max_new_tokens,
+                     eos_ids=jnp.atleast_1d(jnp.asarray(eos_ids, jnp.int32)),
+                     done=jnp.zeros((batch,), bool), seeds=jnp.asarray(seeds, jnp.uint32),
+                     target_cache=cache,
+                     draft_state=drafter.init(tokens, lengths, buffer_len, out), stats=stats)
+
+
+def finish(state: DecodeState, capacity: int, pad_id: int) -> DecodeOutput:
+  """Cuts each row's new tokens out of the sequence buffer: `DecodeOutput` with `capacity`
+  columns."""
+  num_tokens = state.lengths - state.prompt_lengths
+  index = jnp.arange(capacity, dtype=jnp.int32)
+  new = jnp.take_along_axis(state.tokens, state.prompt_lengths[:, None] + index, axis=1,
+                            mode="clip")
+  new = jnp.where(index[None] < num_tokens[:, None], new, pad_id)
+  return DecodeOutput(new, num_tokens, state.stats)
+

@@ -1,0 +1,90 @@
+"""Streaming speculative decoding: the same rounds as `specjax.decode`, one host step per
+round.
+
+`decode` runs every round inside one `lax.while_loop`, so nothing is visible until the call ends.
+`decode_stream` runs the same loop body (`specjax.loop.round.round_step`) from Python, one jitted
+call per round with the state donated (the caches are updated in place, not copied), and yields each
+row's tokens as soon as a round accepts them. The tokens are exactly `decode`'s for the same
+arguments; the price is one device-to-host transfer per round.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.core import validation
+from specjax.loop.decode import check_decode_arguments
+from specjax.parallel.mesh import call_context
+from specjax.parallel.rules import rules_scope
+from specjax.loop.round import round_step
+from specjax.core.sampling import GREEDY, Sampling, row_seeds
+from specjax.loop.state import DecodeState, init_state
+
+__all__ = ["decode_stream"]
+
+
+@functools.partial(jax.jit, static_argnames=("num_draft", "capacity", "rules", "classes"))
+def _start(target, drafter, tokens, lengths, max_new_tokens, eos, rng, *, num_draft, capacity,
+           rules=None, classes=()) -> DecodeState:
+  del classes  # a cache key only (`validation.pytree_classes`)
+  with rules_scope(rules):
+    return init_state(target, drafter, tokens, lengths, max_new_tokens, eos,
+                      row_seeds(rng, tokens.shape[0]), num_draft=num_draft, capacity=capacity)
+
+
+@functools.partial(jax.jit, static_argnames=("num_draft", "sampling", "verify_impl", "widths",
+                                             "rules", "classes"),
+                   donate_argnames=("state",))
+def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=None, rules=None,
+           classes=()):
+  del classes  # a cache key only (`validation.pytree_classes`)
+  with rules_scope(rules):
+    return round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,
+                      verify_impl=verify_impl, widths=widths)
+
+
+def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                  num_draft: int | None = None, sampling: Sampling = GREEDY,
+                  eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
+                  verify_widths: tuple[int, ...] | None = None, calibration=None,
+                  tree=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
+  """Speculative decoding that yields after every round.
+
+  Args:
+    Same as `specjax.decode` (without `pad_id`; `num_draft`, `verify_widths` and `tree` as
+    there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`; `calibration=`
+    raises the ValueError that names its replacement).
+
+  Yields:
+    `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
+    gained in that round (possibly empty); `state` is the `DecodeState` (its `stats` are the
+    running counters). The concatenation of a row's yields equals `decode(...).tokens[b]` up to
+    `num_tokens[b]`. The state's buffers are donated to the next round: read what you need from
+    it before advancing the iterator.
+  """
+  args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
+                                max_new_tokens=max_new_tokens, num_draft=num_draft,
+                                sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
+                                verify_widths=verify_widths, calibration=calibration, tree=tree)
+  inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
+  with call_context(inputs) as call:
+    target, drafter, tokens, lengths, rng, eos_ids = call.inputs
+    rules = call.rules
+    classes = validation.pytree_classes(target, drafter)
+    state = _start(target, drafter, tokens, lengths, jnp.int32(args.max_new_tokens), eos_ids, rng,
+                   num_draft=args.num_draft, capacity=args.capacity, rules=rules,
+                   classes=classes)
+  seen = np.asarray(args.lengths)
+  while not bool(np.all(np.asarray(state.done))):
+    with call_context((target, drafter, state)):
+      state = _round(target, drafter, state, num_draft=args.num_draft, sampling=sampling,
+                     verify_impl=verify_impl, widths=args.widths, rules=rules, classes=classes)
+    now = np.asarray(state.lengths)
+    sequence = np.asarray(state.tokens)
+    yield [sequence[b, seen[b]:now[b]] for b in range(len(now))], state
+    seen = now

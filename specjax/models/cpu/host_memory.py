@@ -1,0 +1,54 @@
+"""Host memory for CPU weights: 2 MiB pages where Linux offers them.
+
+A model in the CPU layout (`Model.for_platform("cpu")`, `specjax.models.cpu.layout`) and a quantized
+copy of it (`specjax.quantize`) keep their weights in huge pages (`on_huge_pages`); their values
+and everything else stay as they are.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import jax
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(x):
+  """`x` (a single-device CPU array of at least `HUGE_PAGE` bytes) copied into memory that Linux is
+  asked to back with 2 MiB pages (transparent huge pages, `madvise(MADV_HUGEPAGE)`); anything else,
+  or on a host without them, `x` itself. Same values either way.
+
+  Why: a verify block's products are compute-bound (several rows of x per weight load), so the
+  weight stream must keep arriving while the cores multiply. In 4 KiB pages every page of every
+  weight row is a TLB miss, and the hardware prefetchers stop at each page's end; in 2 MiB pages
+  neither happens. XLA's CPU allocator takes ordinary pages (under the common `madvise` setting of
+  /sys/kernel/mm/transparent_hugepage/enabled). Measured on the 2-core AMD EPYC (Zen 5),
+  Qwen2.5-1.5B in float32 (6.2 GB): an 8-row block 182 -> 166 ms, a 6-row block and the one-row
+  step within 2% (six alternations, load 1.5-1.9); the kernel alone over the same layer shapes,
+  two threads, 8 rows 53 -> 40 ms, 6 rows 43 -> 32 ms.
+
+  The copy is handed to JAX without a further copy (`jax.device_put` aliases a suitably aligned
+  host buffer on CPU); the array keeps the mapping alive, and it is unmapped when the array is
+  freed."""
+  if (not isinstance(x, jax.Array) or x.nbytes < HUGE_PAGE or not sys.platform.startswith("linux")
+      or not hasattr(mmap, "MADV_HUGEPAGE") or len(x.devices()) != 1
+      or next(iter(x.devices())).platform != "cpu" or x.is_deleted()):
+    return x
+  host = np.asarray(x)
+  size = -(-host.nbytes // HUGE_PAGE) * HUGE_PAGE
+  try:
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+  except (OSError, ValueError):
+    return x
+  copy = np.frombuffer(buffer, host.dtype, count=host.size).reshape(host.shape)
+  copy[...] = host
+  return jax.device_put(copy, x.sharding, may_alias=True)
+
+
+def weights_on_huge_pages(params):
+  """`on_huge_pages` over every array of a parameter tree (quantized weights' leaves included)."""
+  return jax.tree.map(on_huge_pages, params)

@@ -1,0 +1,106 @@
+"""The CPU layout of a decoder layer's projections, and the one function that applies them.
+
+At batch 1 a decode step is a chain of matrix-vector products that should stream every weight once
+at memory bandwidth, and a verify block of 2-9 rows should cost little more. The CPU layout keeps
+each projection once, row-major `[out, in]` (`<name>_t`), fused where that saves products
+(query/key/value as one matrix, gate/up as one). Blocks of up to `KERNEL_ROWS` rows (a decode step,
+a verify block, a draft model's catch-up) go through `specjax.models.cpu.kernel` when the model
+uses it (`Model.cpu_kernel`): a hand-written XLA FFI kernel that reads each weight once for all
+rows. Larger blocks (prefill, big batches), and every block where the kernel is not built, use
+XLA's dot on the same matrix. A quantized projection (`specjax.models.quant.QuantizedWeight`)
+takes the same place and computes its own product. `split_layer` restores the canonical weights.
+`fuse_params` builds the layout with its weights in 2 MiB pages where Linux offers them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cpu import kernel as cpu_gemv
+from specjax.models.cpu import host_memory
+from specjax.models import quant
+from specjax.models.config import ModelConfig
+
+# Blocks of up to this many rows (B * T) go through the kernel when the model uses it: every weight
+# is read once for all rows (the kernel's own limit per pass).
+KERNEL_ROWS = 8
+
+# fused name: (canonical parts, concatenated along the output axis)
+_PROJECTIONS = (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w_gate_up", ("w_gate", "w_up")),
+                ("w_down", ("w_down",)))
+
+
+def is_cpu_layer(lp: dict) -> bool:
+  return "wqkv_t" in lp
+
+
+def fuse_layer(lp: dict) -> dict:
+  """Canonical per-layer weights -> the CPU layout (one fused `[out, in]` copy per projection)."""
+  if is_cpu_layer(lp):
+    return lp
+  out = dict(lp)
+  for fused, parts in _PROJECTIONS:
+    if quant.is_quantized(lp[parts[0]]):  # quantized: `[out, in]` already, one copy, no halves
+      ws = [lp[name] for name in parts]
+      for name in parts:
+        del out[name]
+      out[fused + "_t"] = quant.QuantizedWeight(
+          jnp.concatenate([w.values for w in ws], axis=-2),
+          jnp.concatenate([w.scales for w in ws], axis=-2), ws[0].bits, ws[0].group)
+      continue
+    w = jnp.concatenate([jnp.asarray(lp[name]) for name in parts], axis=-1)  # [in, out]
+    for name in parts:
+      del out[name]
+    out[fused + "_t"] = w.T.copy()
+  if all(name in lp for name in ("bq", "bk", "bv")):
+    out["bqkv"] = jnp.concatenate([lp[name] for name in ("bq", "bk", "bv")], axis=-1)
+    for name in ("bq", "bk", "bv"):
+      del out[name]
+  return out
+
+
+def fuse_params(params: dict) -> dict:
+  """An unstacked model's parameters -> the CPU layout (`fuse_layer` per layer), its new matrices
+  and the embedding (also a tied output projection, which the kernel reads) in 2 MiB pages where
+  Linux offers them (`specjax.models.cpu.host_memory`). Parameters already in the layout are kept as
+  they are (no second copy)."""
+  if all(is_cpu_layer(lp) for lp in params["layers"]):
+    return params
+  layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp)) for lp in params["layers"])
+  return dict(params, layers=layers, embed=host_memory.on_huge_pages(params["embed"]))
+
+
+def split_layer(lp: dict, c: ModelConfig) -> dict:
+  """The CPU layout -> canonical per-layer weights (exact: the step copies, transposed back)."""
+  if not is_cpu_layer(lp):
+    return lp
+  out = dict(lp)
+  q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+  sizes = {"wqkv": (q, kv, kv), "wo": (c.embed_dim,), "w_gate_up": (c.mlp_dim, c.mlp_dim),
+           "w_down": (c.embed_dim,)}
+  for fused, parts in _PROJECTIONS:
+    step = out.pop(fused + "_t")
+    offsets = [sum(sizes[fused][:i]) for i in range(1, len(parts))]
+    if quant.is_quantized(step):  # split along `out` (axis -2 of the `[out, in]` integers)
+      values = jnp.split(step.values, offsets, axis=-2)
+      scales = jnp.split(step.scales, offsets, axis=-2)
+      out.update((name, quant.QuantizedWeight(v, s, step.bits, step.group))
+                 for name, v, s in zip(parts, values, scales))
+      continue
+    w = step.T
+    out.update((name, part.copy()) for name, part in zip(parts, jnp.split(w, offsets, axis=-1)))
+  if "bqkv" in out:
+    out.update(zip(("bq", "bk", "bv"), jnp.split(out.pop("bqkv"), [q, q + kv], axis=-1)))
+  return out
+
+
+def project(h: jax.Array, lp: dict, fused: str, kernel: bool = False) -> jax.Array:
+  """`h [B, T, in] -> [B, T, out]` through the CPU layout's projection `fused` (see the module
+  docstring): the kernel for blocks of up to `KERNEL_ROWS` rows when `kernel`, else XLA's dot."""
+  step = lp[fused + "_t"]
+  if quant.is_quantized(step):  # one quantized copy, read by the kernel at every block size
+    return step.matmul(h)
+  if kernel and h.shape[0] * h.shape[1] <= KERNEL_ROWS:
+    return cpu_gemv.matvec(h, step)
+  return jnp.einsum("bti,oi->bto", h, step)

