@@ -45,7 +45,7 @@ probability at most 1e-3 (Bonferroni bounds the family-wise error). INCONCLUSIVE
 about the sample size, not about the decoder. A rejected control shows power against the classic
 bug at this sample size; subtler errors may need more samples. The defaults (2000 samples per
 prompt) reject the control on tiny test pairs with p-values far below 1e-6 (see
-`tests/test_audit.py`).
+`tests/exactness/test_audit.py`).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Random-stream misuse (the chain's streams are keyed by row seed, absolute positi
 drew the rejected draft; `rule_round_local_stream` keys the ratio tests and the correction by the
 slot within the round, so every round reuses the previous round's numbers. (Keying every round
 one position back, `positions - 1`, is NOT a bug: shifting all positions by one constant relabels
-the streams and uses no number twice; `tests/test_exactness_harness.py`'s statistic passed it
+the streams and uses no number twice; `tests/exactness/test_exactness_harness.py`'s statistic passed it
 at 4,000 rows per prompt, as it should.) `rule_q_from_float_model` is the quantized
 self-drafter's classic slip: drafts come from the int4 copy but verify divides by the float
 model's q (the target's own distribution over the same prefix). `rule_stop_from_residual` breaks

@@ -82,7 +82,7 @@ def test_the_toy_pair_is_a_checkout_fixture_with_a_clear_error_elsewhere(tmp_pat
   `load_toy` says so instead of failing inside the checkpoint reader."""
   import tomllib
   from specjax.testing import models
-  data = tomllib.loads((pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text())
+  data = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
   patterns = data["tool"]["setuptools"]["package-data"]["specjax.pretrained"]
   assert patterns and not any(p.startswith(("toy", "**", "*")) for p in patterns)
   (tmp_path / HEAD_DIR).mkdir()  # an installed wheel: the head, no toy pair

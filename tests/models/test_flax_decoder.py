@@ -22,7 +22,7 @@ import specjax as sj
 from specjax.models.adapter import CacheSpec, LinenModel, NNXModel, from_linen, from_nnx
 from specjax.models.flax_decoder import DecoderConfig, LinenDecoder, NNXDecoder
 
-EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "flax_train_eval.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "flax_train_eval.py"
 
 
 @pytest.fixture(scope="module")

@@ -283,7 +283,7 @@ class TestFusedVerifyGpuInterpret(TestFusedVerify):
 
 # ---- compiled on a device (T6): the same cases, selected where the device exists -----------
 # (tests/conftest.py skips `tpu` / `gpu` items when `jax.devices(platform)` has none; run them
-# with e.g. `JAX_PLATFORMS=tpu,cpu pytest -m "tpu and not slow" tests/test_kernel_verify.py`).
+# with e.g. `JAX_PLATFORMS=tpu,cpu pytest -m "tpu and not slow" tests/verify/test_fused_verify.py`).
 
 @pytest.mark.tpu
 class TestFusedVerifyCompiled(TestFusedVerify):

@@ -12,7 +12,7 @@
   over the *target's* features of the final sequences; a drafter that feeds its own features
   (the entries it drafted) fails the same check.
 * Goodness of fit: sampled and dynamic head trees at temperature 1.0 and 0.7 with top-k/top-p
-  reproduce the target's distribution: the harness of tests/test_exactness.py (N = 20,000 rows,
+  reproduce the target's distribution: the harness of tests/exactness/test_exactness.py (N = 20,000 rows,
   3 tokens, 8-token vocabulary, pooled chi-square, ALPHA = 1e-3, random heads with a 6-id draft
   vocabulary). Power: the same dynamic tree verified as if its top-m children were sampled (the
   i.i.d. rule) fails the same test at the same N with p < POWER_ALPHA = 1e-6.
@@ -39,10 +39,10 @@ from specjax.drafters.tree import tree_drafter
 from specjax.loop.round import round_step, score_tree
 from specjax.loop.state import init_state
 from specjax.trees.structure import TreeSpec
-from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
-from test_heads import DRAFT_IDS, make_drafter
-from test_heads_exactness import SETTINGS, make_eagle
-from test_trees import all_paths, check_structure
+from tests.exactness.test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
+from tests.drafters.test_heads import DRAFT_IDS, make_drafter
+from tests.exactness.test_heads_exactness import SETTINGS, make_eagle
+from tests.trees.test_trees import all_paths, check_structure
 
 ATOL = 2e-5
 MAX_NEW = 16
@@ -348,7 +348,7 @@ def test_bad_combinations_raise_before_tracing(target, batch):
 
 
 # ---------------------------------------------------------------------------------------------
-# Goodness of fit (the harness of tests/test_exactness.py: N, NEW, ALPHA, POWER_ALPHA there).
+# Goodness of fit (the harness of tests/exactness/test_exactness.py: N, NEW, ALPHA, POWER_ALPHA there).
 
 FIT_SPECS = {
     "sampled": TreeSpec("sampled", branching=(2, 2), replacement=False),

@@ -155,7 +155,7 @@ def test_the_avx2_builds_equal_the_references(tmp_path, flags):
     pytest.skip("this host has no AVX-512: the default build already is an AVX2 one")
   env = dict(os.environ, SPECJAX_CPU_KERNEL_FLAGS=flags, SPECJAX_CACHE_DIR=str(tmp_path),
              JAX_PLATFORMS="cpu")
-  code = ("import sys; sys.path.insert(0, %r); import test_cpu_gemv as t; "
+  code = ("import sys; sys.path.insert(0, %r); import test_cpu_kernel as t; "
           "from specjax.models.cpu import kernel; assert kernel.status()[0], kernel.status(); "
           "t._check_every_row_count(t.ROW_SHAPES); t._check_quantized_products(); "
           "[t._check_attention(*shape) for shape in t.ATTENTION_SHAPES]; print('ok')"

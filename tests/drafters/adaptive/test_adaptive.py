@@ -10,7 +10,7 @@
   callbacks in the jaxpr; one trace per shape bucket; a forced narrow width verifies exactly as
   the full width.
 * Exactness of sampled decoding with an EAGLE-3 head and a confidence stop, with the pooled
-  chi-square harness of tests/test_exactness.py (N = 20,000, ALPHA = 1e-3): the correct rule
+  chi-square harness of tests/exactness/test_exactness.py (N = 20,000, ALPHA = 1e-3): the correct rule
   passes at temperature 1.0 and 0.7 with top-k / top-p, the broken rule fails (p < 1e-6). These
   decode-level runs are slow (about 35 s each); the rule-level test is the default's cheap case.
 * Bad thresholds and widths raise a ValueError before anything is compiled.
@@ -37,10 +37,10 @@ from specjax.verify.rule import verify_reference
 from specjax.loop.state import init_state
 from specjax.drafters.proposal import Proposal
 from specjax.core.tracing import TRACE_COUNTS
-from test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, \
+from tests.exactness.test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, \
     exact_joint, numpy_distribution
-from test_heads_exactness import make_eagle
-from test_kernel_verify import _case
+from tests.exactness.test_heads_exactness import make_eagle
+from tests.verify.test_fused_verify import _case
 
 STOP_SETTINGS = {
     "t1": sj.Sampling(temperature=1.0),
@@ -355,12 +355,12 @@ def test_streamed_greedy_with_confidence_and_widths_equals_generate(chain_target
 
 
 # ---------------------------------------------------------------------------------------------
-# Exactness of sampled decoding with a confidence stop (the harness of tests/test_exactness.py).
+# Exactness of sampled decoding with a confidence stop (the harness of tests/exactness/test_exactness.py).
 
 
 @pytest.fixture(scope="module")
 def heads_target():
-  # The target of tests/test_heads_exactness.py: 4 layers, so the EAGLE-3 taps exist.
+  # The target of tests/exactness/test_heads_exactness.py: 4 layers, so the EAGLE-3 taps exist.
   return sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=4), jax.random.key(10))
 
 

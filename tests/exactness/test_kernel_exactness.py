@@ -1,6 +1,6 @@
 """The speculative core's chi-square exactness tests, with the verify run by the fused kernel.
 
-`tests/test_exactness.py` checks that sampled speculative decoding reproduces the target's own
+`tests/exactness/test_exactness.py` checks that sampled speculative decoding reproduces the target's own
 distribution (N = 20,000 rows, vocabulary 8, 3 new tokens, joint of 512 cells, significance 1e-3,
 seeded). Here the same decodes run with `verify_impl="interpret"`: every round's accept/reject
 decision and correction / bonus token come from the Pallas kernel in interpret mode
@@ -19,8 +19,8 @@ import pytest
 import specjax as sj
 from specjax.verify.kernels import local_verify
 from specjax.core.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
-import test_exactness as exactness  # tests/ is on sys.path under pytest
-from test_exactness import draft, target  # noqa: F401  (module-scoped fixtures)
+from tests.exactness import test_exactness as exactness  # tests/ is on sys.path under pytest
+from tests.exactness.test_exactness import draft, target  # noqa: F401  (module-scoped fixtures)
 
 pytestmark = pytest.mark.slow
 

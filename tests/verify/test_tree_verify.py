@@ -29,7 +29,7 @@ from specjax.verify.kernels.tree_verify_gpu import tree_node_results_gpu
 from specjax.core.sampling import Sampling, row_seeds
 from specjax.trees.structure import Tree
 # The kernel-inspection helpers of the chain kernel's tests.
-from test_kernel_verify import _pallas_call, _vmem_bytes
+from tests.verify.test_fused_verify import _pallas_call, _vmem_bytes
 
 RULES = ("match", "iid", "without_replacement")
 SAMPLINGS = {

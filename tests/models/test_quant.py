@@ -30,8 +30,8 @@ from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models import quant, transformer
 from specjax.testing.models import random_quantized, tiny_config
 
-from tests.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue, exact_joint,
-                                  run_decode)
+from tests.exactness.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue, exact_joint,
+                                            run_decode)
 
 # The forward jitted, as every caller runs it (eagerly each op of a forward dispatches alone).
 forward = jax.jit(transformer.forward, static_argnames=("taps", "return_hidden", "write_cache"))
@@ -256,7 +256,7 @@ def test_a_self_draft_streams_and_calibrates_with_donated_state(target):
 
 @pytest.fixture(scope="module")
 def small_target():
-  from tests.test_exactness import VOCAB
+  from tests.exactness.test_exactness import VOCAB
   return sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(10))  # test_exactness's
 
 

@@ -4,9 +4,9 @@
   batch over a 12-id vocabulary, returns exactly `sj.generate`'s tokens; lookup fires in some
   rounds and not in others (checked on the outputs), so both drafters are exercised.
 * The head's state stays the target's: after decoding, its cache and carried output equal a fresh
-  head forward over the target's features (the check of tests/test_heads.py), although lookup
+  head forward over the target's features (the check of tests/drafters/test_heads.py), although lookup
   replaced many of its drafts.
-* Sampled decoding (the harness of tests/test_heads_exactness.py: N = 20,000 rows, 3 tokens over 8
+* Sampled decoding (the harness of tests/exactness/test_heads_exactness.py: N = 20,000 rows, 3 tokens over 8
   ids, pooled chi-square against the exact joint, seeded, ALPHA = 1e-3) matches the target at
   T = 0.7 with top-k 5 / top-p 0.9 and at T = 1; a hybrid that forgets to replace the head's q by
   a point mass in lookup rows fails the same test at p < 1e-6.
@@ -29,9 +29,9 @@ from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.ngram import lookup
 from specjax.testing.models import tiny_config
-from test_exactness import ALPHA, POWER_ALPHA, PROMPT, chi_square_pvalue, exact_joint
-import test_heads
-import test_heads_exactness as hx
+from tests.exactness.test_exactness import ALPHA, POWER_ALPHA, PROMPT, chi_square_pvalue, exact_joint
+from tests.drafters import test_heads
+from tests.exactness import test_heads_exactness as hx
 
 
 def lookup_outcomes(drafter: HybridDrafter, sequences, lengths, final_lengths) -> set[bool]:

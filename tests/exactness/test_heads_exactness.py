@@ -1,6 +1,6 @@
 """Sampled decoding with a draft head reproduces the target's distribution, and the test can tell.
 
-The harness of tests/test_exactness.py: a tiny target over an 8-token vocabulary generates 3 tokens
+The harness of tests/exactness/test_exactness.py: a tiny target over an 8-token vocabulary generates 3 tokens
 for N = 20,000 copies of one prompt (each row its own random stream); the joint distribution of
 the 3 tokens (512 cells) is compared with the target's exact distribution, enumerated from its own
 logits with an independent float64 NumPy implementation of temperature / top-k / top-p. Pooled
@@ -36,8 +36,8 @@ from specjax.drafters.heads import EagleDrafter, MedusaDrafter
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 from specjax.drafters.proposal import Proposal
-from test_exactness import (ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue,
-                            exact_joint, numpy_distribution)
+from tests.exactness.test_exactness import (ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue,
+                                            exact_joint, numpy_distribution)
 
 DRAFT_IDS = [0, 1, 2, 4, 5, 7]  # 3 and 6 are outside the draft vocabulary
 NUM_DRAFT = 2

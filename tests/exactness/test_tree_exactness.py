@@ -24,8 +24,8 @@ from specjax.trees import structure as trees
 from specjax.core.sampling import Sampling, row_seeds
 from specjax.trees.builders import build_tree
 from specjax.trees.structure import TreeSpec
-# The float64 oracle and the pooled chi-square of tests/test_exactness.py (same VOCAB and NEW).
-from test_exactness import chi_square_pvalue, numpy_distribution
+# The float64 oracle and the pooled chi-square of tests/exactness/test_exactness.py (same VOCAB and NEW).
+from tests.exactness.test_exactness import chi_square_pvalue, numpy_distribution
 
 
 VOCAB = 8

@@ -24,8 +24,8 @@ import specjax as sj  # noqa: E402
 from specjax import parallel as sh  # noqa: E402
 from specjax.loop.decode import decode  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_sharding import DRAFT_CONFIG, NEW_TOKENS, TARGET_CONFIG  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.parallel.test_mesh import DRAFT_CONFIG, NEW_TOKENS, TARGET_CONFIG  # noqa: E402
 
 # The same weights and prompts as the single-process fixtures (same seeds, same shapes).
 target = sj.init_params(TARGET_CONFIG, jax.random.key(0))

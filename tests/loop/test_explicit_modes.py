@@ -49,7 +49,7 @@ def _calibration(verify_ms, alpha, lookup=None):
   return Calibration(table, measured)
 
 
-# Flat verify costs (as on a TPU): K = 4 by default (tests/test_adaptive_rows.py).
+# Flat verify costs (as on a TPU): K = 4 by default (tests/drafters/adaptive/test_adaptive_rows.py).
 FLAT = _calibration([10.0, 12.0, 12.0, 12.5, 13.0], [0.6, 0.6, 0.6, 0.6])
 
 

@@ -10,7 +10,7 @@
   callbacks).
 * Exactness of sampled decoding with a prior and costs that make rows switch between 0, 1 and 2
   drafts from round to round (from their history, or draft by draft with the token stop): the pooled
-  chi-square harness of tests/test_exactness.py (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0
+  chi-square harness of tests/exactness/test_exactness.py (N = 20,000 rows, ALPHA = 1e-3) at temperature 1.0
   and 0.7 with top-k; the same run through a deliberately broken rule (no residual) fails (p <
   1e-6), so the test can fail.
 * The token-level stop (`CostAwareStop`): its decisions checked against a hand-worked case at the
@@ -33,8 +33,8 @@ from specjax.drafters.adaptive.drafter import AdaptiveDrafter, CostAwareStop
 from specjax.drafters.proposal import stopped_count
 from specjax.drafters.adaptive.costs import AcceptanceProfile, Calibration, CostTable
 from specjax.testing.models import tiny_config
-from test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
-                            chi_square_pvalue, exact_joint)
+from tests.exactness.test_exactness import (ALPHA, DRAFT_MODEL_BROKEN, N, NEW, POWER_ALPHA, PROMPT, SETTINGS,
+                                            chi_square_pvalue, exact_joint)
 
 VOCAB = 64
 
@@ -301,7 +301,7 @@ def test_token_stop_greedy_equals_generate(target, ragged, kind):
     pytest.param("t0.7_topk3", False, False, marks=pytest.mark.slow),
     pytest.param("t0.7_topk3", False, True, marks=pytest.mark.slow)])
 def test_sampled_adaptive_decode_matches_target_distribution(name, power, token_stop):
-  from test_exactness import VOCAB as GOF_VOCAB
+  from tests.exactness.test_exactness import VOCAB as GOF_VOCAB
   sampling = SETTINGS[name]
   gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
   draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
@@ -348,7 +348,7 @@ class _PeekingDrafter(sj.ModelDrafter):
 def test_a_stop_that_peeks_at_its_draft_is_detected():
   """The exactness condition is needed: truncating on the drawn drafts themselves biases the
   output, and the same harness (N = 20,000, p < 1e-6) rejects it."""
-  from test_exactness import VOCAB as GOF_VOCAB
+  from tests.exactness.test_exactness import VOCAB as GOF_VOCAB
   sampling = SETTINGS["t1"]
   gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
   draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))
@@ -534,10 +534,10 @@ def test_a_plan_where_drafting_never_pays_runs_plain_steps(target, ragged):
 @pytest.mark.parametrize("name, power", [("t1", False), ("t1", True)])
 def test_sampled_decode_with_skipped_rounds_matches_target_distribution(name, power):
   """Round 1 skips the drafter for every row, round 2 probes it, and in round 3 the rows whose
-  unproposed first draft matched draft 2: the pooled chi-square of tests/test_exactness.py at
+  unproposed first draft matched draft 2: the pooled chi-square of tests/exactness/test_exactness.py at
   ALPHA on 3 N = 60,000 rows (only the third token of about a third of the rows is drafted, so
   the broken rule, which must fail at POWER_ALPHA, needs three times the harness's N)."""
-  from test_exactness import VOCAB as GOF_VOCAB
+  from tests.exactness.test_exactness import VOCAB as GOF_VOCAB
   sampling = SETTINGS[name]
   gof_target = sj.init_params(tiny_config(vocab_size=GOF_VOCAB), jax.random.key(10))
   draft = sj.init_params(tiny_config(vocab_size=GOF_VOCAB, num_layers=1), jax.random.key(11))

@@ -11,7 +11,7 @@ import pytest
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
-COLAB = pathlib.Path(__file__).resolve().parent.parent / "colab"
+COLAB = pathlib.Path(__file__).resolve().parents[2] / "colab"
 NOTEBOOKS = ["quickstart", "benchmark", "train_a_draft"]
 
 

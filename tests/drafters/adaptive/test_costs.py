@@ -30,7 +30,7 @@ from specjax.drafters.adaptive.costs import AcceptanceProfile, CostTable
 from specjax.testing.models import tiny_config
 from specjax.core.tracing import TRACE_COUNTS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 def _table(verify_ms, draft_step_ms=0.5, generate_step_ms=10.0, backend=None,
