@@ -32,9 +32,10 @@ class DrafterEntry:
 
 def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
   """A trained head checkpoint (`save_head` or `save_medusa`) as a drafter for `target`."""
-  from specjax.drafters.heads import EagleDrafter, MedusaDrafter
-  from specjax.drafters.medusa import MEDUSA_KIND, load_medusa
-  from specjax.drafters.eagle import load_head
+  from specjax.drafters.eagle.drafter import EagleDrafter
+  from specjax.drafters.medusa.drafter import MedusaDrafter
+  from specjax.drafters.medusa.network import MEDUSA_KIND, load_medusa
+  from specjax.drafters.eagle.network import load_head
   from specjax.io.orbax import read_tree_metadata
 
   path = pathlib.Path(path)

@@ -4,9 +4,10 @@ from specjax.core.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
 from specjax.loop.decode import DecodeState, decode, draft_step, init_state
 from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter
-from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
-from specjax.drafters.eagle3 import load_eagle3
+from specjax.drafters.eagle.eagle3 import load_eagle3
 from specjax.loop.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.models.quant import QuantizedWeight, dequantize_model, quantize

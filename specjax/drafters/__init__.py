@@ -1,6 +1,6 @@
 """Drafters: the `Drafter` protocol and the built-in drafters (a draft model, prompt lookup).
 
-Feature heads live in `specjax.drafters.heads`; `specjax.drafters.hybrid` puts prompt lookup in
+Feature heads live in `specjax.drafters.eagle.drafter`; `specjax.drafters.hybrid` puts prompt lookup in
 front of one."""
 
 from specjax.drafters.base import Drafter

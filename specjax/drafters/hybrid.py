@@ -33,7 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.base import DrafterWrapper
-from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.ngram import lookup
 
 __all__ = ["HybridDrafter"]

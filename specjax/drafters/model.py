@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
 from specjax.core.sampling import PURPOSE_DRAFT, sample_token
-from specjax.drafters.proposal import Proposal, check_confidence, confident_count, top_probability
+from specjax.drafters.proposal import Proposal, check_confidence, top_probability
 from specjax.core.sequence import gather_tokens
 
 __all__ = ["ModelDrafter", "draft_chain", "self_drafter"]

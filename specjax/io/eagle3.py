@@ -23,7 +23,7 @@ The layer's residual is the (projected) feature; its output, before `norm`, is t
 head feeds itself when it drafts on. Taps are the residual stream *entering* the listed target
 layers (default `(2, L // 2, L - 3)` for an `L`-layer target), as in vLLM.
 
-`read_eagle3` reads and checks such a directory into NumPy arrays; `specjax.drafters.eagle3` builds
+`read_eagle3` reads and checks such a directory into NumPy arrays; `specjax.drafters.eagle.eagle3` builds
 the `EagleHead` and the `EagleDrafter` (`specjax.load_eagle3`) from them.
 """
 

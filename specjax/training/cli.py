@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+
+import numpy as np
 
 from specjax.training import corpus
 from specjax.training.data import corpus_stream, train_tokenizer

@@ -114,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
   """Runs `specjax train head-data` or `specjax train head` (`args.task`)."""
-  from specjax.drafters import eagle
+  from specjax.drafters.eagle import network as eagle
   from specjax.training import head_run, heads, prompts, self_prompts, selfdistill
   target = load_target(args.target)
   if args.task == "head-data":

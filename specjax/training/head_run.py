@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from specjax.drafters import eagle, medusa
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
 from specjax.models.transformer import Model
 from specjax.training import heads as heads_lib
 from specjax.training import selfdistill

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specjax.drafters import eagle, medusa
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
 from specjax.models.transformer import Model
 
 HeadKind = Literal["eagle3", "mtp", "medusa"]

@@ -220,7 +220,8 @@ def test_real_model_names_are_checked():
 def test_real_suite_takes_trained_head_checkpoints(tmp_path):
   """Head checkpoints join the drafter list by kind, are timed like any drafter, and (greedy)
   give `generate`'s tokens; untrained heads, so nothing is asserted about acceptance."""
-  from specjax.drafters import eagle, medusa
+  from specjax.drafters.eagle import network as eagle
+  from specjax.drafters.medusa import network as medusa
   config = tiny_config(vocab_size=96, num_layers=4, bos_id=1, eos_id=2, pad_id=0, max_len=128)
   target = sj.init_params(config, jax.random.key(0))
   draft_ids = np.arange(0, 96, 2)

@@ -24,9 +24,11 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.drafters import eagle, medusa
-from specjax.drafters.eagle3 import load_eagle3
-from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
+from specjax.drafters.eagle.eagle3 import load_eagle3
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.io.eagle3 import read_eagle3
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward

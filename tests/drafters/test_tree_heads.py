@@ -29,8 +29,9 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.drafters import eagle, tree_heads
-from specjax.drafters.heads import EagleDrafter
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters import tree_heads
+from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.models.transformer import forward
 from specjax.core.sampling import row_seeds
 from specjax.testing.models import tiny_config

@@ -63,8 +63,10 @@ import specjax as sj
 from specjax.verify import tree_rule
 from specjax.trees import structure as trees
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
-from specjax.drafters import eagle, medusa
-from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.verify.kernels.tree_common import NodeResults
 from specjax.core.sampling import first_argmax, warp_logits

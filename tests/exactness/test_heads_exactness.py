@@ -31,8 +31,10 @@ import pytest
 from scipy import stats as scipy_stats
 
 import specjax as sj
-from specjax.drafters import eagle, medusa
-from specjax.drafters.heads import EagleDrafter, MedusaDrafter
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
 from specjax.drafters.proposal import Proposal

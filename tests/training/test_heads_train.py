@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafters import eagle, medusa
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.medusa import network as medusa
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import init_params
 from specjax.training import head_run, heads, selfdistill

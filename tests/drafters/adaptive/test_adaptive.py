@@ -285,7 +285,7 @@ def test_verify_switch_copies_no_cache_buffer(chain_target, ragged, layout):
 
 
 def _eagle(target, confidence):
-  from specjax.drafters import eagle
+  from specjax.drafters.eagle import network as eagle
   config = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=32)
   head = eagle.init_head(config, target, jax.random.key(23), list(range(0, CHAIN_VOCAB, 2)))
   return sj.EagleDrafter(head, target.params["embed"], confidence=confidence)

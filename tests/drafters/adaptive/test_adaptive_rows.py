@@ -259,7 +259,7 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
 
 
 def test_greedy_ngram_and_eagle_equal_generate(target, ragged):
-  from specjax.drafters import eagle
+  from specjax.drafters.eagle import network as eagle
   tokens, lengths = ragged
   tokens = tokens.at[:, 4:].set(tokens[:, :4])  # repeats for the n-gram drafter to find
   _greedy_equals_generate(target, sj.NGramDrafter(max_ngram=2), tokens, lengths, FLAT)
@@ -277,7 +277,8 @@ CHEAP = _calibration([10.0, 10.5, 10.6, 10.7, 10.8], [0.3] * 4, draft_step_ms=0.
 
 @pytest.mark.parametrize("kind", ["model", "eagle3", "medusa"])
 def test_token_stop_greedy_equals_generate(target, ragged, kind):
-  from specjax.drafters import eagle, medusa
+  from specjax.drafters.eagle import network as eagle
+  from specjax.drafters.medusa import network as medusa
   tokens, lengths = ragged
   ids = list(range(0, VOCAB, 2))
   if kind == "model":

@@ -2,8 +2,8 @@
 
 Head `i` is `x + SiLU(x @ W_i)` with `W_i` zero-initialised (so it starts as the identity on the
 target's hidden state) followed by an LM head over the reduced draft vocabulary (`d2t` as in
-`specjax.drafters.eagle`), initialised from the target's output rows. Reading the hidden state at
-position `t`, head `i` predicts token `t + 2 + i`: all `k` drafts come out of one forward.
+`specjax.drafters.eagle.network`), initialised from the target's output rows. Reading the hidden
+state at position `t`, head `i` predicts token `t + 2 + i`: all `k` drafts come out of one forward.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.eagle import (_check_draft_ids, _DraftVocabHead, _head_metadata,
-                                    target_output_head)
-from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
+from specjax.drafters.eagle.network import (_check_draft_ids, _DraftVocabHead, _head_metadata,
+                                            target_output_head)
+from specjax.io.orbax import restore_tree, save_tree
 from specjax.models.transformer import Model
 
 __all__ = ["MedusaConfig", "MedusaHeads", "init_medusa", "load_medusa", "medusa_forward",

@@ -19,7 +19,7 @@ sampled from them can never leave the draft vocabulary).
 
 A head is a registered dataclass pytree (`params` leaves, a hashable `HeadConfig` static), like
 `specjax.Model`; every function here is pure and jit-friendly. The drafter protocol around it
-lives in `specjax.drafters.heads`, its training in `specjax.training.heads`.
+lives in `specjax.drafters.eagle.drafter`, its training in `specjax.training.heads`.
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def head_config_for(target: ModelConfig, *, kind: str = "eagle3", draft_vocab_si
 
 class _DraftVocabHead:
   """Mixin for a head dataclass of `params` (with `d2t [N] int32`) and a static `config`, over a
-  reduced draft vocabulary (`EagleHead`, `specjax.drafters.medusa.MedusaHeads`)."""
+  reduced draft vocabulary (`EagleHead`, `specjax.drafters.medusa.network.MedusaHeads`)."""
 
   @property
   def draft_ids(self) -> jax.Array:

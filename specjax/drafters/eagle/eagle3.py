@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.drafters import eagle
-from specjax.drafters.heads import EagleDrafter
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.io.eagle3 import eagle3_taps, read_eagle3
 
 __all__ = ["load_eagle3", "load_eagle3_head"]

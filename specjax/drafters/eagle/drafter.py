@@ -1,6 +1,6 @@
-"""Draft heads on the target's own features as `Drafter`s: EAGLE-3, MTP and Medusa.
+"""EAGLE-3 and MTP heads on the target's own features as a `Drafter`.
 
-`EagleDrafter` wraps an `EagleHead` (`specjax.drafters.eagle`). The head is one decoder layer
+`EagleDrafter` wraps an `EagleHead` (`specjax.drafters.eagle.network`). The head is one decoder layer
 with its own KV cache; its entry at slot `t` reads the pair `(feature_t, token_{t+1})` and its
 output predicts `token_{t+2}` (and stands in for `feature_{t+1}` when drafting on). Features are
 the target's taps projected by the head's `fc` (EAGLE-3, `head.config.taps` non-empty) or the
@@ -21,14 +21,7 @@ at `L - 1` and its logits for `token_L`.
   features, so rejected drafts roll back for free, and it leaves the output at the last kept
   entry as the next round's starting point. Per round the head runs `k` forwards.
 
-`MedusaDrafter` keeps the target's final hidden state at the last position whose token the
-target scored and kept (`lengths - 2` between rounds); head `i` reads it and predicts
-`token_{lengths + i}`, so all `k` drafts come out of one forward.
-
-At temperature > 0 every draft is sampled from the head's warped distribution over the full
-vocabulary (the reduced draft vocabulary mapped through `d2t`, `-inf` elsewhere) with the
-`PURPOSE_DRAFT` stream, and those full-vocabulary logits go into the `Proposal`, so the verify
-rule divides by the `q` each draft was really drawn from. Greedy drafts are the argmax.
+Sampling: `specjax.drafters.draft_vocab`.
 """
 
 from __future__ import annotations
@@ -40,36 +33,12 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.cache import KVCache
-from specjax.drafters import eagle, medusa
+from specjax.drafters.draft_vocab import draft_tokens, take_rows
 from specjax.drafters.model import draft_chain
-from specjax.core.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_token
-from specjax.drafters.proposal import (Proposal, check_confidence, confident_count, stopped_count,
-                                       top_probability)
+from specjax.drafters.proposal import check_confidence
+from specjax.drafters.eagle import network as eagle
 
-__all__ = ["EagleDrafter", "EagleState", "MedusaDrafter", "MedusaState"]
-
-
-def _take_rows(values: jax.Array, index: jax.Array) -> jax.Array:
-  """`values[b, index[b]]` for every row: `[B, T, ...]` -> `[B, ...]`."""
-  index = jnp.clip(index, 0, values.shape[1] - 1).astype(jnp.int32)
-  return jax.vmap(lambda row, i: row[i])(values, index)
-
-
-def draft_tokens(logits: jax.Array, draft_ids: jax.Array, full_logits, sampling: Sampling,
-                 seeds: jax.Array, positions: jax.Array):
-  """Drafts from draft-vocabulary logits `[..., N]`.
-
-  Greedy: the argmax mapped to its target id (`draft_ids [N]`), no full-vocabulary logits built.
-  Otherwise a `PURPOSE_DRAFT` sample from the warped full-vocabulary logits `full_logits(logits)`
-  (`-inf` outside the draft vocabulary), which are returned as the q the draft was drawn from.
-
-  Returns:
-    `(tokens [...] int32, full-vocabulary logits [..., V] or None when greedy)`.
-  """
-  if sampling.greedy:
-    return jnp.take(draft_ids, first_argmax(logits)).astype(jnp.int32), None
-  full = full_logits(logits)
-  return sample_token(full, sampling, seeds, positions, PURPOSE_DRAFT), full
+__all__ = ["EagleDrafter", "EagleState"]
 
 
 @jax.tree_util.register_dataclass
@@ -145,8 +114,8 @@ class EagleDrafter:
     starts = jnp.minimum(lengths, 0).astype(jnp.int32)
     logits, hidden, cache = self._run(shifted, self.features(prefill), starts, cache)
     last = lengths - 2  # the last prompt pair; a 1-token prompt has none (any q stays exact)
-    return EagleState(cache.with_lengths(jnp.maximum(lengths - 1, 0)), _take_rows(hidden, last),
-                      _take_rows(logits, last))
+    return EagleState(cache.with_lengths(jnp.maximum(lengths - 1, 0)), take_rows(hidden, last),
+                      take_rows(logits, last))
 
   def full_logits(self, logits: jax.Array) -> jax.Array:
     """Draft-vocabulary logits `[..., N]` -> `[..., V]` (`-inf` outside the draft vocabulary)."""
@@ -182,84 +151,5 @@ class EagleDrafter:
     last = count - 1
     return EagleState(
         cache.with_lengths(jnp.where(kept, lengths - 1 + count, state.cache.lengths)),
-        jnp.where(kept[:, None], _take_rows(hidden, last), state.hidden),
-        jnp.where(kept[:, None], _take_rows(logits, last), state.logits))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MedusaState:
-  hidden: jax.Array  # [B, E] the target's final hidden state at position lengths - 2
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
-  """Medusa heads as a `Drafter`: all `k` drafts from one forward over the target's final
-  hidden state. `num_draft` may not exceed the number of heads.
-
-  Attributes:
-    heads: `MedusaHeads`.
-    confidence: None, or a threshold in (0, 1]: a row proposes only its leading drafts whose
-      head's top probability (raw softmax) is at least this (exact: see
-      `specjax.drafters.model`; all heads still run in their one forward).
-  """
-
-  heads: Any
-  confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
-
-  taps = ()
-  needs_hidden = True
-
-  @property
-  def vocab_size(self) -> int:
-    return int(self.heads.config.vocab_size)
-
-  @property
-  def num_heads(self) -> int:
-    return medusa.num_heads(self.heads)
-
-  @property
-  def max_draft(self) -> int:
-    return self.num_heads
-
-  def __post_init__(self):
-    object.__setattr__(self, "confidence", check_confidence(self.confidence))
-
-  def forwards_per_round(self, num_draft: int) -> int:
-    del num_draft
-    return 1
-
-  def init(self, tokens, lengths, buffer_len, prefill):
-    del tokens, buffer_len
-    if prefill.hidden is None:
-      raise ValueError("the target forward returned no hidden state for the Medusa heads")
-    return MedusaState(_take_rows(prefill.hidden, lengths - 2))
-
-  def full_logits(self, logits: jax.Array) -> jax.Array:
-    return medusa.to_target_logits(self.heads, logits)
-
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
-              stop=None):
-    del sequence
-    if num_draft > self.num_heads:
-      raise ValueError(f"num_draft ({num_draft}) exceeds the number of Medusa heads "
-                       f"({self.num_heads})")
-    hidden = state.hidden[:, None]  # [B, 1, E]
-    logits = medusa.medusa_forward(self.heads, hidden)[:, 0, :num_draft]  # [B, k, N]
-    positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
-    tokens, full = draft_tokens(logits, self.heads.draft_ids, self.full_logits, sampling,
-                                seeds[:, None], positions)
-    tops = top_probability(logits)  # [B, k]
-    num_drafted = None if self.confidence is None else confident_count(tops, self.confidence)
-    if stop is not None:  # head j's confidence does not depend on the drafts before it
-      stopped = stopped_count(tops, stop)
-      num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
-    if limits is not None:  # all k come from one forward: a limit only trims the proposal
-      num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
-    return state, Proposal(tokens, full, num_drafted, tops)
-
-  def observe(self, state, scored, block, emitted, count, lengths):
-    del block, emitted, lengths
-    hidden = _take_rows(scored.hidden, count - 1)
-    return MedusaState(jnp.where((count > 0)[:, None], hidden, state.hidden))
+        jnp.where(kept[:, None], take_rows(hidden, last), state.hidden),
+        jnp.where(kept[:, None], take_rows(logits, last), state.logits))

@@ -1,0 +1,108 @@
+"""An EAGLE head's draft trees: `EagleTreeExpand` (the generic `expand` of
+`specjax.trees.structure`, evaluated depth by depth with an ancestor mask) and
+`eagle_chain_candidates` (the head's greedy chain with its top-`K` per depth, for static trees).
+`specjax.drafters.tree_heads` runs them each round."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.models.transformer import attention
+from specjax.trees import structure as trees
+
+__all__ = ["EagleTreeExpand", "eagle_chain_candidates"]
+
+
+class EagleTreeExpand:
+  """An `EagleDrafter`'s `expand` (`specjax.trees.structure`) below each row's root, for one round.
+
+  Trace-time helper (not a pytree): it keeps every evaluated node's head output, draft logits
+  and keys/values between the builder's calls. With `incremental` (the default) each call
+  evaluates only the nodes built since the previous call; without it every call re-evaluates the
+  whole pool from the previous call's outputs (a node is right once its parent was), which costs
+  `D` times more and is kept to measure against.
+
+  Args:
+    drafter: the `EagleDrafter`.
+    state: its `EagleState` (the invariant of `specjax.drafters.heads`).
+    lengths: `[B]` int32 tokens per row (`L`).
+    pool: the node budget `P` of the builder's extended tree (`P + 1` with the root).
+  """
+
+  def __init__(self, drafter: EagleDrafter, state, lengths: jax.Array, pool: int, *,
+               incremental: bool = True):
+    head = drafter.head
+    c = head.config
+    batch = lengths.shape[0]
+    self.drafter = drafter
+    self.state = state
+    self.incremental = incremental
+    self.pool = pool
+    self.base = lengths.astype(jnp.int32) - 2  # the root's slot; a depth-d node sits at base + d
+    dtype = state.hidden.dtype
+    self.hidden = jnp.zeros((batch, pool + 1, c.embed_dim), dtype).at[:, 0].set(state.hidden)
+    self.logits = jnp.zeros((batch, pool + 1, c.draft_vocab_size), jnp.float32).at[:, 0].set(
+        state.logits.astype(jnp.float32))  # [B, P + 1, N] draft-vocabulary logits
+    root = drafter.full_logits(state.logits.astype(jnp.float32))  # [B, V]
+    self.full = jnp.zeros((batch, pool + 1, c.vocab_size), jnp.float32).at[:, 0].set(root)
+    cache_dtype = state.cache.k[0].dtype
+    kv_shape = (batch, c.num_kv_heads, pool, c.head_dim)
+    self.keys = jnp.zeros(kv_shape, cache_dtype)  # [B, KVH, P, D] the tree block's entries
+    self.values = jnp.zeros(kv_shape, cache_dtype)
+
+  def __call__(self, ext_tokens, ext_parents, ext_depths, built: slice | None = None):
+    """Full-vocabulary draft logits `[B, P + 1, V]` after the root and every evaluated node."""
+    if built is None:
+      built = slice(0, self.pool)
+    if built.stop > built.start:
+      self.evaluate(ext_tokens, ext_parents, ext_depths, built)
+    return self.full
+
+  def evaluate(self, ext_tokens, ext_parents, ext_depths, nodes: slice) -> None:
+    """Runs the head on pool nodes `nodes` (static), whose parents were evaluated before."""
+    head = self.drafter.head
+    c = head.config
+    ext = slice(nodes.start + 1, nodes.stop + 1)
+    tokens = ext_tokens[:, ext].astype(jnp.int32)  # [B, T]
+    parents = ext_parents[:, ext].astype(jnp.int32)  # [B, T] extended index of each parent
+    features = jnp.take_along_axis(self.hidden, parents[..., None], axis=1)  # [B, T, E]
+    positions = self.base[:, None] + ext_depths[:, ext].astype(jnp.int32)  # [B, T]
+    q, k, v = eagle.head_qkv(head, self.drafter.target_embed, tokens, features, positions)
+    self.keys = self.keys.at[:, :, nodes].set(k.swapaxes(1, 2).astype(self.keys.dtype))
+    self.values = self.values.at[:, :, nodes].set(v.swapaxes(1, 2).astype(self.values.dtype))
+    mask = trees.ancestor_mask(ext_parents)[:, ext, 1:]  # [B, T, P] ancestors and itself
+    tree_positions = self.base[:, None] + ext_depths[:, 1:].astype(jnp.int32)  # [B, P]
+    cache = self.state.cache
+    batch, size = tokens.shape[0], cache.max_len
+    slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
+    committed = (slot_positions <= self.base[:, None])[:, None, :]  # [B, 1, S] slots 0 .. L - 2
+    segments = [(cache.k[0], cache.v[0], slot_positions, committed),
+                (self.keys, self.values, tree_positions, mask)]
+    attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
+    logits, hidden = eagle.head_finish(head, features, attn)
+    self.hidden = self.hidden.at[:, ext].set(hidden.astype(self.hidden.dtype))
+    self.logits = self.logits.at[:, ext].set(logits)
+    self.full = self.full.at[:, ext].set(self.drafter.full_logits(logits))
+
+
+def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: int,
+                           k: int) -> jax.Array:
+  """The head's greedy chain below the root, its top-`k` candidates at each depth: `[B, D, K]`."""
+  batch = root.shape[0]
+  expand = EagleTreeExpand(drafter, state, lengths, depth)
+  ext_parents = jnp.broadcast_to(jnp.asarray([0] + list(range(depth)), jnp.int32),
+                                 (batch, depth + 1))
+  ext_depths = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), (batch, depth + 1))
+  ext_tokens = jnp.zeros((batch, depth + 1), jnp.int32).at[:, 0].set(root)
+  ranked = []
+  for d in range(depth):
+    if d:
+      expand.evaluate(ext_tokens, ext_parents, ext_depths, slice(d - 1, d))
+    top = jax.lax.top_k(expand.logits[:, d], k)[1]  # [B, K] draft ids, best first
+    top = jnp.take(drafter.head.draft_ids, top).astype(jnp.int32)
+    ranked.append(top)
+    ext_tokens = ext_tokens.at[:, d + 1].set(top[:, 0])
+  return jnp.stack(ranked, axis=1)

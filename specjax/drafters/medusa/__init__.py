@@ -1,0 +1,2 @@
+"""Medusa heads: `network` (the heads, their config, init and checkpoints), `drafter`
+(`MedusaDrafter`), `tree` (their draft trees)."""
