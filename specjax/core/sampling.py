@@ -135,8 +135,11 @@ def hash_bits(seed, *counters) -> jax.Array:
 
 
 def bits_to_uniform(bits: jax.Array) -> jax.Array:
-  """Maps 32 random bits to a float32 uniform in the open interval (0, 1)."""
-  return ((bits >> jnp.uint32(8)).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -24)
+  """Maps 32 random bits to a float32 uniform in the open interval (0, 1): the top 23 bits, plus
+  one half, times 2^-23, so the largest value is 1 - 2^-24, which float32 holds exactly. (With 24
+  bits, 2^24 - 0.5 rounds to 2^24 in float32 and the uniform reached 1.0: a Gumbel key of +inf,
+  and NaN for a token of probability 0, which the race then picked.)"""
+  return ((bits >> jnp.uint32(9)).astype(jnp.float32) + 0.5) * jnp.float32(2.0 ** -23)
 
 
 def uniform(seeds, *counters) -> jax.Array:
