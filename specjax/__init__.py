@@ -7,6 +7,7 @@ from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
+from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 from specjax.drafters.eagle.eagle3 import load_eagle3
 from specjax.loop.generate import generate
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
@@ -38,4 +39,5 @@ __all__ = [
     "DefaultPair", "PAIRS", "load_default", "load_pair",
     "AuditReport", "audit",
     "AdaptiveDrafter", "AutoChoice", "Calibration", "adaptive_drafter", "auto_num_draft",
+    "SuffixCorpus", "SuffixDrafter",
 ]

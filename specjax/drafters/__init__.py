@@ -6,9 +6,11 @@ front of one."""
 from specjax.drafters.base import Drafter
 from specjax.drafters.model import ModelDrafter, self_drafter
 from specjax.drafters.ngram import NGramDrafter
+from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 from specjax.drafters.proposal import Proposal
 
-__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "as_drafter", "self_drafter"]
+__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixCorpus", "SuffixDrafter",
+           "as_drafter", "self_drafter"]
 
 
 def as_drafter(draft) -> Drafter:

@@ -38,6 +38,8 @@ from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import tree_heads
 from specjax.drafters.base import DrafterWrapper, OwnModelDrafter
 from specjax.drafters.hybrid import HybridDrafter
+from specjax.drafters.suffix import SuffixDrafter
+from specjax.drafters.suffix_tree import SuffixTreeDrafter
 from specjax.core.sequence import gather_tokens
 from specjax.trees.structure import Tree, TreeSpec
 
@@ -196,7 +198,8 @@ def tree_drafter(target, drafter, spec: TreeSpec):
     target: the target model (its vocabulary, taps and width are checked against the drafter).
     drafter: a draft `specjax.Model` (or a drafter with a `.model`, e.g. `ModelDrafter`), a
       feature head (`EagleDrafter` for static, sampled and dynamic trees; `MedusaDrafter` for
-      static and sampled ones), or anything (None included) for `TreeSpec(builder="ngram")`.
+      static and sampled ones), or anything (None included) for `TreeSpec(builder="ngram")`
+      (a `SuffixDrafter` there drafts its suffix trie, `specjax.drafters.suffix_tree`).
     spec: the `TreeSpec`.
 
   Raises:
@@ -205,6 +208,8 @@ def tree_drafter(target, drafter, spec: TreeSpec):
   """
   if not isinstance(spec, TreeSpec):
     raise ValueError(f"tree must be a specjax.TreeSpec, got {type(spec).__name__}")
+  if spec.builder == "ngram" and isinstance(drafter, SuffixDrafter):
+    return SuffixTreeDrafter(drafter, spec)
   if spec.builder == "ngram":
     return NGramTreeDrafter(spec)
   if isinstance(drafter, HybridDrafter):

@@ -85,6 +85,14 @@ def ngram_tree(sequence: jax.Array, lengths: jax.Array, *, num_matches: int, dep
     return conts, ok
 
   conts, ok = jax.vmap(one_row)(sequence, lengths.astype(jnp.int32))  # [B, M, D]
+  return trie(conts, ok)
+
+
+def trie(conts: jax.Array, ok: jax.Array) -> Tree:
+  """Continuations `conts [B, M, D]` (`ok [B, M, D]`: real, prefix-closed along D) merged into a
+  deterministic trie: node `(d, m)` at `d * M + m`; a node whose prefix an earlier continuation
+  already holds is invalid, and its children hang below that one."""
+  conts = jnp.where(ok, conts, -1)
   batch, m, d = conts.shape
   # same[b, d, m, m2]: continuations m and m2 agree on their first d + 1 tokens.
   eq = conts[:, :, None, :] == conts[:, None, :, :]  # [B, M, M, D]
