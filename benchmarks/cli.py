@@ -94,6 +94,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
   real = parser.add_argument_group("real-model suite (--suite real)")
   real.add_argument("--prompts-per-category", type=int, default=None,
                     help="prompts of each category (default 6)")
+  real.add_argument("--prompt-set", choices=("real", "agent"), default=None,
+                    help="real: Spec-Bench's six categories (default); agent: code edits, tool "
+                    "calls, repeated requests (benchmarks/prompts/agent.json)")
   real.add_argument("--categories", type=_strings, default=None,
                     help="comma-separated categories (default: all of the prompt file)")
   real.add_argument("--drafters", type=_strings, default=None,

@@ -109,14 +109,21 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
   from specjax.drafters.model import default_group
 
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
-                          "prompt lookup (n-gram 3..1, no weights)")]
+                          "prompt lookup (n-gram 3..1, no weights)"),
+             DrafterEntry("suffix", sj.SuffixDrafter(), num_draft, None,
+                          "suffix drafting over the row's own text (longest match up to 32 "
+                          "tokens, frequency walk, no weights)")]
+  if "suffix+corpus" in names:  # its corpus (earlier answers) is set by the suite: with_corpus
+    entries.append(DrafterEntry("suffix+corpus", sj.SuffixDrafter(), num_draft, None,
+                                "suffix drafting over the row's text and a corpus of the "
+                                "target's answers to earlier requests of the same kind"))
   for name, bits in SELF_DRAFTS.items():
     if not names or name in names:
       entries.append(DrafterEntry(
           name, sj.self_drafter(target, bits), num_draft, None,
           f"the target's own weights quantized to int{bits} (groups of "
           f"{default_group(target, bits)}), no training"))
-  if not names or set(names) - {"ngram", *SELF_DRAFTS}:
+  if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SELF_DRAFTS}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = {e.name for e in entries} | set(SELF_DRAFTS)
@@ -124,6 +131,11 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
   return [e for e in entries if not names or e.name in names]
+
+
+def with_corpus(entry: DrafterEntry, corpus) -> DrafterEntry:
+  """`entry` (a `SuffixDrafter`) drafting over `corpus` as well as each row's own text."""
+  return dataclasses.replace(entry, drafter=dataclasses.replace(entry.drafter, corpus=corpus))
 
 
 def _head_name(drafter) -> str:

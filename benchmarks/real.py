@@ -33,12 +33,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bound import analytic_bound, per_token_acceptance
-from benchmarks.drafters import DrafterEntry, base_names, library_drafters, with_adaptive
+from benchmarks.drafters import (DrafterEntry, base_names, library_drafters, with_adaptive,
+                                 with_corpus)
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from benchmarks.models import environment
 from benchmarks.timing import first_divergence, measure_costs, time_alternately
 
-PROMPTS_FILE = pathlib.Path(__file__).resolve().parent / "prompts" / "real.json"
+PROMPTS_DIR = pathlib.Path(__file__).resolve().parent / "prompts"
+PROMPTS_FILE = PROMPTS_DIR / "real.json"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,30 @@ def load_prompts(path: pathlib.Path = PROMPTS_FILE, *, categories=(), per_catego
     raise ValueError(f"prompts per category must be >= 1, got {per_category}")
   chosen = categories or tuple(known)
   return {c: known[c][:per_category] for c in chosen}
+
+
+def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, max_new_tokens,
+                   log=print):
+  """The `suffix+corpus` drafter's corpus: the target's greedy answers to the prompt file's
+  `history` conversations of the chosen categories (earlier requests of the same kind, never a
+  timed prompt), generated before any timed call."""
+  import specjax as sj
+  from benchmarks.real_models import chat_ids
+
+  history = json.loads(pathlib.Path(prompt_file).read_text()).get("history", {})
+  conversations = [h["messages"] for category in prompts for h in history.get(category, [])]
+  if not conversations:
+    raise ValueError(f"{prompt_file} has no history conversations for {list(prompts)}: the "
+                     "suffix+corpus drafter needs earlier answers")
+  answers = []
+  for messages in conversations:
+    case = PromptCase("history", "history", tuple(chat_ids(tokenizer, messages, template)))
+    tokens, lengths = _padded(case, 0)
+    out = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
+                      max_new_tokens=max_new_tokens, eos_id=eos)
+    answers.append(np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
+  log(f"suffix corpus: {len(answers)} earlier answers, {sum(map(len, answers))} tokens")
+  return sj.SuffixCorpus.from_sequences(answers, capacity=max(4096, 2 * sum(map(len, answers))))
 
 
 def _bucket(length: int) -> int:
@@ -343,7 +369,8 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   loaded_s = time.perf_counter() - start
   log(f"loaded in {loaded_s:.0f}s ({how}); {target.config.num_params() / 1e6:.0f}M params, "
       f"EOS ids {eos}")
-  prompts = load_prompts(categories=settings.categories,
+  prompt_file = PROMPTS_DIR / f"{settings.prompt_set}.json"
+  prompts = load_prompts(prompt_file, categories=settings.categories,
                          per_category=settings.prompts_per_category)
   template, template_source = chat_template(tokenizer, target.config.family)
   cases = [PromptCase(category, p["id"], tuple(chat_ids(tokenizer, p["messages"], template)))
@@ -357,6 +384,11 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                               names=base_names(settings.drafters), heads=settings.heads)
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
                            calibration=settings.calibration, log=log)
+  if any(entry.name == "suffix+corpus" for entry in drafters):
+    corpus = history_corpus(target, tokenizer, prompt_file, template, prompts, eos=eos,
+                            max_new_tokens=settings.max_new_tokens, log=log)
+    drafters = [with_corpus(entry, corpus) if entry.name == "suffix+corpus" else entry
+                for entry in drafters]
   measured = measure_suite(target, cases, drafters, samplings=_samplings(settings.temperatures),
                            max_new_tokens=settings.max_new_tokens, eos=eos,
                            repeats=settings.repeats, seed=settings.seed,
@@ -371,7 +403,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                    "categories": list(prompts), "prompts": len(cases),
                    "temperatures": list(settings.temperatures), "repeats": settings.repeats,
                    "statistic": settings.statistic, "seed": settings.seed,
-                   "prompt_file": str(PROMPTS_FILE.relative_to(PROMPTS_FILE.parents[2])),
+                   "prompt_file": str(prompt_file.relative_to(PROMPTS_DIR.parents[1])),
                    "prompt_widths": "padded to a multiple of 32 (one compile per width)"},
       "environment": environment(), "load_s": loaded_s, **measured, "files": []}
   result["wall_s"] = time.perf_counter() - start

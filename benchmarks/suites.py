@@ -40,6 +40,7 @@ class Settings:
   # The real-model suite (`benchmarks.real`).
   prompts_per_category: int = 6
   categories: tuple[str, ...] = ()  # () = every category of the prompt file
+  prompt_set: str = "real"  # benchmarks/prompts/<prompt_set>.json: "real" (Spec-Bench) or "agent"
   drafters: tuple[str, ...] = ()  # () = every drafter the library has
   peer: bool = True  # also time `transformers` on the same weights
   heads: tuple[str, ...] = ()  # trained head checkpoints to add to the drafters

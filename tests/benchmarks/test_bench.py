@@ -158,6 +158,51 @@ def test_real_prompt_file_is_well_formed():
     real.load_prompts(per_category=0)
 
 
+def test_agent_prompt_file_is_well_formed():
+  """The agent-like prompt set: three categories of at least four conversations each, and per
+  category earlier conversations (`history`, the suffix corpus's source) that are never timed."""
+  path = real.PROMPTS_DIR / "agent.json"
+  data = json.loads(path.read_text())
+  prompts = real.load_prompts(path)
+  assert set(prompts) == set(data["history"]) == {"code_edit", "tool_calls", "repeat_request"}
+  timed = set()
+  for category, items in prompts.items():
+    assert len(items) >= 4 and len(data["history"][category]) >= 2, category
+    for item in items + data["history"][category]:
+      roles = [m["role"] for m in item["messages"]]
+      assert roles[-1] == "user" and set(roles) <= {"system", "user", "assistant"}
+      assert all(m["content"].strip() for m in item["messages"])
+    timed |= {json.dumps(item["messages"]) for item in items}
+  history = {json.dumps(h["messages"]) for hs in data["history"].values() for h in hs}
+  assert not timed & history  # a corpus answer is never one of a timed prompt
+  for item in prompts["tool_calls"]:  # earlier tool calls in the conversation are valid JSON
+    calls = [json.loads(m["content"]) for m in item["messages"] if m["role"] == "assistant"]
+    assert calls and all(set(c) == {"tool", "arguments"} for c in calls)
+
+
+def test_suffix_drafters_of_the_suite_with_a_corpus():
+  """`suffix` and `suffix+corpus` (its corpus set by `with_corpus`) are built on request, and greedy
+  decode with the corpus equals generate."""
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  entries = drafters_module.library_drafters(target, num_draft=3,
+                                             names=("suffix", "suffix+corpus"))
+  assert [e.name for e in entries] == ["suffix", "suffix+corpus"]
+  tokens = jnp.asarray([[1, 5, 6, 7, 8, 9, 10, 11]], jnp.int32)
+  lengths = jnp.asarray([8], jnp.int32)
+  reference = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
+  answer = np.asarray(reference.tokens[0, :int(reference.num_tokens[0])])
+  corpus = sj.SuffixCorpus.from_sequences([np.concatenate([[5, 6, 7, 8, 9, 10, 11], answer])],
+                                          capacity=256)
+  with_corpus = drafters_module.with_corpus(entries[1], corpus)
+  assert with_corpus.drafter.corpus is corpus and entries[1].drafter.corpus is None
+  out = sj.decode(target, with_corpus.drafter, tokens, jax.random.key(0), lengths=lengths,
+                  max_new_tokens=12, num_draft=3)
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  summary = out.stats.summary()  # the corpus holds this very continuation: drafts get accepted
+  assert summary["accepted"] >= 6 and summary["rounds"] < 12, summary
+
+
 def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   """The real suite's measurement, summary, table and plots on a tiny random Llama and its
   `transformers` twin (exported weights), with prompts that repeat so lookup drafts get accepted."""
@@ -170,7 +215,7 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6)),
            real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
   everything = drafters_module.library_drafters(target, num_draft=2)
-  assert [d.name for d in everything] == ["ngram", "self-int8", "self-int4"]
+  assert [d.name for d in everything] == ["ngram", "suffix", "self-int8", "self-int4"]
   drafters = drafters_module.library_drafters(target, num_draft=2, names=("ngram", "self-int8"))
   assert [d.name for d in drafters] == ["ngram", "self-int8"]
   with pytest.raises(ValueError, match="not available"):
