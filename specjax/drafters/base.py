@@ -42,7 +42,8 @@ import jax
 from specjax.core.sampling import Sampling
 from specjax.drafters.proposal import Proposal
 
-__all__ = ["Drafter", "DrafterWrapper", "OwnModelDrafter", "Proposal", "with_confidence"]
+__all__ = ["Drafter", "DrafterWrapper", "OwnModelDrafter", "Proposal", "TextOnlyDrafter",
+           "with_confidence"]
 
 
 @runtime_checkable
@@ -108,6 +109,31 @@ class OwnModelDrafter:
   @property
   def max_len(self) -> int:
     return self.model.max_len
+
+
+class TextOnlyDrafter:
+  """Mixin for a drafter that reads only the token buffer (prompt lookup, suffix drafting): no
+  target features, no forward passes, and an empty state that observing a round leaves alone
+  (`observe` for a chain drafter, `observe_path` for a tree one)."""
+
+  taps = ()
+  needs_hidden = False
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    del num_draft
+    return 0
+
+  def init(self, tokens, lengths, buffer_len, prefill=None):
+    del tokens, lengths, buffer_len, prefill
+    return ()
+
+  def observe(self, state, scored, block, emitted, count, lengths):
+    del scored, block, emitted, count, lengths
+    return state
+
+  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+    del scored, tree, root, path, emitted, count, lengths
+    return state
 
 
 def with_confidence(drafter, confidence: float | None):

@@ -7,12 +7,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import TextOnlyDrafter
 from specjax.drafters.proposal import Proposal
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NGramDrafter:
+class NGramDrafter(TextOnlyDrafter):
   """Prompt lookup: propose the tokens that followed the latest earlier match of the last `n`
   tokens (longest `n` from `max_ngram` down to `min_ngram`), searched over the prompt and the
   generated text on device. No weights, a point-mass `q`, so sampling stays exact.
@@ -24,21 +25,10 @@ class NGramDrafter:
   min_ngram: int = dataclasses.field(default=1, metadata=dict(static=True))
   vocab_size: None = dataclasses.field(default=None, metadata=dict(static=True))
 
-  taps = ()
-  needs_hidden = False
-
   def __post_init__(self):
     if not 1 <= self.min_ngram <= self.max_ngram:
       raise ValueError(f"NGramDrafter needs 1 <= min_ngram <= max_ngram, got {self.min_ngram}, "
                        f"{self.max_ngram}")
-
-  def forwards_per_round(self, num_draft: int) -> int:
-    del num_draft
-    return 0
-
-  def init(self, tokens, lengths, buffer_len, prefill=None):
-    del tokens, lengths, buffer_len, prefill
-    return ()
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     del sampling, seeds
@@ -46,9 +36,6 @@ class NGramDrafter:
                                                                                    lengths)
     return state, Proposal(proposals, None, limits)
 
-  def observe(self, state, scored, block, emitted, count, lengths):
-    del scored, block, emitted, count, lengths
-    return state
 
   def _lookup(self, row: jax.Array, length: jax.Array, num_draft: int) -> jax.Array:
     return lookup(row, length, num_draft, self.max_ngram, self.min_ngram)[0]

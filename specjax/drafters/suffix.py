@@ -73,6 +73,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.drafters.base import TextOnlyDrafter
 from specjax.drafters.proposal import Proposal
 from specjax.core.tracing import TRACE_COUNTS
 
@@ -307,7 +308,7 @@ def _walk(tokens: jax.Array, valid: jax.Array, weight: jax.Array
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SuffixDrafter:
+class SuffixDrafter(TextOnlyDrafter):
   """Suffix drafting over the row's own text and an optional shared `SuffixCorpus` (see the module
   docstring). No weights, a point-mass `q`: exact under sampling.
 
@@ -326,9 +327,6 @@ class SuffixDrafter:
   min_prob: float = dataclasses.field(default=0.1, metadata=_STATIC)
   vocab_size: None = dataclasses.field(default=None, metadata=_STATIC)
 
-  taps = ()
-  needs_hidden = False
-
   def __post_init__(self):
     _check_positive_int("max_match", self.max_match, "SuffixDrafter")
     _check_positive_int("num_candidates", self.num_candidates, "SuffixDrafter")
@@ -344,14 +342,6 @@ class SuffixDrafter:
       raise ValueError(f"SuffixDrafter.max_match {self.max_match} exceeds the corpus's depth "
                        f"{self.corpus.depth} (its index sorts that many tokens of context)")
 
-  def forwards_per_round(self, num_draft: int) -> int:
-    del num_draft
-    return 0
-
-  def init(self, tokens, lengths, buffer_len, prefill=None):
-    del tokens, lengths, buffer_len, prefill
-    return ()
-
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None):
     del sampling, seeds
     tokens, drafted = jax.vmap(lambda row, length: self.draft_row(row, length, num_draft))(
@@ -360,9 +350,6 @@ class SuffixDrafter:
       drafted = jnp.minimum(drafted, limits.astype(jnp.int32))
     return state, Proposal(tokens, None, drafted)
 
-  def observe(self, state, scored, block, emitted, count, lengths):
-    del scored, block, emitted, count, lengths
-    return state
 
   def draft_row(self, row: jax.Array, length: jax.Array, num_draft: int
                 ) -> tuple[jax.Array, jax.Array]:

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.trees import builders as tree_builders, structure as trees
+from specjax.drafters.base import TextOnlyDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.trees.structure import TreeSpec
 
@@ -75,16 +76,13 @@ def select_paths(tokens: jax.Array, valid: jax.Array, weight: jax.Array, *, widt
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class SuffixTreeDrafter:
+class SuffixTreeDrafter(TextOnlyDrafter):
   """A `SuffixDrafter`'s candidates as a trie of `spec.width` paths of depth `spec.depth`."""
 
   drafter: SuffixDrafter
   spec: TreeSpec = dataclasses.field(metadata=dict(static=True))
 
   vocab_size = None
-  taps = ()
-  needs_hidden = False
-
   def __post_init__(self):
     if not isinstance(self.drafter, SuffixDrafter):
       raise ValueError(f"SuffixTreeDrafter wraps a SuffixDrafter, got "
@@ -97,14 +95,6 @@ class SuffixTreeDrafter:
   def extra_slots(self) -> int:
     """Scratch slots past a row's length that a round writes (as `tree.extra_slots`)."""
     return max(self.spec.size, self.spec.depth) + 2
-
-  def forwards_per_round(self, num_draft: int) -> int:
-    del num_draft
-    return 0
-
-  def init(self, tokens, lengths, buffer_len, prefill=None):
-    del tokens, lengths, buffer_len, prefill
-    return ()
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
     del num_draft, sampling, seeds
@@ -120,6 +110,3 @@ class SuffixTreeDrafter:
     tree = tree_builders.trie(paths, ok)
     return state, (tree if spec.widths is None else trees.valid_first(tree))
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    del scored, tree, root, path, emitted, count, lengths
-    return state

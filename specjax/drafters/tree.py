@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import tree_heads
-from specjax.drafters.base import DrafterWrapper, OwnModelDrafter
+from specjax.drafters.base import DrafterWrapper, OwnModelDrafter, TextOnlyDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.drafters.suffix_tree import SuffixTreeDrafter
@@ -156,22 +156,12 @@ class HeadTreeDrafter(DrafterWrapper, _TreeDrafterBase):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class NGramTreeDrafter(_TreeDrafterBase):
+class NGramTreeDrafter(TextOnlyDrafter, _TreeDrafterBase):
   """Earlier matches of each row's suffix merged into a trie (deterministic: a point-mass q)."""
 
   spec: TreeSpec = dataclasses.field(metadata=_STATIC)
 
   vocab_size = None
-  taps = ()
-  needs_hidden = False
-
-  def forwards_per_round(self, num_draft: int) -> int:
-    del num_draft
-    return 0
-
-  def init(self, tokens, lengths, buffer_len, prefill):
-    del tokens, lengths, buffer_len, prefill
-    return ()
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
     del num_draft
