@@ -15,7 +15,11 @@ exported StableHLO, per verify call:
 
 Counts are of executed ops: while counting, `jax.lax.fori_loop` is unrolled (the threshold
 search's `RADIX_ROUNDS` rounds each run one reduction and one collective), so every loop
-iteration appears in the text. Nothing here is timed; any host can run it (no TPU needed).
+iteration appears in the text. Sampling with top-k under a vocabulary split runs the one-round
+candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls back to one
+reduction per statistic when a shard may hold tokens tied at the threshold: the two branches are
+counted apart (`candidates`: the fallback replaced by a rule without collectives; `fallback`:
+the candidate verify switched off). Nothing here is timed; any host can run it (no TPU needed).
 Writes `benchmarks/results/verify_sharded_hlo.json`.
 """
 
@@ -66,7 +70,30 @@ def count(text: str) -> dict:
           "logits_pads": len(pads)}
 
 
-def measure(vocab: int, batch: int, k: int, mesh_shape, sampling) -> dict:
+@contextlib.contextmanager
+def branch(name: str | None):
+  """Count one branch of the candidate verify: "candidates" or "fallback" (None: as exported)."""
+  from specjax.core.sampling import VerifyResult
+  from specjax.verify import sharded
+  original_rule, original_uses = sharded._candidate_rule, sharded.uses_candidates
+
+  def no_collectives(target, draft, tokens, **kwargs):
+    del target, draft, kwargs
+    return VerifyResult(jnp.zeros(tokens.shape[:1], jnp.int32),
+                        jnp.zeros((tokens.shape[0], tokens.shape[1] + 1), jnp.int32))
+
+  if name == "candidates":
+    sharded._candidate_rule = lambda *a, fallback, **kw: original_rule(*a, fallback=no_collectives,
+                                                                       **kw)
+  elif name == "fallback":
+    sharded.uses_candidates = lambda sampling, vocab: False
+  try:
+    yield
+  finally:
+    sharded._candidate_rule, sharded.uses_candidates = original_rule, original_uses
+
+
+def measure(vocab: int, batch: int, k: int, mesh_shape, sampling, which=None) -> dict:
   from jax.sharding import AbstractMesh, AxisType
   from specjax.verify import dispatch
   mesh = AbstractMesh(mesh_shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
@@ -80,7 +107,7 @@ def measure(vocab: int, batch: int, k: int, mesh_shape, sampling) -> dict:
           jax.ShapeDtypeStruct((batch, k, vocab), jnp.float32),
           jax.ShapeDtypeStruct((batch, k), jnp.int32),
           jax.ShapeDtypeStruct((batch,), jnp.uint32), jax.ShapeDtypeStruct((batch,), jnp.int32))
-  with unrolled_fori_loops():
+  with unrolled_fori_loops(), branch(which):
     text = jax.export.export(jax.jit(verify), platforms=["tpu"])(*args).mlir_module()
   return count(text)
 
@@ -107,6 +134,11 @@ def main():
     record["meshes"][name] = {}
     for label, sampling in settings.items():
       counts = measure(args.vocab, args.batch, args.k, shape, sampling)
+      if not sampling.greedy and shape[1] > 1:  # the vocabulary is split: two branches
+        counts = {"candidates": measure(args.vocab, args.batch, args.k, shape, sampling,
+                                        "candidates"),
+                  "fallback": measure(args.vocab, args.batch, args.k, shape, sampling,
+                                      "fallback")}
       record["meshes"][name][label] = counts
       print(name, label, counts, flush=True)
   pathlib.Path(args.out).write_text(json.dumps(record, indent=1) + "\n")

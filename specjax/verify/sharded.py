@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from specjax.parallel.rules import DEFAULT_RULES, ShardingRules
+from specjax.verify.candidates import candidate_verify, uses_candidates
 from specjax.verify.rule import LocalVocab, verify_rule
 from specjax.core.sampling import Sampling, VerifyResult, warp_logits
 
@@ -69,6 +70,12 @@ class ShardedVocab:
     owned = (local >= 0) & (local < x.shape[-1])
     value = self.local.gather_at(x, jnp.clip(local, 0, x.shape[-1] - 1))
     return jax.lax.psum(jnp.where(owned, value, 0.0), self.axes)
+
+
+def _candidate_rule(target, draft, tokens, *, axes, vocab, fallback, **kwargs):
+  offset = jax.lax.axis_index(axes).astype(jnp.int32) * target.shape[-1]
+  return candidate_verify(target, draft, tokens, axes=axes, vocab=vocab, offset=offset,
+                          fallback=fallback, **kwargs)
 
 
 def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
@@ -138,6 +145,8 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   if vocab_axes:
     ops = ShardedVocab(vocab_axes, vocab, vocab_ops)
     rule = functools.partial(verify_rule, ops)
+    if uses_candidates(sampling, vocab):  # one all-gather of candidates, not one per statistic
+      rule = functools.partial(_candidate_rule, axes=vocab_axes, vocab=vocab, fallback=rule)
   else:
     rule = local_rule or functools.partial(verify_rule, LocalVocab())
 

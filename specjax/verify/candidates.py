@@ -1,0 +1,145 @@
+"""The vocabulary-sharded verify in one collective round, for top-k sampling.
+
+Under top-k sampling the target's and the drafter's warped distributions live on their top-`K`
+tokens, and the global top-`K` of a position is contained in the union of every vocabulary
+shard's local top-`K`. So each device, inside the `shard_map`, takes its slice's top-`K + 1`
+tokens at every position of p (k + 1 positions) and of q (k positions), and the logits of those
+candidate tokens at *every* position (`[B, k + 1, M]` and `[B, k, M]`, `M = (2k + 1)(K + 1)` ids
+per row, duplicates masked); one `all_gather` over the vocabulary axes then gives every device the
+same candidate set, `S * M` ids per row for `S` shards, and the exact rule
+(`specjax.verify.rule.verify_rule`) runs on it with `CandidateVocab` in place of the vocabulary.
+
+Why this is the rule on the whole vocabulary, not an approximation:
+
+* Every token that can be sampled, accepted or raced is a candidate: the top-k threshold's
+  search counts tokens at or above a trial value, and for every value at or above the true
+  threshold the candidates hold all such tokens (checked below), so the search returns the same
+  threshold; top-p then runs over the top-k survivors, all candidates; the residual
+  `max(p - q, 0)` and the bonus live on p's support.
+* Tokens outside the candidates have probability 0 under both warped distributions: a draft
+  token outside p's candidates has `p = 0`, as on the whole vocabulary.
+* Random numbers are keyed by global token ids (`CandidateVocab.ids`), so the races draw the
+  same Gumbel noise as on one device, and candidates are sorted by id so that ties in an argmax
+  go to the smallest id, as `first_argmax` does.
+* Ties at the threshold: a shard whose `(K + 1)`-th largest logit at a position is not below the
+  global top-k threshold may hold more tied tokens than it sent. Then (the check is identical on
+  every device of the vocabulary axes) the round falls back to `ShardedVocab`'s
+  reduction-per-statistic rule, under `lax.cond`.
+
+Sums run in another order than on one device (float32 rounding in the last place), as with
+`ShardedVocab`; the law is the same. Greedy and sampling without top-k keep `ShardedVocab`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.core.sampling import (JnpReductions, Sampling, VerifyResult, first_argmax,
+                                   top_k_threshold)
+from specjax.verify.rule import verify_rule
+
+__all__ = ["CandidateVocab", "candidate_verify", "uses_candidates"]
+
+
+def uses_candidates(sampling: Sampling, vocab: int) -> bool:
+  """Whether the one-round candidate verify applies: sampling with a top-k below the vocabulary."""
+  return (not sampling.greedy and sampling.top_k is not None
+          and sampling.top_k + 1 < vocab)
+
+
+class CandidateVocab(JnpReductions):
+  """A per-row candidate set in place of the vocabulary: `ids [B, C]` global ids sorted
+  ascending (-1 = a masked slot, whose logits are `-inf`); reductions are jnp over the set."""
+
+  def __init__(self, ids: jax.Array, vocab: int):
+    self._ids = ids
+    self.vocab = vocab
+
+  def ids(self, x):
+    del x
+    return self._ids  # [B, C]: broadcasts against a row's `[B, C]` values
+
+  def _row_ids(self, x):
+    return self._ids.reshape(self._ids.shape[:1] + (1,) * (x.ndim - 2) + self._ids.shape[1:])
+
+  def argmax(self, x):
+    index = first_argmax(x)  # [B, ...]
+    ids = jnp.broadcast_to(self._row_ids(x), x.shape)
+    return jnp.take_along_axis(ids, index[..., None], axis=-1)[..., 0]
+
+  def gather_at(self, x, ids):
+    match = self._row_ids(x) == ids[..., None]
+    return jnp.sum(jnp.where(match, x, 0.0), axis=-1)
+
+
+def _local_candidates(target, draft, top, offset):
+  """One shard's candidates: `(ids [B, M], p [B, k+1, M], q [B, k, M] or None, kth_p [B, k+1],
+  kth_q [B, k] or None)`, ids global and unique (repeats masked to -1 with `-inf` logits);
+  `kth_*`: the shard's `top`-th largest logit per position (`-inf` where it sent everything)."""
+  vocab_local = target.shape[-1]
+  sources = [target] if draft is None else [target, draft]
+  values = [jax.lax.top_k(x, top) for x in sources]
+  index = jnp.concatenate([i.reshape(i.shape[0], -1) for _, i in values], axis=1)  # [B, M]
+  index = jnp.sort(index, axis=-1)
+  repeat = jnp.concatenate([jnp.zeros_like(index[:, :1], bool), index[:, 1:] == index[:, :-1]],
+                           axis=1)
+  gathered = [jnp.where(repeat[:, None, :], -jnp.inf,
+                        jnp.take_along_axis(x, index[:, None, :], axis=-1)) for x in sources]
+  ids = jnp.where(repeat, -1, index + offset)
+  sent_all = top >= vocab_local
+  kth = [jnp.where(sent_all, -jnp.inf, v[..., -1]) for v, _ in values]
+  return (ids, gathered[0], gathered[1] if draft is not None else None,
+          kth[0], kth[1] if draft is not None else None)
+
+
+def candidate_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sampling, seeds,
+                     positions, num_drafted=None, axes, vocab: int, offset, fallback
+                     ) -> VerifyResult:
+  """Inside a `shard_map` over the vocabulary `axes`: the exact rule on the gathered candidates
+  (see the module docstring), or `fallback(...)` (the same arguments) when a shard may hold
+  tokens tied at the top-k threshold that it did not send.
+
+  Args:
+    target_logits / draft_logits: this device's `[B, k + 1, Vl]` / `[B, k, Vl]` (or None) slices.
+    vocab: the full vocabulary size; offset: the global id of this slice's first token.
+    fallback: the rule to run on the slices when the candidates may not hold the support.
+  """
+  top = min(sampling.top_k + 1, target_logits.shape[-1])
+  ids, p, q, kth_p, kth_q = _local_candidates(target_logits, draft_logits, top, offset)
+  # One collective round: the candidates concatenated along their last axis over the vocabulary
+  # axes, and each shard's (K + 1)-th logits side by side.
+  def along(x):
+    return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True)
+
+  def beside(x):
+    return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim, tiled=False)
+
+  ids, p, q, kth_p, kth_q = along(ids), along(p), along(q), beside(kth_p), beside(kth_q)
+  order = jnp.argsort(ids, axis=-1)  # ascending ids: argmax ties go to the smallest id
+  ids = jnp.take_along_axis(ids, order, axis=-1)
+  p = jnp.take_along_axis(p, order[:, None, :], axis=-1)
+  q = None if q is None else jnp.take_along_axis(q, order[:, None, :], axis=-1)
+
+  def threshold_ok(logits, kth):
+    scaled = logits / jnp.float32(sampling.temperature)
+    floor = top_k_threshold(scaled, sampling.top_k)  # [B, n]
+    return jnp.all(kth / jnp.float32(sampling.temperature) < floor[..., None])
+
+  exact = threshold_ok(p, kth_p)
+  if q is not None:
+    exact &= threshold_ok(q, kth_q)
+  extra = dict(num_drafted=num_drafted)
+
+  def on_candidates():
+    result = verify_rule(CandidateVocab(ids, vocab), p, q, draft_tokens, sampling=sampling,
+                         seeds=seeds, positions=positions, **extra)
+    return result.num_accepted, result.tokens
+
+  def on_slices():
+    result = fallback(target_logits, draft_logits, draft_tokens, sampling=sampling, seeds=seeds,
+                      positions=positions, **extra)
+    return result.num_accepted, result.tokens
+
+  num_accepted, tokens = jax.lax.cond(exact, on_candidates, on_slices)
+  return VerifyResult(num_accepted, tokens)
