@@ -43,11 +43,12 @@ class ShardedVocab:
     self.vocab = vocab
     self.local = LocalVocab() if local is None else local
 
-  def _offset(self, x):
+  def offset(self, x):
+    """The global id of this device's first vocabulary entry (`x`: its `[..., Vl]` slice)."""
     return jax.lax.axis_index(self.axes).astype(jnp.int32) * x.shape[-1]
 
   def ids(self, x):
-    return self._offset(x) + jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return self.offset(x) + jnp.arange(x.shape[-1], dtype=jnp.int32)
 
   def max(self, x):
     return jax.lax.pmax(self.local.max(x), self.axes)
@@ -62,20 +63,19 @@ class ShardedVocab:
     """Global first-occurrence argmax: the best value over shards, then the smallest id."""
     local_max, local_arg = self.local.max_and_argmax(x)
     best = jax.lax.pmax(local_max, self.axes)
-    candidate = jnp.where(local_max == best, local_arg + self._offset(x), _INT32_MAX)
+    candidate = jnp.where(local_max == best, local_arg + self.offset(x), _INT32_MAX)
     return jax.lax.pmin(candidate, self.axes)
 
   def gather_at(self, x, ids):
-    local = ids - self._offset(x)
+    local = ids - self.offset(x)
     owned = (local >= 0) & (local < x.shape[-1])
     value = self.local.gather_at(x, jnp.clip(local, 0, x.shape[-1] - 1))
     return jax.lax.psum(jnp.where(owned, value, 0.0), self.axes)
 
 
-def _candidate_rule(target, draft, tokens, *, axes, vocab, fallback, **kwargs):
-  offset = jax.lax.axis_index(axes).astype(jnp.int32) * target.shape[-1]
-  return candidate_verify(target, draft, tokens, axes=axes, vocab=vocab, offset=offset,
-                          fallback=fallback, **kwargs)
+def _candidate_rule(target, draft, tokens, *, ops: ShardedVocab, fallback, **kwargs):
+  return candidate_verify(target, draft, tokens, axes=ops.axes, vocab=ops.vocab,
+                          offset=ops.offset(target), fallback=fallback, **kwargs)
 
 
 def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
@@ -146,7 +146,7 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     ops = ShardedVocab(vocab_axes, vocab, vocab_ops)
     rule = functools.partial(verify_rule, ops)
     if uses_candidates(sampling, vocab):  # one all-gather of candidates, not one per statistic
-      rule = functools.partial(_candidate_rule, axes=vocab_axes, vocab=vocab, fallback=rule)
+      rule = functools.partial(_candidate_rule, ops=ops, fallback=rule)
   else:
     rule = local_rule or functools.partial(verify_rule, LocalVocab())
 
