@@ -93,6 +93,35 @@ def _local_candidates(target, draft, top, offset):
           kth[0], kth[1] if draft is not None else None)
 
 
+def _gather_once(ids, p, q, kth_p, kth_q, axes):
+  """Every shard's candidates on every device of the vocabulary `axes`, in one `all_gather`.
+
+  One collective, not one per array: independent collectives may run in a different order on
+  different devices (XLA:CPU runs independent work in any order, and the collectives of one
+  `shard_map` share a channel), so separate gathers could meet the wrong partners. The ids travel
+  as float32 bits in row 0; each position's `kth` value rides in an extra last column.
+  """
+  batch, width = ids.shape
+  # Row 0's extra column is unused (it repeats a kth value: a concatenation, not a padded copy).
+  rows = [jnp.concatenate([jax.lax.bitcast_convert_type(ids, jnp.float32)[:, None, :],
+                           kth_p[:, :1, None]], axis=-1)]
+  for values, kth in ((p, kth_p), (q, kth_q)):
+    if values is not None:
+      rows.append(jnp.concatenate([values, kth[..., None]], axis=-1))
+  packed = jax.lax.all_gather(jnp.concatenate(rows, axis=1), axes, axis=2, tiled=False)
+  # packed: [B, R, S, M + 1] for S shards; shard-major order along the candidates.
+  def candidates(x):
+    return x[..., :width].reshape(x.shape[0], x.shape[1], -1)
+
+  ids = jax.lax.bitcast_convert_type(candidates(packed[:, :1])[:, 0], jnp.int32)
+  p_rows = slice(1, 1 + p.shape[1])
+  p, kth_p = candidates(packed[:, p_rows]), packed[:, p_rows, :, width]
+  if q is not None:
+    q_rows = slice(p_rows.stop, p_rows.stop + q.shape[1])
+    q, kth_q = candidates(packed[:, q_rows]), packed[:, q_rows, :, width]
+  return ids, p, q, kth_p, kth_q
+
+
 def candidate_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sampling, seeds,
                      positions, num_drafted=None, axes, vocab: int, offset, fallback
                      ) -> VerifyResult:
@@ -107,15 +136,7 @@ def candidate_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sam
   """
   top = min(sampling.top_k + 1, target_logits.shape[-1])
   ids, p, q, kth_p, kth_q = _local_candidates(target_logits, draft_logits, top, offset)
-  # One collective round: the candidates concatenated along their last axis over the vocabulary
-  # axes, and each shard's (K + 1)-th logits side by side.
-  def along(x):
-    return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim - 1, tiled=True)
-
-  def beside(x):
-    return None if x is None else jax.lax.all_gather(x, axes, axis=x.ndim, tiled=False)
-
-  ids, p, q, kth_p, kth_q = along(ids), along(p), along(q), beside(kth_p), beside(kth_q)
+  ids, p, q, kth_p, kth_q = _gather_once(ids, p, q, kth_p, kth_q, axes)
   order = jnp.argsort(ids, axis=-1)  # ascending ids: argmax ties go to the smallest id
   ids = jnp.take_along_axis(ids, order, axis=-1)
   p = jnp.take_along_axis(p, order[:, None, :], axis=-1)

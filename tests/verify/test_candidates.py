@@ -90,9 +90,11 @@ def test_ties_at_the_threshold_take_the_fallback(monkeypatch):
 
 
 def test_the_candidate_branch_gathers_once_and_reduces_nothing():
-  """Lowered on its own (a fallback without collectives), the candidate branch's collectives are
-  all-gathers (one per gathered array: ids, p, q, and the two per-shard (K + 1)-th logits) and
-  there is no all-reduce; the threshold search over the slices had one per radix round."""
+  """Lowered on its own (a fallback without collectives), the candidate branch makes exactly one
+  collective, an all-gather of the packed ids, p, q and per-shard (K + 1)-th logits, and no
+  all-reduce (the threshold search over the slices had one per radix round). One, not one per
+  array: separate independent gathers inside one `shard_map` deadlocked on 8 CPU devices under
+  load (tests/parallel/test_mesh.py's stream test aborted in a rendezvous)."""
   sampling = SETTINGS[0]
   case = _case(1000, seed=5)
   mesh = sj.make_mesh((1, 8))
@@ -115,7 +117,7 @@ def test_the_candidate_branch_gathers_once_and_reduces_nothing():
                             case["seeds"], case["positions"], case["num_drafted"]).as_text()
   gathers = len(re.findall(r'"stablehlo\.all_gather"', text))
   reduces = len(re.findall(r'"stablehlo\.all_reduce"', text))
-  assert 1 <= gathers <= 5 and reduces == 0, (gathers, reduces)
+  assert gathers == 1 and reduces == 0, (gathers, reduces)
 
 
 def test_greedy_and_untruncated_sampling_keep_the_reduction_rule():
