@@ -80,6 +80,7 @@ import numpy as np
 from specjax.drafters.base import TextOnlyDrafter
 from specjax.drafters.proposal import Proposal
 from specjax.core.tracing import TRACE_COUNTS
+from specjax.core.validation import check_count
 
 __all__ = ["SEPARATOR", "SuffixCorpus", "SuffixDrafter", "corpus_match", "row_match"]
 
@@ -89,11 +90,6 @@ _STATIC = dict(static=True)
 
 def _is_array(value) -> bool:
   return isinstance(value, (jax.Array, np.ndarray))
-
-
-def _check_positive_int(name: str, value, owner: str):
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{owner} needs an int {name} >= 1, got {value!r}")
 
 
 @jax.tree_util.register_dataclass
@@ -119,7 +115,7 @@ class SuffixCorpus:
   depth: int = dataclasses.field(default=32, metadata=_STATIC)
 
   def __post_init__(self):
-    _check_positive_int("depth", self.depth, "SuffixCorpus")
+    check_count(self.depth, "SuffixCorpus depth")
     for name in ("tokens", "order"):
       value = getattr(self, name)
       if not _is_array(value):
@@ -153,8 +149,8 @@ class SuffixCorpus:
       ValueError: `capacity` or `depth` not an int >= 1, a sequence that is not 1-D integers, or
         a negative token id.
     """
-    _check_positive_int("capacity", capacity, "SuffixCorpus")
-    _check_positive_int("depth", depth, "SuffixCorpus")
+    check_count(capacity, "SuffixCorpus capacity")
+    check_count(depth, "SuffixCorpus depth")
     stream = []
     for i, sequence in enumerate(sequences):
       array = np.asarray(sequence)
@@ -332,8 +328,8 @@ class SuffixDrafter(TextOnlyDrafter):
   vocab_size: None = dataclasses.field(default=None, metadata=_STATIC)
 
   def __post_init__(self):
-    _check_positive_int("max_match", self.max_match, "SuffixDrafter")
-    _check_positive_int("num_candidates", self.num_candidates, "SuffixDrafter")
+    check_count(self.max_match, "SuffixDrafter max_match")
+    check_count(self.num_candidates, "SuffixDrafter num_candidates")
     if not (isinstance(self.spec_factor, (int, float)) and self.spec_factor > 0):
       raise ValueError(f"SuffixDrafter needs spec_factor > 0, got {self.spec_factor!r}")
     if not (isinstance(self.min_prob, (int, float)) and 0 <= self.min_prob <= 1):

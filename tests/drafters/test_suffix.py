@@ -456,14 +456,14 @@ def test_new_corpus_does_not_retrace(world):
 
 
 @pytest.mark.parametrize("build, message", [
-    (lambda: sj.SuffixDrafter(max_match=0), "max_match >= 1"),
-    (lambda: sj.SuffixDrafter(num_candidates=0), "num_candidates >= 1"),
+    (lambda: sj.SuffixDrafter(max_match=0), "SuffixDrafter max_match must be >= 1"),
+    (lambda: sj.SuffixDrafter(num_candidates=0), "SuffixDrafter num_candidates must be >= 1"),
     (lambda: sj.SuffixDrafter(spec_factor=0.0), "spec_factor > 0"),
     (lambda: sj.SuffixDrafter(min_prob=1.5), "min_prob"),
     (lambda: sj.SuffixDrafter(corpus=jnp.zeros((8,), jnp.int32)), "must be a SuffixCorpus"),
     (lambda: sj.SuffixDrafter(corpus=sj.SuffixCorpus.empty(8, depth=4), max_match=8), "depth"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=0), "capacity >= 1"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=2.5), "capacity >= 1"),
+    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=0), "SuffixCorpus capacity must be >= 1"),
+    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=2.5), "SuffixCorpus capacity must be an int"),
     (lambda: sj.SuffixCorpus.from_sequences([[1.0, 2.0]], capacity=8), "integer token ids"),
     (lambda: sj.SuffixCorpus.from_sequences([[[1, 2]]], capacity=8), "1-D integer"),
     (lambda: sj.SuffixCorpus.from_sequences([[1, -2]], capacity=8), "negative token id"),
