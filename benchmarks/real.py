@@ -143,11 +143,15 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
         for call in calls.values():
           jax.block_until_ready(call())
         warm.add(shape)
-      if tokens.shape[1] not in prefill_s:
+      if tokens.shape[1] not in prefill_s:  # compiles the prefill for this width
         prefill_s[tokens.shape[1]] = prefill_seconds(target, tokens, max_new_tokens,
                                                      statistic=statistic)
+      # The prefill is timed beside the calls, in the same alternation, so that the machine's
+      # drift hits it as it hits them (timed apart, it could exceed a short call's whole time).
+      calls["prefill"] = _prefill_call(target, tokens, max_new_tokens)
       timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
                                warmup=False)
+      prefill_s[tokens.shape[1]] = timed.pop("prefill")["seconds"]
       plain = timed["generate"]["result"]
       plain_tokens = np.asarray(plain.tokens[0, :int(plain.num_tokens[0])])
       record = {"sampling": sampling_name, "category": case.category, "id": case.id,
@@ -213,16 +217,28 @@ def _prefill(model, tokens, cache):
   return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache).logits
 
 
-def prefill_seconds(target, tokens, max_new_tokens: int, *, repeats: int = 3,
-                    statistic: str = "min") -> float:
-  """One target forward over the padded prompt on a fresh cache: the prefill both calls pay."""
+def _prefill_call(target, tokens, max_new_tokens: int):
+  """A zero-argument call: one target forward over the padded prompt on a fresh cache."""
   from specjax.loop.generate import NEW_TOKEN_BUCKET
   from specjax.core.validation import round_up
   buffer_len = tokens.shape[1] + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   cache = target.init_cache(tokens.shape[0], buffer_len)
-  timed = time_alternately({"prefill": lambda: _prefill(target, tokens, cache)}, repeats,
+  return lambda: _prefill(target, tokens, cache)
+
+
+def prefill_seconds(target, tokens, max_new_tokens: int, *, repeats: int = 3,
+                    statistic: str = "min") -> float:
+  """One target forward over the padded prompt on a fresh cache: the prefill both calls pay."""
+  timed = time_alternately({"prefill": _prefill_call(target, tokens, max_new_tokens)}, repeats,
                            statistic)
   return timed["prefill"]["seconds"]
+
+
+def loop_resolved(records, names) -> bool:
+  """Whether every call of `names` in `records` took longer than its prompt's prefill, so that
+  the token loop's time (call - prefill) is positive and the loop speedup is measured."""
+  return all(r["calls"][name]["seconds"] > r.get("prefill_s", 0.0)
+             for r in records for name in names)
 
 
 def _rate(records, name, *, exclude_prefill: bool = False) -> float:
@@ -265,8 +281,12 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         row["speedup"] = row["decode_tokens_per_s"] / row["generate_tokens_per_s"]
         # The bound prices rounds against steps: compare it with the speedup of the token loop,
         # i.e. with the prefill both calls pay taken out of both.
+        # NaN (and `loop_resolved` False) where a call was not longer than its prefill: a
+        # short call on a loaded machine, whose loop time is below the timing's resolution.
+        row["loop_resolved"] = loop_resolved(group, ("generate", entry.name))
         row["speedup_excl_prefill"] = (_rate(group, entry.name, exclude_prefill=True)
-                                       / _rate(group, "generate", exclude_prefill=True))
+                                       / _rate(group, "generate", exclude_prefill=True)
+                                       if row["loop_resolved"] else float("nan"))
         row["prefill_share_of_generate"] = (sum(r["prefill_s"] for r in group) / sum(
             r["calls"]["generate"]["seconds"] for r in group))
         row["efficiency"] = row["speedup_excl_prefill"] / bound

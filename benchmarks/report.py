@@ -5,6 +5,11 @@ from __future__ import annotations
 from benchmarks.timing import paired_speedup
 
 
+
+def _maybe(value: float, unit: str = "") -> str:
+  """`value` to two places, or n/a where it was not measured (NaN)."""
+  return "n/a" if value != value else f"{value:.2f}{unit}"
+
 def readme_table(result: dict) -> str:
   """The markdown table the README quotes, from a `readme` suite result."""
   env = result["environment"]
@@ -82,7 +87,8 @@ def real_table(result: dict) -> str:
            "float32; `generate` and `decode` timed alternately in one process, prompt by prompt. "
            "a = per-token acceptance; tau = tokens per round; speedup = decode tok/s / generate "
            "tok/s, whole calls (prefill included); loop speedup = the same with the prompt's "
-           "prefill (timed alone, paid by both calls) taken out of both; bound = (1 - a^(k+1)) / "
+           "prefill (timed beside the calls, paid by both) taken out of both (n/a where a call was not "
+           "longer than its prefill); bound = (1 - a^(k+1)) / "
            "(1 - a) / (k c + v) with v = one (k+1)-token verify / one target step = "
            f"{costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f} at "
            f"k={min(costs['verify_s'])} and c = the drafter's own work per draft token / one "
@@ -101,8 +107,8 @@ def real_table(result: dict) -> str:
                    f"{r['num_draft']} | {r['acceptance_per_token']:.2f} | "
                    f"{r['tokens_per_round']:.2f} | {r['generate_tokens_per_s']:.1f} | "
                    f"{r['decode_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | "
-                   f"{r['speedup_excl_prefill']:.2f}x | {r['bound']:.2f}x | "
-                   f"{r['efficiency']:.2f} |")
+                   f"{_maybe(r['speedup_excl_prefill'], 'x')} | {r['bound']:.2f}x | "
+                   f"{_maybe(r['efficiency'])} |")
     lines.append("")
   peer_rows = [r for r in summary if "hf_generate_tokens_per_s" in r]
   if peer_rows:
