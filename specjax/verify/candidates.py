@@ -96,12 +96,12 @@ def _local_candidates(target, draft, top, offset):
 def _gather_once(ids, p, q, kth_p, kth_q, axes):
   """Every shard's candidates on every device of the vocabulary `axes`, in one `all_gather`.
 
-  One collective, not one per array: independent collectives may run in a different order on
-  different devices (XLA:CPU runs independent work in any order, and the collectives of one
-  `shard_map` share a channel), so separate gathers could meet the wrong partners. The ids travel
-  as float32 bits in row 0; each position's `kth` value rides in an extra last column.
+  One collective, not one per array: five independent gathers (which share one channel id in the
+  compiled `shard_map`) deadlocked on XLA:CPU's simulated devices under load, the devices waiting
+  in different collectives; one gather has no order to disagree on. The ids travel as float32
+  bits in row 0; each position's `kth` value rides in an extra last column.
   """
-  batch, width = ids.shape
+  width = ids.shape[1]
   # Row 0's extra column is unused (it repeats a kth value: a concatenation, not a padded copy).
   rows = [jnp.concatenate([jax.lax.bitcast_convert_type(ids, jnp.float32)[:, None, :],
                            kth_p[:, :1, None]], axis=-1)]
