@@ -130,7 +130,6 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
   """
   pad_id = target.config.pad_id
   warm: set = set()
-  prefill_s: dict[int, float] = {}
   records = []
   for sampling_name, sampling in samplings.items():
     for index, case in enumerate(cases):
@@ -138,25 +137,22 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
       rng = jax.random.key(seed + index)
       calls = _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tokens,
                              eos)
+      # The prefill both calls pay is timed beside them, in the same alternation, so that the
+      # machine's drift hits it as it hits them (timed apart, it could exceed a short call).
+      calls["prefill"] = _prefill_call(target, tokens, max_new_tokens)
       shape = (sampling_name, tokens.shape[1])
       if shape not in warm:  # compile each call once per prompt width, untimed
         for call in calls.values():
           jax.block_until_ready(call())
         warm.add(shape)
-      if tokens.shape[1] not in prefill_s:  # compiles the prefill for this width
-        prefill_s[tokens.shape[1]] = prefill_seconds(target, tokens, max_new_tokens,
-                                                     statistic=statistic)
-      # The prefill is timed beside the calls, in the same alternation, so that the machine's
-      # drift hits it as it hits them (timed apart, it could exceed a short call's whole time).
-      calls["prefill"] = _prefill_call(target, tokens, max_new_tokens)
       timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
                                warmup=False)
-      prefill_s[tokens.shape[1]] = timed.pop("prefill")["seconds"]
+      prefill_s = timed.pop("prefill")["seconds"]
       plain = timed["generate"]["result"]
       plain_tokens = np.asarray(plain.tokens[0, :int(plain.num_tokens[0])])
       record = {"sampling": sampling_name, "category": case.category, "id": case.id,
                 "prompt_tokens": len(case.ids), "width": int(tokens.shape[1]),
-                "prefill_s": prefill_s[tokens.shape[1]], "calls": {}}
+                "prefill_s": prefill_s, "calls": {}}
       for name, entry in timed.items():
         out = entry["result"]
         call = {"seconds": entry["seconds"], "times_s": entry["times_s"],
@@ -224,14 +220,6 @@ def _prefill_call(target, tokens, max_new_tokens: int):
   buffer_len = tokens.shape[1] + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   cache = target.init_cache(tokens.shape[0], buffer_len)
   return lambda: _prefill(target, tokens, cache)
-
-
-def prefill_seconds(target, tokens, max_new_tokens: int, *, repeats: int = 3,
-                    statistic: str = "min") -> float:
-  """One target forward over the padded prompt on a fresh cache: the prefill both calls pay."""
-  timed = time_alternately({"prefill": _prefill_call(target, tokens, max_new_tokens)}, repeats,
-                           statistic)
-  return timed["prefill"]["seconds"]
 
 
 def loop_resolved(records, names) -> bool:

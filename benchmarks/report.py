@@ -5,10 +5,10 @@ from __future__ import annotations
 from benchmarks.timing import paired_speedup
 
 
-
 def _maybe(value: float, unit: str = "") -> str:
   """`value` to two places, or n/a where it was not measured (NaN)."""
   return "n/a" if value != value else f"{value:.2f}{unit}"
+
 
 def readme_table(result: dict) -> str:
   """The markdown table the README quotes, from a `readme` suite result."""
@@ -87,9 +87,9 @@ def real_table(result: dict) -> str:
            "float32; `generate` and `decode` timed alternately in one process, prompt by prompt. "
            "a = per-token acceptance; tau = tokens per round; speedup = decode tok/s / generate "
            "tok/s, whole calls (prefill included); loop speedup = the same with the prompt's "
-           "prefill (timed beside the calls, paid by both) taken out of both (n/a where a call was not "
-           "longer than its prefill); bound = (1 - a^(k+1)) / "
-           "(1 - a) / (k c + v) with v = one (k+1)-token verify / one target step = "
+           "prefill (timed beside the calls, paid by both) taken out of both (n/a where a call was "
+           "not longer than its prefill); bound = (1 - a^(k+1)) / (1 - a) / (k c + v) with "
+           "v = one (k+1)-token verify / one target step = "
            f"{costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f} at "
            f"k={min(costs['verify_s'])} and c = the drafter's own work per draft token / one "
            "target step (both measured); efficiency = loop speedup / bound."

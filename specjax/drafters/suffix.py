@@ -20,9 +20,10 @@ candidate continues. No match at all drafts nothing: the round is a plain target
 defaults (`spec_factor` 8, `min_prob` 0) draft as far as the candidates go: specjax verifies a
 fixed `k + 1`-token block, so a shorter draft saves no verify work, only accepted tokens (on the
 agent prompt set, k = 6, greedy: tau 3.00 against 2.92 with 2 and 0.1; see docs/benchmarks.md).
-Lower them where verify cost grows with the draft; in a tree they bound which nodes are kept. The tokens
-are copied deterministically, so `Proposal.logits = None` (a point-mass q): the verify rule stays
-exact under any sampling settings, and greedy output is token-identical to greedy decoding.
+Lower them where verify cost grows with the draft; in a tree they bound which nodes are kept.
+The tokens are copied deterministically, so `Proposal.logits = None` (a point-mass q): the verify
+rule stays exact under any sampling settings, and greedy output is token-identical to greedy
+decoding.
 
 **The corpus index: a sorted array of left contexts (the suffix array of the reversed text).**
 `SuffixCorpus.order [C]` lists the corpus slots sorted by the tokens *before* them, nearest first
