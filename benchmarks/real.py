@@ -11,7 +11,9 @@ and stopping at the model's own EOS ids:
   (decode tokens/s over generate tokens/s), the analytic bound from the measured `a`, `k` and the
   measured cost of a `(k + 1)`-token verify over one target step (and the drafter's step, for
   drafters with a forward of their own), and efficiency = speedup / bound; per category and
-  overall (sums over the prompts: time-weighted);
+  overall (sums over the prompts: time-weighted). A tree drafter's (`DrafterEntry.tree`) bound
+  is its measured tau over a round priced at its full node budget (the verify runs narrower
+  where the round's trees are smaller);
 * the same prompt ids through `transformers` on the same weights: plain greedy `generate` and
   `prompt_lookup_num_tokens=k`, with its tokens/s beside specjax's.
 
@@ -33,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.bound import analytic_bound, per_token_acceptance
-from benchmarks.drafters import (DrafterEntry, base_names, library_drafters, with_adaptive,
-                                 with_corpus)
+from benchmarks.drafters import (CORPUS, DrafterEntry, base_names, library_drafters,
+                                 with_adaptive, with_corpus)
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from benchmarks.models import environment
 from benchmarks.timing import first_divergence, measure_costs, time_alternately
@@ -110,7 +112,7 @@ def _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tok
   for entry in drafters:
     calls[entry.name] = (lambda e: lambda: sj.decode(
         target, e.drafter, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-        num_draft=e.num_draft, sampling=sampling, eos_id=eos))(entry)
+        sampling=sampling, eos_id=eos, **e.decode_kwargs()))(entry)
   return calls
 
 
@@ -253,14 +255,19 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         per_position = np.sum([c["accepted_per_position"] for c in calls], axis=0).tolist()
         a = per_token_acceptance(per_position, rounds)
         k = entry.num_draft
-        verify_ratio = costs["verify_s"][k] / costs["target_step_s"]
+        verify_ratio = costs["verify_s"][entry.verify_k] / costs["target_step_s"]
         draft_ratio = entry.draft_ratio
         if draft_ratio is None and costs.get("draft_round_s", {}).get(entry.name) is not None:
           draft_ratio = costs["draft_round_s"][entry.name] / (k * costs["target_step_s"])
-        bound = analytic_bound(a, k, draft_ratio or 0.0, verify_ratio)
+        tokens_per_round = (accepted + rounds) / rounds if rounds else 0.0
+        if entry.tree is None:
+          bound = analytic_bound(a, k, draft_ratio or 0.0, verify_ratio)
+        else:  # a tree: its measured tokens per round over a round at the full node budget
+          bound = tokens_per_round / (k * (draft_ratio or 0.0) + verify_ratio)
         row = {"sampling": sampling, "drafter": entry.name, "category": category,
                "prompts": len(group), "num_draft": k, "acceptance_per_token": a,
-               "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+               "tokens_per_round": tokens_per_round,
+               "tree_nodes": None if entry.tree is None else entry.tree.size,
                "generate_tokens_per_s": _rate(group, "generate"),
                "decode_tokens_per_s": _rate(group, entry.name),
                "new_tokens": sum(c["new_tokens"] for c in calls),
@@ -302,7 +309,7 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   """The suite on any target (a real one, or a tiny random one in the tests); no files."""
   widths = sorted(_bucket(len(c.ids)) for c in cases)
   width = widths[len(widths) // 2]
-  num_drafts = tuple(sorted({e.num_draft for e in drafters}))
+  num_drafts = tuple(sorted({e.verify_k for e in drafters}))
   from specjax.core.validation import round_up
   from specjax.loop.generate import NEW_TOKEN_BUCKET
   costs = measure_costs(target, None, batch=1,
@@ -317,10 +324,11 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   for entry in drafters:
     # An adaptive entry's round is priced as its inner drafter's fixed-K chain.
     drafter = (entry.drafter.drafter if isinstance(entry.drafter, AdaptiveDrafter)
-               else entry.drafter)
+               else entry.round_drafter(target))
     costs["draft_round_s"][entry.name] = draft_round_seconds(
         target, drafter, tokens, lengths,
-        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET) + entry.num_draft + 1,
+        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET) + entry.verify_k + 1
+        + getattr(drafter, "extra_slots", 0),
         num_draft=entry.num_draft, sampling=next(iter(samplings.values())),
         statistic=statistic)
   log(f"costs: target step {costs['target_step_s'] * 1e3:.1f} ms, verify " + ", ".join(
@@ -342,7 +350,9 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   return {"costs": costs, "records": records, "peer_records": peer_records,
           "summary": summarize(records, drafters, costs, peer_records),
           "drafters": [{"name": e.name, "num_draft": e.num_draft, "draft_ratio": e.draft_ratio,
-                        "description": e.description} for e in drafters]}
+                        "description": e.description,
+                        "tree": None if e.tree is None else dataclasses.asdict(e.tree)}
+                       for e in drafters]}
 
 
 def _samplings(temperatures) -> dict:
@@ -392,10 +402,10 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                               names=base_names(settings.drafters), heads=settings.heads)
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
                            calibration=settings.calibration, log=log)
-  if any(entry.name == "suffix+corpus" for entry in drafters):
+  if any(entry.name.endswith(CORPUS) for entry in drafters):
     corpus = history_corpus(target, tokenizer, prompt_file, template, prompts, eos=eos,
                             max_new_tokens=settings.max_new_tokens, log=log)
-    drafters = [with_corpus(entry, corpus) if entry.name == "suffix+corpus" else entry
+    drafters = [with_corpus(entry, corpus) if entry.name.endswith(CORPUS) else entry
                 for entry in drafters]
   measured = measure_suite(target, cases, drafters, samplings=_samplings(settings.temperatures),
                            max_new_tokens=settings.max_new_tokens, eos=eos,

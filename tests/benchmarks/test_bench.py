@@ -201,6 +201,14 @@ def test_suffix_drafters_of_the_suite_with_a_corpus():
   np.testing.assert_array_equal(out.tokens, reference.tokens)
   summary = out.stats.summary()  # the corpus holds this very continuation: drafts get accepted
   assert summary["accepted"] >= 6 and summary["rounds"] < 12, summary
+  # The tree form, with the same corpus: the same tokens, in fewer rounds than tokens.
+  tree = drafters_module.with_corpus(drafters_module.library_drafters(
+      target, num_draft=3, names=("suffix-tree+corpus",))[0], corpus)
+  assert tree.tree is not None and tree.drafter.corpus is corpus
+  out = sj.decode(target, tree.drafter, tokens, jax.random.key(0), lengths=lengths,
+                  max_new_tokens=12, **tree.decode_kwargs())
+  np.testing.assert_array_equal(out.tokens, reference.tokens)
+  assert out.stats.summary()["rounds"] < 12
 
 
 def test_real_suite_machinery_on_a_tiny_model(tmp_path):
@@ -216,8 +224,10 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
            real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
   everything = drafters_module.library_drafters(target, num_draft=2)
   assert [d.name for d in everything] == ["ngram", "suffix", "self-int8", "self-int4"]
-  drafters = drafters_module.library_drafters(target, num_draft=2, names=("ngram", "self-int8"))
-  assert [d.name for d in drafters] == ["ngram", "self-int8"]
+  drafters = drafters_module.library_drafters(target, num_draft=2,
+                                              names=("ngram", "self-int8", "suffix-tree"))
+  assert [d.name for d in drafters] == ["ngram", "suffix-tree", "self-int8"]
+  assert drafters[1].tree is not None and drafters[1].verify_k == drafters[1].tree.size
   with pytest.raises(ValueError, match="not available"):
     drafters_module.library_drafters(target, num_draft=2, names=("eagle-nonexistent",))
   measured = real.measure_suite(
@@ -227,7 +237,7 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   assert len(measured["records"]) == 2 * len(cases)
   for record in measured["records"]:
     assert record["width"] == 32 and record["calls"]["generate"]["new_tokens"] >= 1
-    assert set(record["calls"]) == {"generate", "ngram", "self-int8"}
+    assert set(record["calls"]) == {"generate", "ngram", "suffix-tree", "self-int8"}
   summary = measured["summary"]
   assert {(r["sampling"], r["category"]) for r in summary} == {
       (s, c) for s in ("greedy", "T=1") for c in ("code", "math", "all")}
@@ -244,7 +254,8 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
     assert r["loop_resolved"] == resolved
     for key in ("speedup_excl_prefill", "efficiency"):
       assert (np.isfinite(r[key]) and r[key] > 0) if resolved else np.isnan(r[key]), key
-    assert 1.0 <= r["tokens_per_round"] <= 3.0
+    assert 1.0 <= r["tokens_per_round"] <= r["num_draft"] + 1
+    assert r["tree_nodes"] == (None if r["drafter"] != "suffix-tree" else drafters[1].tree.size)
     if r["sampling"] == "greedy":
       assert r["greedy_identical"]
       assert r["hf_generate_tokens_per_s"] > 0 and r["hf_prompt_lookup_tokens_per_s"] > 0
