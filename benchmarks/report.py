@@ -75,6 +75,10 @@ CATEGORY_NAMES = {"multi_turn": "multi-turn chat", "translation": "translation",
                   "code": "code", "all": "**overall**"}
 
 
+def _nodes(row: dict) -> str:
+  return f" (tree, {row['tree_nodes']})" if row.get("tree_nodes") else ""
+
+
 def real_table(result: dict) -> str:
   """The markdown table of a `real` suite result (per category and overall, each drafter)."""
   env, settings, costs = result["environment"], result["settings"], result["costs"]
@@ -93,6 +97,9 @@ def real_table(result: dict) -> str:
            f"{costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f} at "
            f"k={min(costs['verify_s'])} and c = the drafter's own work per draft token / one "
            "target step (both measured); efficiency = loop speedup / bound."
+           + (" A tree drafter's k is its depth (its node budget in brackets) and its bound is "
+              "its measured tau / (k c + v at the node budget)."
+              if any(r.get("tree_nodes") for r in result["summary"]) else "")
            + (f" Load average at the end of the run: {env['load_average'][0]:.1f} on "
               f"{env['cpu_count']} cores." if env.get("load_average") else "")
            + (f" {result['run_note']}" if result.get("run_note") else ""), ""]
@@ -104,7 +111,7 @@ def real_table(result: dict) -> str:
               "loop speedup | bound | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
       lines.append(f"| {CATEGORY_NAMES.get(r['category'], r['category'])} | {r['drafter']} | "
-                   f"{r['num_draft']} | {r['acceptance_per_token']:.2f} | "
+                   f"{r['num_draft']}{_nodes(r)} | {r['acceptance_per_token']:.2f} | "
                    f"{r['tokens_per_round']:.2f} | {r['generate_tokens_per_s']:.1f} | "
                    f"{r['decode_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | "
                    f"{_maybe(r['speedup_excl_prefill'], 'x')} | {r['bound']:.2f}x | "

@@ -44,7 +44,13 @@ is drawn; calibrated per row: its log-odds shifted by how much more often the ro
 were accepted than their confidences said, `AdaptiveDrafter.confidence_shift`, because a head's
 top probability is not the chance that the target agrees: under greedy verification it
 understates it), the drafts after it by the row's running `alpha_{b, j+1..K}`, and proposes it only
-when some `k >= j` then promises more tokens per millisecond than stopping at `j - 1`:
+when some `k >= j` then promises more tokens per millisecond than stopping at `j - 1`. The
+estimate of draft `j` itself is a mixture: `w_b * (confidence estimate) + (1 - w_b) * alpha_{b,j}`,
+where `w_b` is the posterior of the confidence model after both have predicted the row's tested
+slots (`AdaptiveDrafter.confidence_weight`). A trained head's confidence separates its accepted
+drafts from its rejected ones and keeps `w_b` near 1; a quantized copy of the target is accepted
+about as often when unsure as when sure (its q is close to p whatever its top probability), so
+there `alpha` wins and an unsure draft no longer cuts a round that would have been accepted:
 
     max_{k >= j} (E_{j-1} + r_{j-1} c_j S_{j,k}) / round_ms[k]  >  E_{j-1} / round_ms[j-1],
 
@@ -81,6 +87,7 @@ picked by `lax.switch` among the compiled widths.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -116,6 +123,10 @@ class AdaptiveState:
       was). Log-odds, not probabilities: a drafter whose confidences are tiny yet whose drafts
       match (a quantized copy of the target where it is unsure, under greedy verification)
       gets a shift as large as that gap, where a mean probability near 0 would cap it.
+    evidence: `[B]` float32 decayed log-likelihood ratio, over the tested slots, of the
+      confidence estimate (`CostAwareStop`'s confidence-based acceptance) against the row's
+      running acceptance `alpha` alone: how far this row's confidences have told accepted drafts
+      from rejected ones (`AdaptiveDrafter.confidence_weight`).
     copy_accepted, copy_reached: `[B, K]` float32 the same counts as `accepted`, `reached` for
       the prompt-lookup copy of a `HybridDrafter` (zero for any other drafter).
     copy_tokens: `[B, K]` int32 the row's copy this round; found: `[B]` bool it had one;
@@ -135,6 +146,7 @@ class AdaptiveState:
   first: jax.Array
   confidence: jax.Array
   believed: jax.Array
+  evidence: jax.Array
   copy_accepted: jax.Array
   copy_reached: jax.Array
   copy_tokens: jax.Array
@@ -178,6 +190,10 @@ class AdaptiveDrafter(DrafterWrapper):
     plain: never run a drafter that catches up (the calibration says no `k >= 1` can beat a
       plain target step, even for rows accepting far more than the profile): every round is a
       target step.
+    confidence_prior: the log-odds a row starts with for the confidence estimate against its
+      `alpha` in the token stop (`AdaptiveState.evidence` at the first round): 0 starts them
+      even; a large value trusts the drafter's confidence alone until the row's own rounds say
+      otherwise.
     widths: the verify widths `decode` compiles (sorted; `K + 1` is always added; the plan's
       `specjax.drafters.adaptive.costs.AdaptivePlan.widths` from `adaptive_drafter`); None: `K + 1`
       only.
@@ -196,6 +212,7 @@ class AdaptiveDrafter(DrafterWrapper):
   probe_max: int = dataclasses.field(default=128, metadata=dict(static=True))
   plain: bool = dataclasses.field(default=False, metadata=dict(static=True))
   stop_rounds: int = dataclasses.field(default=4, metadata=dict(static=True))
+  confidence_prior: float = dataclasses.field(default=0.0, metadata=dict(static=True))
   widths: tuple[int, ...] | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
@@ -218,6 +235,8 @@ class AdaptiveDrafter(DrafterWrapper):
             and self.stop_rounds >= 1):
       raise ValueError(f"need ints 1 <= probe_every <= probe_max and stop_rounds >= 1, got "
                        f"{self.probe_every}, {self.probe_max} and {self.stop_rounds}")
+    if not math.isfinite(self.confidence_prior):
+      raise ValueError(f"confidence_prior must be a finite log-odds, got {self.confidence_prior}")
     if not (self.prior_weight > 0 and 0 < self.decay <= 1):
       raise ValueError(f"prior_weight must be > 0 and decay in (0, 1], got {self.prior_weight} "
                        f"and {self.decay}")
@@ -228,8 +247,9 @@ class AdaptiveDrafter(DrafterWrapper):
     ints = jnp.zeros((batch,), jnp.int32)
     no = jnp.zeros((batch,), jnp.bool_)
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
-                         ints, ints, zeros, zeros, zeros, zeros,
-                         jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints, ints,
+                         ints, ints, zeros, zeros,
+                         jnp.full((batch,), self.confidence_prior, jnp.float32), zeros,
+                         zeros, jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints, ints,
                          ints + self.probe_every)
 
   @property
@@ -250,6 +270,28 @@ class AdaptiveDrafter(DrafterWrapper):
     tested = jnp.sum(state.reached, axis=1) + weight
     rate = jnp.clip((jnp.sum(state.accepted, axis=1) + 0.5 * weight) / tested, 0.01, 0.99)
     return log_odds(rate) - jnp.sum(state.believed, axis=1) / tested
+
+  def confidence_weight(self, state: AdaptiveState) -> jax.Array:
+    """`[B]` the weight `CostAwareStop` gives the confidence estimate of a draft's acceptance
+    against the row's running `alpha` alone: the posterior of the confidence model when the two
+    start even and have since scored the row's tested slots (`AdaptiveState.evidence`). Where
+    the drafter's top probability tells accepted drafts from rejected ones (a trained head) it
+    wins; where acceptance does not follow it (a quantized copy of the target, accepted about as
+    often when unsure as when sure) `alpha` does, and unsure drafts no longer stop the row."""
+    return jax.nn.sigmoid(state.evidence)
+
+  def _evidence(self, state: AdaptiveState, tested: jax.Array, hit: jax.Array) -> jax.Array:
+    """`state.evidence` after scoring this round's tested slots (`[B, K]` masks): each model's
+    prediction of each slot (as the round's stop made it) against whether it was accepted."""
+    clip = lambda a: jnp.clip(a, 0.01, 0.99)
+    c = jnp.clip(state.confidence, 1e-6, 1.0 - 1e-6)
+    by_confidence = clip(jax.nn.sigmoid(log_odds(c) + self.confidence_shift(state)[:, None]))
+    by_history = clip(self.alpha(state))
+    ratio = jnp.where(hit, jnp.log(by_confidence) - jnp.log(by_history),
+                      jnp.log1p(-by_confidence) - jnp.log1p(-by_history))
+    seen = jnp.sum(tested, axis=1)
+    return (state.evidence * self.decay ** seen.astype(jnp.float32)
+            + jnp.sum(jnp.where(tested, ratio, 0.0), axis=1))
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position (of the head's drafts, around a
@@ -307,6 +349,7 @@ class AdaptiveDrafter(DrafterWrapper):
       zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
       state = dataclasses.replace(zeros[0], inner=state.inner, accepted=state.accepted,
                                   reached=state.reached, believed=state.believed,
+                                  evidence=state.evidence,
                                   copy_accepted=state.copy_accepted,
                                   copy_reached=state.copy_reached, stopped=state.stopped,
                                   idle=state.idle + 1,
@@ -348,7 +391,8 @@ class AdaptiveDrafter(DrafterWrapper):
       common["copy"] = (copy_tokens, copied)
     if self.token_stop and takes_stop(self.drafter):
       limits = jnp.full(lengths.shape, num_draft, jnp.int32)
-      stop = CostAwareStop(alpha, self.confidence_shift(state), self.round_ms)
+      stop = CostAwareStop(alpha, self.confidence_shift(state), self.round_ms,
+                           self.confidence_weight(state))
       inner, proposal = self.drafter.propose(state.inner, sequence, lengths, stop=stop, **common)
     else:
       limits = self._best(alpha)[0]
@@ -379,7 +423,7 @@ class AdaptiveDrafter(DrafterWrapper):
     hit = (hit | (unproposed & (emitted[:, :1] == state.first[:, None]))) & tested
     decay = jnp.where(tested, self.decay, 1.0)
     state = dataclasses.replace(
-        state, inner=inner,
+        state, inner=inner, evidence=self._evidence(state, tested, hit),
         accepted=state.accepted * decay + hit.astype(jnp.float32),
         reached=state.reached * decay + tested.astype(jnp.float32),
         believed=state.believed * decay + jnp.where(tested, log_odds(jnp.clip(

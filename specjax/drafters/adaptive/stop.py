@@ -34,11 +34,14 @@ class CostAwareStop:
     shift: `[B]` log-odds added to the drafter's confidence to estimate the acceptance of the slot
       being decided (`AdaptiveDrafter.confidence_shift`).
     round_ms: `K + 1` round costs for `k = 0 .. K` drafts.
+    weight: `[B]` the weight of that confidence estimate against the row's `alpha` at the slot
+      alone (`AdaptiveDrafter.confidence_weight`); None: the confidence estimate alone.
   """
 
   alpha: jax.Array
   shift: jax.Array
   round_ms: tuple[float, ...] = dataclasses.field(metadata=dict(static=True))
+  weight: jax.Array | None = None
 
   def init(self, batch: int):
     """`(expected tokens, chance of reaching the next slot)` with nothing proposed: `(1, 1)`."""
@@ -56,6 +59,10 @@ class CostAwareStop:
     tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
     c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
     accept = jax.nn.sigmoid(log_odds(c) + self.shift)
+    if self.weight is not None:
+      here_alpha = jnp.take_along_axis(self.alpha, jnp.full((self.alpha.shape[0], 1), index),
+                                       axis=1)[:, 0]
+      accept = self.weight * accept + (1.0 - self.weight) * here_alpha
     gain = (reach * accept)[:, None]
     rate = jnp.where(slot >= index, (expected[:, None] + gain * tail) / cost[None, 1:], -jnp.inf)
     keep = jnp.max(rate, axis=1) > expected / cost[index]

@@ -217,6 +217,55 @@ def test_confidence_shift_learns_a_drafter_that_is_right_when_unsure():
   assert float(lifted[0]) > 0.5
 
 
+def test_cost_aware_stop_mixes_confidence_and_history_by_weight():
+  """`weight` w blends the confidence estimate with the row's alpha at the slot:
+  w * sigmoid(logit(c) + shift) + (1 - w) * alpha_j. Costs as in the hand-worked case above
+  (threshold 0.2328 at slot 1). A draft of confidence 0.1 in a row whose alpha is 0.9: w = 1
+  estimates 0.1 (stop), w = 0 estimates 0.9 (draft), w = 0.5 estimates 0.5 (draft); a draft of
+  confidence 0.1 with alpha 0.3 and w = 0.5 estimates 0.2 (stop). None is the confidence alone."""
+  round_ms = (27.0, 36.0, 37.0, 38.0, 39.0)
+  alpha = jnp.array([[0.9] * 4, [0.9] * 4, [0.9] * 4, [0.3] * 4, [0.9] * 4])
+  stop = CostAwareStop(alpha, jnp.zeros(5), round_ms, jnp.array([1.0, 0.0, 0.5, 0.5, 0.0]))
+  keep, (expected, reach) = stop(0, jnp.full(5, 0.1), stop.init(5))
+  np.testing.assert_array_equal(keep, [False, True, True, False, True])
+  np.testing.assert_allclose(expected, [1.0, 1.9, 1.5, 1.0, 1.9], rtol=1e-6)
+  np.testing.assert_allclose(reach, [1.0, 0.9, 0.5, 1.0, 0.9], rtol=1e-6)
+  unweighted = CostAwareStop(alpha, jnp.zeros(5), round_ms)
+  np.testing.assert_array_equal(unweighted(0, jnp.full(5, 0.1), unweighted.init(5))[0],
+                                [False] * 5)
+
+
+def test_confidence_weight_follows_which_estimate_predicted_the_row():
+  """`observe` scores each tested slot under both estimates (fresh rows: shift 0, alpha = the
+  prior 0.5) and adds the log-likelihood ratio to `evidence`; the weight is its sigmoid.
+  Row 0: confidences 0.9, 0.9, both accepted: 2 log(0.9 / 0.5) = 1.1756, weight 0.764.
+  Row 1: confidences 0.1, 0.1, both accepted (a drafter right when unsure): 2 log(0.1 / 0.5) =
+  -3.2189, weight 0.038. Row 2: 0.9 accepted, then 0.1 rejected: log(0.9 / 0.5) + log(0.9 / 0.5).
+  Row 3 proposed nothing and its unproposed first draft (confidence 0.2) missed:
+  log(0.8 / 0.5) = 0.47. A second, identical round (decay 1) moves rows 0 and 1 further the same
+  way."""
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), 2, (1.0, 1.4, 1.5), (0.5, 0.5), decay=1.0)
+  state = drafter.init(jnp.zeros((4, 4), jnp.int32), jnp.full(4, 4, jnp.int32), 16, None)
+  np.testing.assert_allclose(drafter.confidence_weight(state), 0.5)
+  state = dataclasses.replace(
+      state, planned=jnp.array([2, 2, 2, 0], jnp.int32), first=jnp.array([5, 5, 5, 5], jnp.int32),
+      confidence=jnp.array([[0.9, 0.9], [0.1, 0.1], [0.9, 0.1], [0.2, 0.3]]))
+  emitted = jnp.array([[5, 6, 7], [5, 6, 7], [5, 8, 0], [4, 0, 0]], jnp.int32)
+  count = jnp.array([3, 3, 2, 1], jnp.int32)
+  after = drafter.observe(state, None, None, emitted, count, jnp.full(4, 4, jnp.int32))
+  lr = np.log(0.9 / 0.5)
+  expected = np.array([2 * lr, 2 * np.log(0.1 / 0.5), 2 * lr, np.log(0.8 / 0.5)])
+  np.testing.assert_allclose(after.evidence, expected, rtol=1e-5)
+  np.testing.assert_allclose(drafter.confidence_weight(after), 1 / (1 + np.exp(-expected)),
+                             rtol=1e-5)
+  # The next round's predictions come from the updated counts: evidence keeps accumulating.
+  again = drafter.observe(dataclasses.replace(after, planned=state.planned,
+                                              confidence=state.confidence, first=state.first),
+                          None, None, emitted, count, jnp.full(4, 4, jnp.int32))
+  assert float(again.evidence[0]) > float(after.evidence[0])
+  assert float(again.evidence[1]) < float(after.evidence[1])
+
+
 def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_new=20,
                             token_stop=True):
   # token_stop=False: each row's k fixed before the round from its history alone.
@@ -466,11 +515,13 @@ def test_rounds_whose_confidences_stop_every_draft_skip_the_drafter(target, ragg
   # History says draft (prior 0.9: k = 2 pays), but the drafter's top probabilities (a random
   # 64-token model: well under the 0.26 that drafting needs at costs 1 / 1.4 / 1.5 with no
   # history to shift them) stop every draft: after stop_rounds = 2 such rounds the drafter is
-  # skipped and probed like an idle one (wait 2, then 4).
+  # skipped and probed like an idle one (wait 2, then 4). `confidence_prior` 50: the stop trusts
+  # the confidences alone (the drafter is the target itself, so its unproposed drafts match and
+  # at the default prior the row's history would soon outweigh them and resume drafting).
   tokens, lengths = ragged
   drafter = AdaptiveDrafter(sj.ModelDrafter(target), 2, (1.0, 1.4, 1.5), (0.9, 0.9),
                             prior_weight=1.0, decay=1.0, token_stop=True, probe_every=2,
-                            probe_max=4, stop_rounds=2)
+                            probe_max=4, stop_rounds=2, confidence_prior=50.0)
   state = drafter.init(tokens, lengths, 40, None)
   sequence = jnp.pad(tokens, ((0, 0), (0, 32)))
   ran = []
@@ -486,6 +537,35 @@ def test_rounds_whose_confidences_stop_every_draft_skip_the_drafter(target, ragg
   for round_ in range(6):
     state, _ = _propose_greedy(never, state, sequence, lengths + round_)
     assert not bool(state.skipped[0])
+
+
+def test_a_drafter_right_when_unsure_keeps_drafting():
+  """Two rows with the same confidences every round, 0.99 at slot 1 and 0.005 at slot 2. Row 0's
+  drafts are always both accepted (a quantized copy of the target: right when unsure); row 1's
+  second is always rejected (a head whose confidence means what it says). After 12 rounds the
+  confidence weight has gone to row 0's history and leans to row 1's confidences, and at the
+  CPU-like costs of the hand-worked case a 0.005-confidence draft at slot 1 is proposed by row 0
+  only. The confidence estimate alone (`weight` None, before the mixture) refuses it in both
+  rows: the shift lifts the mean of row 0's confidences to its acceptance (0.005 -> 0.09), not
+  enough for its unsure ones."""
+  round_ms = (27.0, 36.0, 37.0, 38.0, 39.0)
+  drafter = AdaptiveDrafter(sj.NGramDrafter(), 4, round_ms, (0.5,) * 4)
+  state = drafter.init(jnp.zeros((2, 4), jnp.int32), jnp.full(2, 4, jnp.int32), 16, None)
+  emitted = jnp.array([[5, 6, 7, 0, 0], [5, 8, 0, 0, 0]], jnp.int32)
+  for _ in range(12):
+    state = dataclasses.replace(state, planned=jnp.array([2, 2], jnp.int32),
+                                first=jnp.array([5, 5], jnp.int32),
+                                confidence=jnp.array([[0.99, 0.005, 0, 0], [0.99, 0.005, 0, 0]]))
+    state = drafter.observe(state, None, None, emitted, jnp.array([3, 2], jnp.int32),
+                            jnp.full(2, 4, jnp.int32))
+  weight = np.asarray(drafter.confidence_weight(state))
+  assert weight[0] < 0.05 and weight[1] > 0.5, weight
+  alpha, shift = drafter.alpha(state), drafter.confidence_shift(state)
+  unsure = jnp.full(2, 0.005)
+  mixed = CostAwareStop(alpha, shift, round_ms, drafter.confidence_weight(state))
+  np.testing.assert_array_equal(mixed(0, unsure, mixed.init(2))[0], [True, False])
+  alone = CostAwareStop(alpha, shift, round_ms)
+  np.testing.assert_array_equal(alone(0, unsure, alone.init(2))[0], [False, False])
 
 
 @pytest.mark.parametrize("token_stop", [False, True])
