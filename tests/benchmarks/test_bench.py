@@ -270,7 +270,8 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
             **measured}
   table = report.real_table(result)
   assert "| **overall** | ngram | 2 |" in table and "transformers prompt lookup" in table
-  assert f"| **overall** | suffix-tree | 8 (tree, {drafters[1].tree.size}) |" in table
+  assert (f"| **overall** | suffix-tree | {drafters[1].num_draft} (tree, {drafters[1].tree.size}) |"
+          in table)
   files = plots.plot_real(result, tmp_path, "real_tiny")
   assert files == ["real_tiny_speedup.png", "real_tiny_peer.png"]
   for name in files:
