@@ -133,8 +133,14 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
   pad_id = target.config.pad_id
   warm: set = set()
   records = []
+  # Prompts of one width run together and each new width drops the compiled programs of the
+  # last: every compiled program holds its own mappings of JIT code, and a suite of tree drafters
+  # over several widths and samplings ran past the kernel's map limit (vm.max_map_count 65530;
+  # LLVM: "Cannot allocate memory"). Records keep the prompts' order.
+  order = sorted(range(len(cases)), key=lambda i: _bucket(len(cases[i].ids)))
   for sampling_name, sampling in samplings.items():
-    for index, case in enumerate(cases):
+    for index in order:
+      case = cases[index]
       tokens, lengths = _padded(case, pad_id)
       rng = jax.random.key(seed + index)
       calls = _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tokens,
@@ -144,9 +150,10 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
       calls["prefill"] = _prefill_call(target, tokens, max_new_tokens)
       shape = (sampling_name, tokens.shape[1])
       if shape not in warm:  # compile each call once per prompt width, untimed
+        jax.clear_caches()
+        warm = {shape}
         for call in calls.values():
           jax.block_until_ready(call())
-        warm.add(shape)
       timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
                                warmup=False)
       prefill_s = timed.pop("prefill")["seconds"]
@@ -168,10 +175,11 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
                 plain_tokens, np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
         record["calls"][name] = call
       record["generate_tokens"] = plain_tokens.tolist() if sampling_name == "greedy" else None
-      records.append(record)
+      records.append(((sampling_name, index), record))
       log(f"  {sampling_name:7s} {case.id:16s} " + ", ".join(
           f"{n} {c['new_tokens'] / c['seconds']:.1f} tok/s" for n, c in record["calls"].items()))
-  return records
+  position = {name: i for i, name in enumerate(samplings)}
+  return [r for (_, r) in sorted(records, key=lambda kr: (position[kr[0][0]], kr[0][1]))]
 
 
 def measure_peer(peer_model, cases: list[PromptCase], *, num_draft: int, max_new_tokens: int,
