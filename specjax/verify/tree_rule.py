@@ -143,15 +143,34 @@ def _verify_reference(target_logits, tree, rule, sampling, seeds, positions, max
 
 
 def _verify_match(target_logits, tree, sampling, seeds, positions, max_depth):
-  batch, ext, _ = target_logits.shape
-  ext_ids = jnp.broadcast_to(jnp.arange(ext, dtype=jnp.int32), (batch, ext))
   if sampling.greedy:
-    y = first_argmax(target_logits)  # [B, N + 1]
-  else:
-    sample_positions = positions[:, None] + tree.ext_depths()
-    y = _race(warp_logits(target_logits, sampling), seeds[:, None], sample_positions, ext_ids,
-              trees.PURPOSE_TREE_SAMPLE)
-  return _descend_match(tree, y, max_depth)
+    return _descend_match(tree, first_argmax(target_logits), max_depth)  # y: [B, N + 1]
+  # Sampled: only the nodes the walk visits are sampled (at most D + 1 per row, not N + 1: the
+  # warp and the race are the vocabulary-sized work), each with its own stream, so the tokens are
+  # those of sampling every node first.
+  depths = tree.ext_depths()
+
+  def sample_at(cur):
+    logits = jnp.take_along_axis(target_logits, cur[:, None, None], axis=1)[:, 0]  # [B, V]
+    depth = jnp.take_along_axis(depths, cur[:, None], axis=1)[:, 0]
+    return _race(warp_logits(logits, sampling), seeds, positions + depth, cur,
+                 trees.PURPOSE_TREE_SAMPLE)
+
+  batch = target_logits.shape[0]
+  cur = jnp.zeros((batch,), jnp.int32)
+  alive = jnp.ones((batch,), bool)
+  count = jnp.zeros((batch,), jnp.int32)
+  path = []
+  for _ in range(max_depth):
+    y = sample_at(cur)
+    candidates = tree.valid & (tree.parents + 1 == cur[:, None]) & (tree.tokens == y[:, None])
+    found = alive & jnp.any(candidates, axis=1)
+    nxt = jnp.argmax(candidates, axis=1).astype(jnp.int32)  # the first matching child
+    cur = jnp.where(found, nxt + 1, cur)
+    count = count + found
+    alive = found
+    path.append(nxt)
+  return _emit(tree, jnp.stack(path, axis=1), count, sample_at(cur), max_depth)
 
 
 def _descend_match(tree, y, max_depth):
