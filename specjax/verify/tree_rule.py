@@ -156,8 +156,21 @@ def _verify_match(target_logits, tree, sampling, seeds, positions, max_depth):
     return _race(warp_logits(logits, sampling), seeds, positions + depth, cur,
                  trees.PURPOSE_TREE_SAMPLE)
 
-  batch = target_logits.shape[0]
-  cur = jnp.zeros((batch,), jnp.int32)
+  return _walk_match(tree, sample_at, max_depth)
+
+
+def _descend_match(tree, y, max_depth):
+  """Sample-then-match given every extended node's sample `y [B, N + 1]`."""
+  return _walk_match(tree, lambda cur: jnp.take_along_axis(y, cur[:, None], axis=1)[:, 0],
+                     max_depth)
+
+
+def _walk_match(tree, sample_at, max_depth):
+  """Sample-then-match: from the root, move to the first child whose token equals the sample at
+  the current node (`sample_at(cur [B]) -> [B]`, `cur` an extended index), while there is one;
+  then emit the sample at the node the walk ended on."""
+  batch = tree.tokens.shape[0]
+  cur = jnp.zeros((batch,), jnp.int32)  # extended index of the current node
   alive = jnp.ones((batch,), bool)
   count = jnp.zeros((batch,), jnp.int32)
   path = []
@@ -171,26 +184,6 @@ def _verify_match(target_logits, tree, sampling, seeds, positions, max_depth):
     alive = found
     path.append(nxt)
   return _emit(tree, jnp.stack(path, axis=1), count, sample_at(cur), max_depth)
-
-
-def _descend_match(tree, y, max_depth):
-  """Sample-then-match given every extended node's sample `y [B, N + 1]`."""
-  batch = y.shape[0]
-  matched = tree.valid & (tree.tokens == jnp.take_along_axis(y, tree.parents + 1, axis=1))
-  cur = jnp.zeros((batch,), jnp.int32)  # extended index of the current node
-  alive = jnp.ones((batch,), bool)
-  count = jnp.zeros((batch,), jnp.int32)
-  path = []
-  for _ in range(max_depth):
-    candidates = matched & (tree.parents + 1 == cur[:, None])  # [B, N]
-    found = alive & jnp.any(candidates, axis=1)
-    nxt = jnp.argmax(candidates, axis=1).astype(jnp.int32)  # the first matching child
-    cur = jnp.where(found, nxt + 1, cur)
-    count = count + found
-    alive = found
-    path.append(nxt)
-  final = jnp.take_along_axis(y, cur[:, None], axis=1)[:, 0]
-  return _emit(tree, jnp.stack(path, axis=1), count, final, max_depth)
 
 
 def _verify_sampled(target_logits, tree, without_replacement, sampling, seeds, positions,
