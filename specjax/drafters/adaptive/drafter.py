@@ -94,7 +94,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.adaptive import costs
-from specjax.drafters.adaptive.stop import CostAwareStop, log_odds, takes_stop
+from specjax.drafters.adaptive.stop import CostAwareStop, confidence_estimate, log_odds, takes_stop
 from specjax.drafters import as_drafter
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.hybrid import HybridDrafter
@@ -284,8 +284,8 @@ class AdaptiveDrafter(DrafterWrapper):
     """`state.evidence` after scoring this round's tested slots (`[B, K]` masks): each model's
     prediction of each slot (as the round's stop made it) against whether it was accepted."""
     clip = lambda a: jnp.clip(a, 0.01, 0.99)
-    c = jnp.clip(state.confidence, 1e-6, 1.0 - 1e-6)
-    by_confidence = clip(jax.nn.sigmoid(log_odds(c) + self.confidence_shift(state)[:, None]))
+    by_confidence = clip(confidence_estimate(state.confidence,
+                                             self.confidence_shift(state)[:, None]))
     by_history = clip(self.alpha(state))
     ratio = jnp.where(hit, jnp.log(by_confidence) - jnp.log(by_history),
                       jnp.log1p(-by_confidence) - jnp.log1p(-by_history))

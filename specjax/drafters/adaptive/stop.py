@@ -13,12 +13,19 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CostAwareStop", "log_odds", "takes_stop"]
+__all__ = ["CostAwareStop", "confidence_estimate", "log_odds", "takes_stop"]
 
 
 def log_odds(a: jax.Array) -> jax.Array:
   """`log(a / (1 - a))`, for probabilities already kept away from 0 and 1."""
   return jnp.log(a) - jnp.log1p(-a)
+
+
+def confidence_estimate(confidence: jax.Array, shift: jax.Array) -> jax.Array:
+  """A draft's acceptance estimated from the drafter's top probability `confidence` and the row's
+  log-odds `shift` (`AdaptiveDrafter.confidence_shift`): `sigmoid(logit(c) + shift)`."""
+  c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
+  return jax.nn.sigmoid(log_odds(c) + shift)
 
 
 @jax.tree_util.register_dataclass
@@ -57,8 +64,7 @@ class CostAwareStop:
     here = jnp.take_along_axis(log_alpha, jnp.full((log_alpha.shape[0], 1), index), axis=1)
     beyond = jnp.where(slot > index, jnp.exp(log_alpha - here), 0.0)  # prod_{index<i<=m}
     tail = 1.0 + jnp.cumsum(beyond, axis=1)  # [B, K]: S for k = 1 .. K (index k - 1)
-    c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
-    accept = jax.nn.sigmoid(log_odds(c) + self.shift)
+    accept = confidence_estimate(confidence, self.shift)
     if self.weight is not None:
       here_alpha = jnp.take_along_axis(self.alpha, jnp.full((self.alpha.shape[0], 1), index),
                                        axis=1)[:, 0]
