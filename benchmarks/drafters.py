@@ -71,6 +71,7 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 SELF_DRAFTS = {"self-int8": 8, "self-int4": 4}  # the target's own quantized copies, by name
 SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked for
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
+ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
 
 def _suffix_tree_spec():
@@ -79,7 +80,6 @@ def _suffix_tree_spec():
   # tau 3.63 / 3.80 with the corpus, against 3.00 / 3.15 for the depth-6 chain; depth 8: 3.40 /
   # 3.51, depth 10: 3.55 / 3.67; 8 paths at depth 8: 3.44 / 3.61 (benchmarks/results/real_agent).
   return TreeSpec("ngram", depth=12, width=4, widths=(2, 4, 8, 16))
-ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
 
 def base_names(names) -> tuple[str, ...]:
@@ -148,7 +148,7 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
                                 "target's answers to earlier requests of the same kind"))
   for name in (n for n in SUFFIX_TREES if n in names):
     spec = _suffix_tree_spec()
-    corpus = "+corpus" in name
+    corpus = name.endswith(CORPUS)
     entries.append(DrafterEntry(
         name, sj.SuffixDrafter(), spec.depth, None,
         f"suffix tree: the {spec.width} best continuations of the longest match, merged into a "

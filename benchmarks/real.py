@@ -131,7 +131,7 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
     `generate`'s.
   """
   pad_id = target.config.pad_id
-  warm: set = set()
+  warm = None  # the (sampling, width) whose programs are compiled
   records = []
   # Prompts of one width run together and each new width drops the compiled programs of the
   # last: every compiled program holds its own mappings of JIT code, and a suite of tree drafters
@@ -139,6 +139,7 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
   # LLVM: "Cannot allocate memory"). Records keep the prompts' order.
   order = sorted(range(len(cases)), key=lambda i: _bucket(len(cases[i].ids)))
   for sampling_name, sampling in samplings.items():
+    by_index = {}
     for index in order:
       case = cases[index]
       tokens, lengths = _padded(case, pad_id)
@@ -149,9 +150,9 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
       # machine's drift hits it as it hits them (timed apart, it could exceed a short call).
       calls["prefill"] = _prefill_call(target, tokens, max_new_tokens)
       shape = (sampling_name, tokens.shape[1])
-      if shape not in warm:  # compile each call once per prompt width, untimed
+      if shape != warm:  # compile each call once per prompt width, untimed
         jax.clear_caches()
-        warm = {shape}
+        warm = shape
         for call in calls.values():
           jax.block_until_ready(call())
       timed = time_alternately(_ordered(calls, index % 2 == 1), repeats, statistic,
@@ -175,11 +176,11 @@ def measure_prompts(target, cases: list[PromptCase], drafters: list[DrafterEntry
                 plain_tokens, np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
         record["calls"][name] = call
       record["generate_tokens"] = plain_tokens.tolist() if sampling_name == "greedy" else None
-      records.append(((sampling_name, index), record))
+      by_index[index] = record
       log(f"  {sampling_name:7s} {case.id:16s} " + ", ".join(
           f"{n} {c['new_tokens'] / c['seconds']:.1f} tok/s" for n, c in record["calls"].items()))
-  position = {name: i for i, name in enumerate(samplings)}
-  return [r for (_, r) in sorted(records, key=lambda kr: (position[kr[0][0]], kr[0][1]))]
+    records += [by_index[index] for index in range(len(cases))]
+  return records
 
 
 def measure_peer(peer_model, cases: list[PromptCase], *, num_draft: int, max_new_tokens: int,
