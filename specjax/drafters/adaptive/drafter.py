@@ -249,8 +249,8 @@ class AdaptiveDrafter(DrafterWrapper):
     return AdaptiveState(self.drafter.init(tokens, lengths, buffer_len, prefill), zeros, zeros,
                          ints, ints, zeros, zeros,
                          jnp.full((batch,), self.confidence_prior, jnp.float32), zeros,
-                         zeros, jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints, ints,
-                         ints + self.probe_every)
+                         zeros, jnp.zeros((batch, self.max_draft), jnp.int32), no, no, no, ints,
+                         ints, ints + self.probe_every)
 
   @property
   def skips(self) -> bool:
