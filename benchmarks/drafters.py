@@ -70,6 +70,12 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 
 SELF_DRAFTS = {"self-int8": 8, "self-int4": 4}  # the target's own quantized copies, by name
 SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked for
+# The int8 copy over a draft vocabulary (`specjax.tuning.draft_vocab.frequent_vocab`, counted on
+# the target's own answers to training-template conversations) and each row's recent tokens;
+# built only when asked for (the counting runs the target).
+VOCAB_DRAFT = "self-int8+vocab"
+DRAFT_VOCAB_SIZE = 16384  # ids kept, at most a quarter of the vocabulary (`draft_vocab_size`)
+DRAFT_CONTEXT = 256  # recent tokens per row also draftable
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
@@ -80,6 +86,11 @@ def _suffix_tree_spec():
   # tau 3.63 / 3.80 with the corpus, against 3.00 / 3.15 for the depth-6 chain; depth 8: 3.40 /
   # 3.51, depth 10: 3.55 / 3.67; 8 paths at depth 8: 3.44 / 3.61 (benchmarks/results/real_agent).
   return TreeSpec("ngram", depth=12, width=4, widths=(2, 4, 8, 16))
+
+
+def draft_vocab_size(vocab_size: int) -> int:
+  """The suite's draft vocabulary size: `DRAFT_VOCAB_SIZE`, at most a quarter of `vocab_size`."""
+  return min(DRAFT_VOCAB_SIZE, vocab_size // 4)
 
 
 def base_names(names) -> tuple[str, ...]:
@@ -123,7 +134,8 @@ def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, cali
   return [e for e in entries if e.name in keep] + [built[n] for n in wanted]
 
 
-def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[DrafterEntry]:
+def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=None,
+                     log=print) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
@@ -132,7 +144,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
   need no training. A trained head joins the list when the library ships one for this target
   (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
-  empty): a quantized copy costs memory.
+  empty): a quantized copy costs memory. `self-int8+vocab` (only when named, with `tokenizer`)
+  is the int8 copy over a draft vocabulary (`VOCAB_DRAFT`).
   """
   import specjax as sj
   from specjax.drafters.model import default_group
@@ -161,14 +174,38 @@ def library_drafters(target, *, num_draft: int, names=(), heads=()) -> list[Draf
           name, sj.self_drafter(target, bits), num_draft, None,
           f"the target's own weights quantized to int{bits} (groups of "
           f"{default_group(target, bits)}), no training"))
-  if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS}:
+  if VOCAB_DRAFT in names:
+    entries.append(_vocab_draft(target, tokenizer, num_draft, log))
+  if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
+                                VOCAB_DRAFT}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
-  known = {e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES) | {"suffix+corpus"}
+  known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)
+           | {"suffix+corpus", VOCAB_DRAFT})
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
   return [e for e in entries if not names or e.name in names]
+
+
+def _vocab_draft(target, tokenizer, num_draft: int, log) -> DrafterEntry:
+  import time
+
+  import specjax as sj
+  from specjax.tuning.draft_vocab import frequent_vocab
+
+  if tokenizer is None:
+    raise ValueError(f"{VOCAB_DRAFT} needs the target's tokenizer (its draft vocabulary is "
+                     "counted on the target's answers to chat prompts)")
+  size = draft_vocab_size(target.config.vocab_size)
+  start = time.perf_counter()
+  ids = frequent_vocab(target, tokenizer, size, count=256)
+  log(f"{VOCAB_DRAFT}: {size} ids counted in {time.perf_counter() - start:.0f}s")
+  return DrafterEntry(
+      VOCAB_DRAFT, sj.self_drafter(target, 8, vocab=ids, context=DRAFT_CONTEXT), num_draft,
+      None, f"the int8 copy drafting over the {size} ids the target uses most (counted on its own "
+      f"answers to 256 training-template conversations) and each row's last {DRAFT_CONTEXT} "
+      "tokens, no training")
 
 
 def with_corpus(entry: DrafterEntry, corpus) -> DrafterEntry:

@@ -408,7 +408,8 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   if template_mismatch:
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
   drafters = library_drafters(target, num_draft=settings.num_drafts[0],
-                              names=base_names(settings.drafters), heads=settings.heads)
+                              names=base_names(settings.drafters), heads=settings.heads,
+                              tokenizer=tokenizer, log=log)
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
                            calibration=settings.calibration, log=log)
   if any(entry.name.endswith(CORPUS) for entry in drafters):

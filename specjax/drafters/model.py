@@ -26,11 +26,13 @@ import jax.numpy as jnp
 
 from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
-from specjax.core.sampling import PURPOSE_DRAFT, sample_token
+from specjax.core.sampling import PURPOSE_DRAFT, first_argmax, sample_token
+from specjax.models import quant
+from specjax.models.layers import _softcap
 from specjax.drafters.proposal import Proposal, check_confidence, top_probability
 from specjax.core.sequence import gather_tokens
 
-__all__ = ["ModelDrafter", "draft_chain", "self_drafter"]
+__all__ = ["ModelDrafter", "draft_chain", "restrict_output", "self_drafter"]
 
 
 def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
@@ -140,14 +142,29 @@ class ModelDrafter(OwnModelDrafter):
       int8 against 0.7 s of float32 for SmolLM2 on 200 tokens). Exact all the same: the drafts
       and their distribution q come from the drafter's own forwards over that cache, and q is
       what the verify uses. Ignored where the target's cache has another layout.
+    draft_ids: None, or `[N]` int32 target ids: the model's output projection keeps only those
+      rows (`restrict_output`), so its logits are `[..., N]`. Greedy drafts are the argmax mapped
+      through `draft_ids`; sampled ones are drawn from the warped full-vocabulary logits (`-inf`
+      outside `draft_ids`), which go to the verify as `q`.
+    context_vocab: `M` >= 0, with `draft_ids`: each row also scores its last `M` tokens (the
+      prompt and output it may copy from: names, rare words, code identifiers outside
+      `draft_ids`) through the tied embedding's rows, so a draft can be any of `N + M` ids.
+      Needs a model whose `embed` table is its output projection (a tied model restricted by
+      `restrict_output`). Static.
   """
 
   model: Any
   confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
   share_prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  draft_ids: jax.Array | None = None
+  context_vocab: int = dataclasses.field(default=0, metadata=dict(static=True))
 
   def __post_init__(self):
     object.__setattr__(self, "confidence", check_confidence(self.confidence))
+    if not isinstance(self.context_vocab, int) or self.context_vocab < 0:
+      raise ValueError(f"context_vocab must be an int >= 0, got {self.context_vocab!r}")
+    if self.context_vocab and self.draft_ids is None:
+      raise ValueError("context_vocab needs draft_ids (a restricted output projection)")
 
   def forwards_per_round(self, num_draft: int) -> int:
     return num_draft
@@ -199,21 +216,67 @@ class ModelDrafter(OwnModelDrafter):
     # confidence stop the cache may hold more than that; `start` cuts it back.
     start = jnp.minimum(cache.lengths, lengths - 1)  # lengths - 2 or lengths - 1
     block = gather_tokens(sequence, start, 2)
-    out = self.model(block, start, cache)
+    context = self._context(sequence, lengths)
+    hidden = context is not None
+    out = self.model(block, start, cache, return_hidden=hidden)
     pick = (lengths - 1 - start)[:, None, None]  # the logits after the last known token
-    logits = jnp.take_along_axis(out.logits, pick, axis=1)[:, 0]  # [B, V]
+    pick_row = lambda x: jnp.take_along_axis(x, pick, axis=1)[:, 0]
+    logits = self._scores(pick_row(out.logits), pick_row(out.hidden) if hidden else None, context)
     cache = out.cache.with_lengths(lengths)
-    first = sample_token(logits, sampling, seeds, lengths, PURPOSE_DRAFT)
-    keep = (lambda logits: None) if sampling.greedy else (lambda logits: logits)
+    ids = None if context is None else context[0]
+    if ids is None and self.draft_ids is not None:
+      ids = jnp.broadcast_to(self.draft_ids, (lengths.shape[0],) + self.draft_ids.shape)
+
+    def draw(logits, positions):  # (token, the full-vocabulary logits it was drawn from or None)
+      if ids is None:
+        token = sample_token(logits, sampling, seeds, positions, PURPOSE_DRAFT)
+        return token, None if sampling.greedy else logits
+      if sampling.greedy:
+        return jnp.take_along_axis(ids, first_argmax(logits)[:, None], axis=1)[:, 0], None
+      full = self.full_logits(logits, ids)
+      return sample_token(full, sampling, seeds, positions, PURPOSE_DRAFT), full
 
     def step(cache, i, token):
-      out = self.model(token[:, None], lengths + i - 1, cache)
-      next_logits = out.logits[:, 0]
-      next_token = sample_token(next_logits, sampling, seeds, lengths + i, PURPOSE_DRAFT)
-      return out.cache, (next_token, keep(next_logits), next_logits)
+      out = self.model(token[:, None], lengths + i - 1, cache, return_hidden=hidden)
+      next_logits = self._scores(out.logits[:, 0], out.hidden[:, 0] if hidden else None, context)
+      return out.cache, (*draw(next_logits, lengths + i), next_logits)
 
-    return draft_chain(step, cache, (first, keep(logits), logits), num_draft,
+    return draft_chain(step, cache, (*draw(logits, lengths), logits), num_draft,
                        confidence=self.confidence, limits=limits, stop=stop)
+
+  def _context(self, sequence, lengths):
+    """None, or `(ids [B, N + M], rows [B, M, E], valid [B, M])`: `draft_ids` followed by the
+    row's last `M = context_vocab` tokens, with those tokens' output-projection rows (the tied
+    embedding's, dequantized) and which of them exist (a row shorter than `M` has fewer)."""
+    if not self.context_vocab:
+      return None
+    width = self.context_vocab
+    recent = gather_tokens(sequence, lengths - width, width)  # clipped at 0 for short rows
+    valid = jnp.arange(width, dtype=jnp.int32)[None] >= (width - lengths)[:, None]
+    recent = jnp.where(valid, recent, 0)
+    rows = quant.take_rows(self.model.params["embed"], recent)  # [B, M, E]
+    batch = lengths.shape[0]
+    ids = jnp.concatenate([jnp.broadcast_to(self.draft_ids, (batch,) + self.draft_ids.shape),
+                           recent], axis=1)
+    return ids, rows, valid
+
+  def _scores(self, logits, hidden, context):
+    """The draft vocabulary's logits `[B, N]`, then (with a context) the row's recent tokens'
+    `[B, M]` (`-inf` where a row has none): `[B, N + M]`."""
+    if context is None:
+      return logits
+    _, rows, valid = context
+    extra = jnp.einsum("be,bme->bm", hidden, rows.astype(hidden.dtype),
+                       preferred_element_type=jnp.float32)
+    extra = _softcap(extra, self.model.config.final_logit_softcap)
+    return jnp.concatenate([logits, jnp.where(valid, extra, -jnp.inf).astype(logits.dtype)], -1)
+
+  def full_logits(self, logits: jax.Array, ids: jax.Array) -> jax.Array:
+    """Draft-vocabulary logits `[B, n]` of ids `[B, n]` -> `[B, V]` (`-inf` elsewhere; an id
+    listed twice keeps its larger logit, so the `-inf` of a missing context token never masks
+    a real one)."""
+    full = jnp.full(logits.shape[:-1] + (self.model.vocab_size,), -jnp.inf, logits.dtype)
+    return full.at[jnp.arange(logits.shape[0])[:, None], ids].max(logits)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths
@@ -221,7 +284,8 @@ class ModelDrafter(OwnModelDrafter):
 
 
 def self_drafter(target, bits: int = 8, group: int | None = None, *,
-                 confidence: float | None = None) -> ModelDrafter:
+                 confidence: float | None = None, vocab=None, context: int = 0
+                 ) -> ModelDrafter:
   """The target's own weights, quantized, as its drafter: speculation with no training at all.
 
   A copy of `target` with every projection (and the embedding / output projection) quantized
@@ -239,13 +303,75 @@ def self_drafter(target, bits: int = 8, group: int | None = None, *,
       None: `default_group(target, bits)` (int8: 64 where it divides the model's dimensions,
       else 32; int4: 32).
     confidence: the `ModelDrafter` confidence stop (None: every row drafts `num_draft`).
+    vocab: None, or target ids (e.g. `specjax.tuning.draft_vocab.frequent_vocab`): the copy's
+      output projection keeps only those rows (`restrict_output`), so a draft step reads
+      `len(vocab)` of its `V` rows. Pays where the output projection is a large share of the
+      weights (Gemma 3 270M: 168M of 268M parameters). A target token outside `vocab` is never
+      drafted; the verify's residual still emits it, so the output stays the target's.
+    context: with `vocab`, each row also scores its last `context` tokens
+      (`ModelDrafter.context_vocab`): what it copies from its prompt stays draftable. Needs tied
+      embeddings.
 
   Raises:
-    ValueError: unsupported `bits` or `group`, or a group that does not divide a dimension.
+    ValueError: unsupported `bits` or `group`, a group that does not divide a dimension, or a
+      `vocab` that is not distinct ids in `[0, V)`, or a `context` without `vocab` or tied
+      embeddings.
   """
+  if not isinstance(context, int) or context < 0:
+    raise ValueError(f"context must be an int >= 0, got {context!r}")
+  if context and (vocab is None or not target.config.tie_embeddings):
+    raise ValueError("context needs vocab and a target with tied embeddings (its embedding "
+                     "table is the output projection the context rows are read from)")
   if group is None:
     group = default_group(target, bits)
-  return ModelDrafter(quantize(target, bits, group), confidence=confidence, share_prompt=True)
+  model = quantize(target, bits, group)
+  if vocab is None:
+    return ModelDrafter(model, confidence=confidence, share_prompt=True)
+  model, ids = restrict_output(model, vocab)
+  return ModelDrafter(model, confidence=confidence, share_prompt=True, draft_ids=ids,
+                      context_vocab=context)
+
+
+def restrict_output(model, ids):
+  """`(model', ids [N] int32)`: `model` whose output projection keeps only the rows `ids`
+  (sorted), so its logits are `[..., N]`: logit `j` is the logit of target id `ids[j]`.
+
+  The restricted projection is the model's own rows (float or quantized), held as an untied
+  `lm_head` (`tie_embeddings=False`; the input embedding stays whole), so layout changes
+  (`stacked`, `for_platform`) keep it. Draft with it through `ModelDrafter(draft_ids=ids)`.
+
+  Raises:
+    ValueError: `ids` empty, not integers, repeated, or outside `[0, V)`; or `model`'s output
+      projection already restricted.
+  """
+  import numpy as np
+
+  vocab = model.config.vocab_size
+  ids = np.asarray(ids)
+  if ids.ndim != 1 or ids.shape[0] == 0 or not np.issubdtype(ids.dtype, np.integer):
+    raise ValueError(f"vocab must be a non-empty 1-D array of token ids, got {ids.dtype} "
+                     f"{ids.shape}")
+  if ids.min() < 0 or ids.max() >= vocab:
+    raise ValueError(f"vocab ids must lie in [0, {vocab}), got {ids.min()}..{ids.max()}")
+  if np.unique(ids).shape[0] != ids.shape[0]:
+    raise ValueError("vocab ids must be distinct")
+  ids = np.sort(ids).astype(np.int32)
+  p = model.params
+  tied = model.config.tie_embeddings and "lm_head" not in p
+  head = p["embed"] if tied else p["lm_head"]
+  rows = jnp.asarray(ids)
+  if quant.is_quantized(head):  # stored [V, E]
+    if head.values.shape[0] != vocab:
+      raise ValueError("the model's output projection is already restricted")
+    head = quant.QuantizedWeight(head.values[rows], head.scales[rows], head.bits, head.group)
+  elif tied:  # a float table [V, E] -> the untied [E, N] the forward contracts
+    head = jnp.asarray(head)[rows].T.copy()
+  else:  # float [E, V]
+    if head.shape[1] != vocab:
+      raise ValueError("the model's output projection is already restricted")
+    head = jnp.asarray(head)[:, rows]
+  config = dataclasses.replace(model.config, tie_embeddings=False)
+  return dataclasses.replace(model, params=dict(p, lm_head=head), config=config), jnp.asarray(ids)
 
 
 def default_group(target, bits: int) -> int:
