@@ -221,11 +221,14 @@ def measure_peer(peer_model, cases: list[PromptCase], *, num_draft: int, max_new
 
 @jax.jit
 def _prefill(model, tokens, cache):
-  return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache).logits
+  # As `generate` and `decode` run it: the output projection reads only the last prompt row.
+  last = jnp.full((tokens.shape[0], 1), tokens.shape[1] - 1, jnp.int32)
+  return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, logits_at=last).logits
 
 
 def _prefill_call(target, tokens, max_new_tokens: int):
-  """A zero-argument call: one target forward over the padded prompt on a fresh cache."""
+  """A zero-argument call: one target forward over the padded prompt on a fresh cache, scoring
+  one row (as the loops' prefill does: `logits_at`)."""
   from specjax.loop.generate import NEW_TOKEN_BUCKET
   from specjax.core.validation import round_up
   buffer_len = tokens.shape[1] + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
