@@ -9,6 +9,8 @@ import dataclasses
 import pathlib
 from typing import Any
 
+from specjax.pretrained.pairs import DRAFT_CONTEXT, DRAFT_VOCAB_SIZE
+
 
 @dataclasses.dataclass(frozen=True)
 class DrafterEntry:
@@ -74,8 +76,8 @@ SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked fo
 # the target's own answers to training-template conversations) and each row's recent tokens;
 # built only when asked for (the counting runs the target).
 VOCAB_DRAFT = "self-int8+vocab"
-DRAFT_VOCAB_SIZE = 16384  # ids kept, at most a quarter of the vocabulary (`draft_vocab_size`)
-DRAFT_CONTEXT = 256  # recent tokens per row also draftable
+# Its ids kept (at most a quarter of the vocabulary: `draft_vocab_size`) and recent tokens per row
+# also draftable are those of `sj.load_pair("gemma3-270m")`: DRAFT_VOCAB_SIZE, DRAFT_CONTEXT.
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
@@ -199,7 +201,7 @@ def _vocab_draft(target, tokenizer, num_draft: int, log) -> DrafterEntry:
                      "counted on the target's answers to chat prompts)")
   size = draft_vocab_size(target.config.vocab_size)
   start = time.perf_counter()
-  ids = frequent_vocab(target, tokenizer, size, count=256)
+  ids = frequent_vocab(target, tokenizer, size)
   log(f"{VOCAB_DRAFT}: {size} ids counted in {time.perf_counter() - start:.0f}s")
   return DrafterEntry(
       VOCAB_DRAFT, sj.self_drafter(target, 8, vocab=ids, context=DRAFT_CONTEXT), num_draft,

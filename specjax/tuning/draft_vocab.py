@@ -16,7 +16,7 @@ import numpy as np
 __all__ = ["frequent_vocab", "vocab_coverage"]
 
 
-def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 96,
+def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 256,
                    max_new_tokens: int = 96, batch: int = 16, seed: int = 0,
                    eos_ids=None) -> np.ndarray:
   """The `size` ids the target uses most, sorted, as `[size]` int32.
@@ -26,7 +26,9 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 9
     tokenizer: its `specjax.Tokenizer` (chat template, end-of-turn ids).
     size: how many ids to keep, in `[1, V]`. Ids never seen fill the rest in id order.
     prompts: texts to answer; default `count` training-template conversations
-      (`specjax.tuning.calibrate.profile_prompts`).
+      (`specjax.tuning.calibrate.profile_prompts`), chat-templated with the tokenizer's own
+      template or, where it has none (a base model such as Gemma 3 270M), specjax's built-in
+      one for the model's family.
     count: conversations when `prompts` is None.
     max_new_tokens: answer tokens per prompt.
     batch: prompts per `generate` call.
@@ -46,6 +48,10 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 9
   if not isinstance(size, (int, np.integer)) or not 1 <= size <= vocab:
     raise ValueError(f"size must be an int in [1, {vocab}], got {size!r}")
   eos = tuple(int(i) for i in (tokenizer.eos_ids if eos_ids is None else eos_ids))
+  if (prompts is None and getattr(tokenizer, "chat_template", None) is None
+      and hasattr(tokenizer, "render_chat")):
+    from specjax.io.chat import default_template_for
+    tokenizer = _with_template(tokenizer, default_template_for(target.config.family))
   tokens, lengths = profile_prompts(tokenizer, prompts, count=count)
   tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
   counts = np.zeros((vocab,), np.int64)
@@ -65,6 +71,14 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 9
     for b in range(part.shape[0]):
       np.add.at(counts, new[b, :num[b]], 1)
   return frequent_ids(counts, int(size), keep=[i for i in eos if 0 <= i < vocab])
+
+
+def _with_template(tokenizer, template: str):
+  """A shallow copy of `tokenizer` whose chat template is `template`."""
+  import copy
+  copied = copy.copy(tokenizer)
+  copied.chat_template = template
+  return copied
 
 
 def vocab_coverage(ids, tokens) -> float:

