@@ -145,7 +145,7 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
     float32; its file has no chat template, so the tokenizer gets specjax's built-in Gemma one)
     drafting with its own int8 copy over a draft vocabulary (`specjax.self_drafter(vocab=,
     context=)`): the 16,384 ids the target uses most, counted on its own answers to
-    training-template conversations on first use (about 15 s on a 2-core CPU) and cached in
+    training-template conversations on first use (about 2 minutes on a 2-core CPU) and cached in
     `$SPECJAX_CACHE_DIR/draft_vocab/`, and each row's last 256 tokens.
   * "qwen2.5-coder": Qwen2.5-Coder-1.5B-Instruct in float32 with Qwen2.5-Coder-0.5B-Instruct
     quantized to int8 as the draft model (same vocabulary and chat template; Apache-2.0, the Qwen
