@@ -12,6 +12,8 @@
   variant (the verify told a q with mass outside the draft vocabulary) is rejected at
   POWER_ALPHA = 1e-6 by the same test.
 * `frequent_vocab` counts the target's own answers; bad input raises before compiling.
+* `decode` with it exports for TPU under (1, 8) and (2, 4) meshes (the verify kernel inside, the
+  copy's integers narrow, no CPU call).
 """
 
 import dataclasses
@@ -216,3 +218,22 @@ def test_bad_frequent_vocab_sizes_and_models_raise(target):
   with pytest.raises(ValueError, match="tied embeddings"):
     sj.self_drafter(model, bits=8, group=32, vocab=SUBSET, context=2)
   assert quant.is_quantized(restricted.params["lm_head"])
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=str)
+def test_decode_over_a_draft_vocabulary_exports_for_tpu(target, shape):
+  mesh = sj.make_mesh(shape)
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3]] * 4 + [[3, 8, 4, 0, 0, 0]] * 4, jnp.int32)
+  lengths = jnp.array([6] * 4 + [3] * 4, jnp.int32)
+  drafter = sj.self_drafter(target, bits=8, group=32, vocab=SUBSET, context=4)
+  drafter = dataclasses.replace(drafter, model=sj.shard(drafter.model, mesh))
+
+  def run(target, drafter, tokens, lengths, rng):
+    return sj.decode(target, drafter, tokens, rng, lengths=lengths, max_new_tokens=8,
+                     num_draft=3, sampling=sj.Sampling(temperature=0.7, top_k=20)).tokens
+
+  with jax.set_mesh(mesh):
+    text = jax.export.export(jax.jit(run), platforms=["tpu"])(
+        sj.shard(target, mesh), drafter, tokens, lengths, jax.random.key(3)).mlir_module()
+  assert "specjax_cpu" not in text and "tpu_custom_call" in text
+  assert "i8" in text  # the copy's integers travel narrow
