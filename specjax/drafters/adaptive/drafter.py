@@ -94,7 +94,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.adaptive import costs
-from specjax.drafters.adaptive.stop import CostAwareStop, confidence_estimate, log_odds, takes_stop
+from specjax.drafters.adaptive.stop import (CostAwareStop, confidence_estimate, log_odds,
+                                          scored_evidence, shrunk_alpha, takes_stop)
 from specjax.drafters import as_drafter
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.hybrid import HybridDrafter
@@ -281,47 +282,23 @@ class AdaptiveDrafter(DrafterWrapper):
     return jax.nn.sigmoid(state.evidence)
 
   def _evidence(self, state: AdaptiveState, tested: jax.Array, hit: jax.Array) -> jax.Array:
-    """`state.evidence` after scoring this round's tested slots (`[B, K]` masks): each model's
-    prediction of each slot (as the round's stop made it) against whether it was accepted."""
-    clip = lambda a: jnp.clip(a, 0.01, 0.99)
-    by_confidence = clip(confidence_estimate(state.confidence,
-                                             self.confidence_shift(state)[:, None]))
-    by_history = clip(self.alpha(state))
-    ratio = jnp.where(hit, jnp.log(by_confidence) - jnp.log(by_history),
-                      jnp.log1p(-by_confidence) - jnp.log1p(-by_history))
-    seen = jnp.sum(tested, axis=1)
-    return (state.evidence * self.decay ** seen.astype(jnp.float32)
-            + jnp.sum(jnp.where(tested, ratio, 0.0), axis=1))
+    """`state.evidence` after scoring this round's tested slots (`[B, K]`): `scored_evidence`."""
+    by_confidence = confidence_estimate(state.confidence, self.confidence_shift(state)[:, None])
+    return scored_evidence(state.evidence, by_confidence, self.alpha(state), tested, hit,
+                           self.decay)
 
   def alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position (of the head's drafts, around a
-    `HybridDrafter`; `copy_alpha` for its copies).
-
-    Two levels of shrinkage. The row's pooled odds ratio against the prior (its accepted drafts
-    over all tested positions vs what the prior expects of those same tests) lifts or lowers the
-    prior at every position, so a row that is accepted at position 1 is expected to do better
-    at positions it has not yet reached, too; each position's own counts then pull its estimate
-    from that row-level guess towards what the position itself showed.
-    """
-    return self._shrunk(state.accepted, state.reached, self.prior)
+    `HybridDrafter`; `copy_alpha` for its copies): its counts shrunk towards `prior` at two levels
+    (`stop.shrunk_alpha`): a row accepted at position 1 is expected to do better at positions it
+    has not yet reached, too."""
+    return shrunk_alpha(state.accepted, state.reached, self.prior, self.prior_weight)
 
   def copy_alpha(self, state: AdaptiveState) -> jax.Array:
     """`[B, K]` each row's acceptance estimate per position of its prompt-lookup copies (the same
     shrinkage as `alpha`, towards `copy_prior`)."""
     prior = self.prior if self.copy_prior is None else self.copy_prior
-    return self._shrunk(state.copy_accepted, state.copy_reached, prior)
-
-  def _shrunk(self, accepted, reached, prior) -> jax.Array:
-    weight = self.prior_weight
-    prior = jnp.clip(jnp.asarray(prior, jnp.float32), 0.01, 0.99)
-    pooled = jnp.mean(prior)
-    seen = jnp.sum(accepted, axis=1) + weight * pooled
-    expected = jnp.sum(reached * prior, axis=1) + weight * pooled
-    tested = jnp.sum(reached, axis=1) + weight
-    shift = (log_odds(jnp.clip(seen / tested, 0.01, 0.99))
-             - log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
-    row_prior = jax.nn.sigmoid(log_odds(prior)[None] + shift[:, None])  # [B, K]
-    return (accepted + weight * row_prior) / (reached + weight)
+    return shrunk_alpha(state.copy_accepted, state.copy_reached, prior, self.prior_weight)
 
   def _best(self, alpha: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`(k [B] int32, tokens per millisecond [B])`: the first `k` maximising the rate."""
@@ -347,13 +324,10 @@ class AdaptiveDrafter(DrafterWrapper):
     def skip(state):
       # A plain target step: no drafts (num_drafted 0, verify width 1), the drafter untouched.
       zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-      state = dataclasses.replace(zeros[0], inner=state.inner, accepted=state.accepted,
-                                  reached=state.reached, believed=state.believed,
-                                  evidence=state.evidence,
-                                  copy_accepted=state.copy_accepted,
-                                  copy_reached=state.copy_reached, stopped=state.stopped,
-                                  idle=state.idle + 1,
-                                  wait=state.wait, skipped=jnp.ones_like(state.skipped))
+      kept = ("inner", "accepted", "reached", "believed", "evidence", "copy_accepted",
+              "copy_reached", "stopped", "wait")
+      state = dataclasses.replace(zeros[0], **{name: getattr(state, name) for name in kept},
+                                  idle=state.idle + 1, skipped=jnp.ones_like(state.skipped))
       return state, zeros[1]
 
     if self.plain:

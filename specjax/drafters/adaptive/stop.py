@@ -1,4 +1,6 @@
-"""The token-level stop rule of per-row adaptive length (`AdaptiveDrafter.token_stop`).
+"""The token-level stop rule of per-row adaptive length (`AdaptiveDrafter.token_stop`), and the
+row estimates it reads: `shrunk_alpha` (acceptance per position from the row's counts) and
+`scored_evidence` (how far the drafter's confidence beats the row's history at predicting it).
 
 `CostAwareStop` decides, draft by draft, whether a row proposes its next draft: from the drafter's
 confidence in it, the row's running acceptance and the round costs. Why, and why it keeps the output
@@ -13,7 +15,8 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-__all__ = ["CostAwareStop", "confidence_estimate", "log_odds", "takes_stop"]
+__all__ = ["CostAwareStop", "confidence_estimate", "log_odds", "scored_evidence", "shrunk_alpha",
+           "takes_stop"]
 
 
 def log_odds(a: jax.Array) -> jax.Array:
@@ -26,6 +29,34 @@ def confidence_estimate(confidence: jax.Array, shift: jax.Array) -> jax.Array:
   log-odds `shift` (`AdaptiveDrafter.confidence_shift`): `sigmoid(logit(c) + shift)`."""
   c = jnp.clip(confidence.astype(jnp.float32), 1e-6, 1.0 - 1e-6)
   return jax.nn.sigmoid(log_odds(c) + shift)
+
+
+def shrunk_alpha(accepted, reached, prior, weight: float) -> jax.Array:
+  """`[B, K]` acceptance per position from a row's counts (`accepted`, `reached`: `[B, K]`),
+  shrunk twice: the row's pooled odds ratio against `prior [K]` lifts or lowers the prior at every
+  position, and each position's own counts (worth `weight` prior tests) pull from there."""
+  prior = jnp.clip(jnp.asarray(prior, jnp.float32), 0.01, 0.99)
+  pooled = jnp.mean(prior)
+  seen = jnp.sum(accepted, axis=1) + weight * pooled
+  expected = jnp.sum(reached * prior, axis=1) + weight * pooled
+  tested = jnp.sum(reached, axis=1) + weight
+  shift = (log_odds(jnp.clip(seen / tested, 0.01, 0.99))
+           - log_odds(jnp.clip(expected / tested, 0.01, 0.99)))  # [B]
+  row_prior = jax.nn.sigmoid(log_odds(prior)[None] + shift[:, None])  # [B, K]
+  return (accepted + weight * row_prior) / (reached + weight)
+
+
+def scored_evidence(evidence, by_confidence, by_history, tested, hit, decay: float) -> jax.Array:
+  """`[B]` evidence after a round: decayed by `decay` per tested slot, plus the log-likelihood
+  ratio of the two predictions (`[B, K]` each, the confidence estimate and the row's alpha) of
+  whether each tested slot (`tested [B, K]`) was accepted (`hit [B, K]`)."""
+  clip = lambda a: jnp.clip(a, 0.01, 0.99)
+  by_confidence, by_history = clip(by_confidence), clip(by_history)
+  ratio = jnp.where(hit, jnp.log(by_confidence) - jnp.log(by_history),
+                    jnp.log1p(-by_confidence) - jnp.log1p(-by_history))
+  seen = jnp.sum(tested, axis=1)
+  return evidence * decay ** seen.astype(jnp.float32) + jnp.sum(jnp.where(tested, ratio, 0.0),
+                                                                 axis=1)
 
 
 @jax.tree_util.register_dataclass
