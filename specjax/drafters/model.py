@@ -223,9 +223,10 @@ class ModelDrafter(OwnModelDrafter):
     pick_row = lambda x: jnp.take_along_axis(x, pick, axis=1)[:, 0]
     logits = self._scores(pick_row(out.logits), pick_row(out.hidden) if hidden else None, context)
     cache = out.cache.with_lengths(lengths)
-    ids = None if context is None else context[0]
-    if ids is None and self.draft_ids is not None:
+    ids = None  # the target ids of the draft logits' columns, [B, N (+ M)]
+    if self.draft_ids is not None:
       ids = jnp.broadcast_to(self.draft_ids, (lengths.shape[0],) + self.draft_ids.shape)
+      ids = ids if context is None else jnp.concatenate([ids, context[0]], axis=1)
 
     def draw(logits, positions):  # (token, the full-vocabulary logits it was drawn from or None)
       if ids is None:
@@ -245,9 +246,9 @@ class ModelDrafter(OwnModelDrafter):
                        confidence=self.confidence, limits=limits, stop=stop)
 
   def _context(self, sequence, lengths):
-    """None, or `(ids [B, N + M], rows [B, M, E], valid [B, M])`: `draft_ids` followed by the
-    row's last `M = context_vocab` tokens, with those tokens' output-projection rows (the tied
-    embedding's, dequantized) and which of them exist (a row shorter than `M` has fewer)."""
+    """None, or `(recent [B, M], rows [B, M, E], valid [B, M])`: the row's last `M =
+    context_vocab` tokens, their output-projection rows (the tied embedding's, dequantized) and
+    which of them exist (a row shorter than `M` has fewer)."""
     if not self.context_vocab:
       return None
     width = self.context_vocab
@@ -255,10 +256,7 @@ class ModelDrafter(OwnModelDrafter):
     valid = jnp.arange(width, dtype=jnp.int32)[None] >= (width - lengths)[:, None]
     recent = jnp.where(valid, recent, 0)
     rows = quant.take_rows(self.model.params["embed"], recent)  # [B, M, E]
-    batch = lengths.shape[0]
-    ids = jnp.concatenate([jnp.broadcast_to(self.draft_ids, (batch,) + self.draft_ids.shape),
-                           recent], axis=1)
-    return ids, rows, valid
+    return recent, rows, valid
 
   def _scores(self, logits, hidden, context):
     """The draft vocabulary's logits `[B, N]`, then (with a context) the row's recent tokens'

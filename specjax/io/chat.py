@@ -125,3 +125,14 @@ def builtin_template(name: str) -> str:
 def default_template_for(family: str) -> str:
   """The built-in template for a model family (Gemma's turn format for Gemma, else ChatML)."""
   return builtin_template("gemma" if family.startswith("gemma") else "chatml")
+
+
+def with_chat_template(tokenizer, family: str):
+  """`tokenizer` if it has a chat template; else a shallow copy carrying the built-in template for
+  `family` (`default_template_for`): a base model's file (Gemma 3 270M's) carries none."""
+  if getattr(tokenizer, "chat_template", None):
+    return tokenizer
+  import copy
+  copied = copy.copy(tokenizer)
+  copied.chat_template = default_template_for(family)
+  return copied

@@ -169,6 +169,7 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   if name == "smollm2-head":
     return dataclasses.replace(load_default(dtype), description=description)
   from specjax.drafters.model import ModelDrafter, self_drafter
+  from specjax.io.chat import with_chat_template
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
   from specjax.models.quant import quantize
@@ -179,14 +180,8 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   elif name == "gemma3-270m":
     gguf = find_packaged_gguf("gemma3-270m")
     target = from_gguf(gguf, dtype=dtype).for_platform()
-    tokenizer = load_tokenizer(gguf)
-    if tokenizer.chat_template is None:  # a base model: its file carries no chat template
-      from specjax.io.chat import default_template_for
-      tokenizer.chat_template = default_template_for(target.config.family)
     ids = shipped_draft_vocab(name, target.config.vocab_size)
     draft = self_drafter(target, bits=8, vocab=ids, context=DRAFT_CONTEXT)
-    return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, num_draft=num_draft,
-                       description=description)
   else:
     from specjax.io.packages import packaged_gguf
     gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
@@ -196,8 +191,10 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
       draft = ModelDrafter(quantize(small, 8))
     else:
       draft = self_drafter(target, bits=8)
-  return DefaultPair(target=target, draft=draft, tokenizer=load_tokenizer(gguf),
-                     num_draft=num_draft, description=description)
+  # A base model's file (Gemma 3 270M's) carries no chat template: the built-in one for its family.
+  tokenizer = with_chat_template(load_tokenizer(gguf), target.config.family)
+  return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, num_draft=num_draft,
+                     description=description)
 
 
 def shipped_draft_vocab(name: str, vocab_size: int):

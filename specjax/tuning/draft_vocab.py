@@ -49,10 +49,9 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 2
   if not isinstance(size, (int, np.integer)) or not 1 <= size <= vocab:
     raise ValueError(f"size must be an int in [1, {vocab}], got {size!r}")
   eos = tuple(int(i) for i in (tokenizer.eos_ids if eos_ids is None else eos_ids))
-  if (prompts is None and getattr(tokenizer, "chat_template", None) is None
-      and hasattr(tokenizer, "render_chat")):
-    from specjax.io.chat import default_template_for
-    tokenizer = _with_template(tokenizer, default_template_for(target.config.family))
+  if prompts is None and hasattr(tokenizer, "render_chat"):  # a specjax Tokenizer
+    from specjax.io.chat import with_chat_template
+    tokenizer = with_chat_template(tokenizer, target.config.family)
   tokens, lengths = profile_prompts(tokenizer, prompts, count=count)
   tokens, lengths = np.asarray(tokens, np.int32), np.asarray(lengths, np.int32)
   counts = np.zeros((vocab,), np.int64)
@@ -72,14 +71,6 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 2
     for b in range(part.shape[0]):
       np.add.at(counts, new[b, :num[b]], 1)
   return frequent_ids(counts, int(size), keep=[i for i in eos if 0 <= i < vocab])
-
-
-def _with_template(tokenizer, template: str):
-  """A shallow copy of `tokenizer` whose chat template is `template`."""
-  import copy
-  copied = copy.copy(tokenizer)
-  copied.chat_template = template
-  return copied
 
 
 def vocab_coverage(ids, tokens) -> float:

@@ -72,6 +72,15 @@ def test_builtin_gemma_template():
   assert chat.default_template_for("llama") == chat.builtin_template("chatml")
 
 
+def test_with_chat_template_keeps_a_files_own_and_fills_in_a_missing_one():
+  import types
+  own = types.SimpleNamespace(chat_template="{{ messages }}")
+  assert chat.with_chat_template(own, "gemma3_text") is own
+  base = types.SimpleNamespace(chat_template=None)
+  filled = chat.with_chat_template(base, "gemma3_text")
+  assert filled.chat_template == chat.builtin_template("gemma") and base.chat_template is None
+
+
 def test_errors(hf_dir, tmp_path):
   with pytest.raises(ValueError, match="chat template: roles must alternate"):
     chat.render("{{ raise_exception('roles must alternate') }}", CONVERSATION)
