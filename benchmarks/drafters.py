@@ -70,7 +70,11 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
   return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
 
 
-SELF_DRAFTS = {"self-int8": 8, "self-int4": 4}  # the target's own quantized copies, by name
+# The target's own quantized copies, by name: `specjax.self_drafter` settings. `self-q4` keeps a
+# 4-bit GGUF's blocks (asymmetric int4 per 32: Q4_1, Q4_K) with the embedding in int8 per 32
+# (Q8_0's blocks): on SmolLM2's file (Q4_1 layers, Q8_0 embedding) the target's weights exactly.
+SELF_DRAFTS = {"self-int8": dict(bits=8), "self-int4": dict(bits=4),
+               "self-q4": dict(bits=4, group=32, asymmetric=True, embed_bits=8)}
 SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked for
 # The int8 copy over a draft vocabulary (`specjax.tuning.draft_vocab.frequent_vocab`, counted on
 # the target's own answers to training-template conversations) and each row's recent tokens;
@@ -141,9 +145,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
-  `self-int4`: `specjax.self_drafter`, symmetric per group of 64 / 32, the prompt's cache
-  shared)
-  need no training. A trained head joins the list when the library ships one for this target
+  `self-int4`: `specjax.self_drafter`, symmetric per group of 64 / 32; `self-q4`: asymmetric int4
+  per 32 with an int8 embedding; the prompt's cache shared) need no training. A trained head joins the list when the library ships one for this target
   (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
   empty): a quantized copy costs memory. `self-int8+vocab` (only when named, with `tokenizer`)
@@ -170,12 +173,16 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
         f"trie of depth {spec.depth} (<= {spec.size} nodes, verified at the smallest of widths "
         f"{spec.widths} that holds them), over the row's text"
         + (" and the corpus of earlier answers" if corpus else ""), tree=spec))
-  for name, bits in SELF_DRAFTS.items():
+  for name, settings in SELF_DRAFTS.items():
     if not names or name in names:
+      bits = settings["bits"]
+      what = (f"int{bits} (groups of {settings.get('group') or default_group(target, bits)})"
+              if not settings.get("asymmetric") else
+              "asymmetric int4 per 32 (a scale and an offset per group) with the embedding in "
+              "int8 per 32")
       entries.append(DrafterEntry(
-          name, sj.self_drafter(target, bits), num_draft, None,
-          f"the target's own weights quantized to int{bits} (groups of "
-          f"{default_group(target, bits)}), no training"))
+          name, sj.self_drafter(target, **settings), num_draft, None,
+          f"the target's own weights quantized to {what}, no training"))
   if VOCAB_DRAFT in names:
     entries.append(_vocab_draft(target, tokenizer, num_draft, log))
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,

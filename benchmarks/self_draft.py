@@ -119,7 +119,8 @@ def main():
   if args.pair == "smollm2":
     gguf = find_packaged_gguf(GGUF_NAME)
     target = from_gguf(gguf).for_platform()
-    drafters = {"int8": sj.self_drafter(target, 8), "int4": sj.self_drafter(target, 4)}
+    drafters = {"int8": sj.self_drafter(target, 8), "int4": sj.self_drafter(target, 4),
+                "int4a": sj.self_drafter(target, 4, asymmetric=True)}
     questions = QUESTIONS
   else:
     from specjax.io.packages import packaged_gguf

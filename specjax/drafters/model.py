@@ -282,8 +282,8 @@ class ModelDrafter(OwnModelDrafter):
 
 
 def self_drafter(target, bits: int = 8, group: int | None = None, *,
-                 confidence: float | None = None, vocab=None, context: int = 0
-                 ) -> ModelDrafter:
+                 confidence: float | None = None, vocab=None, context: int = 0,
+                 asymmetric: bool = False, embed_bits: int | None = None) -> ModelDrafter:
   """The target's own weights, quantized, as its drafter: speculation with no training at all.
 
   A copy of `target` with every projection (and the embedding / output projection) quantized
@@ -309,11 +309,18 @@ def self_drafter(target, bits: int = 8, group: int | None = None, *,
     context: with `vocab`, each row also scores its last `context` tokens
       (`ModelDrafter.context_vocab`): what it copies from its prompt stays draftable. Needs tied
       embeddings.
+    asymmetric: int4 with a scale and an offset per group (`specjax.quantize`): a target whose
+      weights were dequantized from 4-bit GGUF blocks with a minimum (Q4_1, Q4_K; SmolLM2's,
+      most of Qwen2.5-Coder's) is reproduced to float32 rounding, so the int4 copy drafts about
+      as well as an int8 one while reading 6 bits a weight instead of 8.
+    embed_bits: None (as `bits`) or 8 / 4: the embedding's and output projection's width
+      (`specjax.quantize`); e.g. `bits=4, asymmetric=True, embed_bits=8` copies SmolLM2's GGUF
+      (Q4_1 layers, Q8_0 embedding) to float32 rounding.
 
   Raises:
     ValueError: unsupported `bits` or `group`, a group that does not divide a dimension, or a
       `vocab` that is not distinct ids in `[0, V)`, or a `context` without `vocab` or tied
-      embeddings.
+      embeddings, or `asymmetric` with bits 8.
   """
   if not isinstance(context, int) or context < 0:
     raise ValueError(f"context must be an int >= 0, got {context!r}")
@@ -322,7 +329,7 @@ def self_drafter(target, bits: int = 8, group: int | None = None, *,
                      "table is the output projection the context rows are read from)")
   if group is None:
     group = default_group(target, bits)
-  model = quantize(target, bits, group)
+  model = quantize(target, bits, group, asymmetric=asymmetric, embed_bits=embed_bits)
   if vocab is None:
     return ModelDrafter(model, confidence=confidence, share_prompt=True)
   model, ids = restrict_output(model, vocab)
@@ -361,7 +368,7 @@ def restrict_output(model, ids):
   if quant.is_quantized(head):  # stored [V, E]
     if head.values.shape[0] != vocab:
       raise ValueError("the model's output projection is already restricted")
-    head = quant.QuantizedWeight(head.values[rows], head.scales[rows], head.bits, head.group)
+    head = head.map_rows(lambda a: a[rows])
   elif tied:  # a float table [V, E] -> the untied [E, N] the forward contracts
     head = jnp.asarray(head)[rows].T.copy()
   else:  # float [E, V]

@@ -129,8 +129,13 @@ def read_quantization(path: str | os.PathLike) -> dict | None:
   if quantization is None:
     return None
   try:
-    return {"bits": int(quantization["bits"]), "group": int(quantization["group"]),
-            "embeddings": bool(quantization["embeddings"])}
+    asymmetric = quantization.get("asymmetric", False)  # absent in earlier checkpoints
+    if not isinstance(asymmetric, bool):
+      raise ValueError(f"asymmetric must be true or false, got {asymmetric!r}")
+    bits = int(quantization["bits"])
+    return {"bits": bits, "group": int(quantization["group"]),
+            "embeddings": bool(quantization["embeddings"]), "asymmetric": asymmetric,
+            "embed_bits": int(quantization.get("embed_bits", bits))}
   except (KeyError, TypeError, ValueError) as error:
     raise ValueError(f"corrupt {pathlib.Path(path) / CONFIG_FILE}: quantization {error!r}") from None
 

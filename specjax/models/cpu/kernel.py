@@ -55,6 +55,7 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
 HEADERS = (SOURCE.with_name("cpu_common.h"),)
 TARGET = "specjax_cpu_gemv"
 QUANT_TARGET = "specjax_cpu_qgemv"
+QUANT_OFFSETS_TARGET = "specjax_cpu_qgemv_offsets"
 ATTENTION_TARGET = "specjax_cpu_attention"
 _log = logging.getLogger(__name__)
 
@@ -150,6 +151,8 @@ def _status() -> tuple[bool, str]:
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_gemv), platform="cpu")
     jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_qgemv),
                                 platform="cpu")
+    jax.ffi.register_ffi_target(QUANT_OFFSETS_TARGET,
+                                jax.ffi.pycapsule(loaded.specjax_cpu_qgemv_offsets), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET,
                                 jax.ffi.pycapsule(loaded.specjax_cpu_attention), platform="cpu")
   except Exception as error:  # noqa: BLE001 - any failure means "use XLA's dot"
@@ -200,14 +203,16 @@ def matvec(x: jax.Array, w: jax.Array) -> jax.Array:
 
 # ------------------------------------------------------------------------------------------------
 # Quantized weights (`specjax.models.quant.QuantizedWeight`): int8 `[out, in]` or packed int4
-# `[out, in / 2]` with float32 scales `[out, in / group]`, widened and scaled in registers.
+# `[out, in / 2]` with float32 scales `[out, in / group]` (and, int4 only, optional float32
+# offsets `[out, in / group]`), widened and scaled in registers.
 
 
 def dequantize(values: jax.Array, scales: jax.Array, *, bits: int, group: int,
-               dtype=jnp.float32) -> jax.Array:
-  """The float weight `[..., out, in]` that quantized `values` and `scales` stand for (the format's
-  reference: see `specjax.models.quant`). int4 bytes hold, per run of 32 weights, weight j in the
-  low nibble of byte j and weight j + 16 in the high nibble, each as q + 8."""
+               dtype=jnp.float32, offsets: jax.Array | None = None) -> jax.Array:
+  """The float weight `[..., out, in]` that quantized `values` and `scales` (and `offsets`) stand
+  for (the format's reference: see `specjax.models.quant`): `scale * q (+ offset)` per group.
+  int4 bytes hold, per run of 32 weights, weight j in the low nibble of byte j and weight j + 16
+  in the high nibble, each as q + 8."""
   if bits == 8:
     q = values.astype(dtype)
   else:
@@ -218,6 +223,8 @@ def dequantize(values: jax.Array, scales: jax.Array, *, bits: int, group: int,
     q = q.reshape(values.shape[:-1] + (2 * values.shape[-1],)).astype(dtype)
   n = q.shape[-1]
   grouped = q.reshape(q.shape[:-1] + (n // group, group)) * scales[..., None].astype(dtype)
+  if offsets is not None:
+    grouped = grouped + offsets[..., None].astype(dtype)
   return grouped.reshape(q.shape)
 
 
@@ -233,25 +240,30 @@ def quantize_rows(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
 
 
 def quant_reference(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
-                    group: int) -> jax.Array:
+                    group: int, offsets: jax.Array | None = None) -> jax.Array:
   """The CPU product of a quantized weight, in jnp (the kernel's oracle): the rows of x quantized
   per group (`quantize_rows`), exact integer dot products per group, scaled by weight scale x row
-  scale and summed. `[..., in] -> [..., out]` float32."""
+  scale and summed; with `offsets`, plus each group's offset times the quantized row's sum over
+  the group (integer sum x row scale). `[..., in] -> [..., out]` float32."""
   xq, xs = quantize_rows(x, group)
   n = x.shape[-1]
   wq = dequantize(values, jnp.ones_like(scales), bits=bits, group=group, dtype=jnp.int32)
   wq = wq.reshape(wq.shape[:-1] + (n // group, group))  # [out, G, g]
   xg = xq.astype(jnp.int32).reshape(xq.shape[:-1] + (n // group, group))  # [..., G, g]
   dots = jnp.einsum("...gi,ogi->...og", xg, wq, preferred_element_type=jnp.int32)
-  return jnp.sum(dots.astype(jnp.float32) * (scales * xs[..., None, :]), axis=-1)
+  out = jnp.sum(dots.astype(jnp.float32) * (scales * xs[..., None, :]), axis=-1)
+  if offsets is not None:
+    xsum = jnp.sum(xg, axis=-1).astype(jnp.float32) * xs  # [..., G]
+    out = out + jnp.einsum("...g,og->...o", xsum, offsets)
+  return out
 
 
 def dequant_product(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
-                    group: int) -> jax.Array:
-  """The TPU/GPU product of a quantized weight: `x . dequantize(values, scales)^T` with float
-  activations (XLA fuses the convert and scale into the dot's operand). Also its derivative
+                    group: int, offsets: jax.Array | None = None) -> jax.Array:
+  """The TPU/GPU product of a quantized weight: `x . dequantize(values, scales, offsets)^T` with
+  float activations (XLA fuses the convert and scale into the dot's operand). Also its derivative
   everywhere."""
-  w = dequantize(values, scales, bits=bits, group=group, dtype=x.dtype)
+  w = dequantize(values, scales, bits=bits, group=group, dtype=x.dtype, offsets=offsets)
   return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
 
 
@@ -260,37 +272,56 @@ def quant_usable(x: jax.Array, bits: int, group: int) -> bool:
   return x.dtype == jnp.float32 and bits in (4, 8) and group % 32 == 0 and available()
 
 
-def _quant_kernel(x, values, scales, *, bits, group):
+def _quant_kernel(x, values, scales, offsets, *, bits, group):
   out = jax.ShapeDtypeStruct(x.shape[:-1] + (values.shape[0],), jnp.float32)
-  return jax.ffi.ffi_call(QUANT_TARGET, out, vmap_method="sequential")(
-      x, values, scales, bits=bits, group=group)
+  if offsets is None:
+    return jax.ffi.ffi_call(QUANT_TARGET, out, vmap_method="sequential")(
+        x, values, scales, bits=bits, group=group)
+  return jax.ffi.ffi_call(QUANT_OFFSETS_TARGET, out, vmap_method="sequential")(
+      x, values, scales, offsets, bits=bits, group=group)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _quant_matvec(x, values, scales, bits, group, kernel):
-  cpu = functools.partial(_quant_kernel if kernel else quant_reference, bits=bits, group=group)
-  default = functools.partial(dequant_product, bits=bits, group=group)
-  return jax.lax.platform_dependent(x, values, scales, cpu=cpu, default=default)
+def _reference_with(x, values, scales, offsets, *, bits, group):
+  return quant_reference(x, values, scales, bits=bits, group=group, offsets=offsets)
+
+
+def _dequant_with(x, values, scales, offsets, *, bits, group):
+  return dequant_product(x, values, scales, bits=bits, group=group, offsets=offsets)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6))
+def _quant_matvec(x, values, scales, offsets, bits, group, kernel):
+  cpu = functools.partial(_quant_kernel if kernel else _reference_with, bits=bits, group=group)
+  default = functools.partial(_dequant_with, bits=bits, group=group)
+  return jax.lax.platform_dependent(x, values, scales, offsets, cpu=cpu, default=default)
 
 
 @_quant_matvec.defjvp
 def _quant_matvec_jvp(bits, group, kernel, primals, tangents):
-  (x, values, scales), (dx, _, dscales) = primals, tangents
-  out = _quant_matvec(x, values, scales, bits, group, kernel)
-  return out, (dequant_product(dx, values, scales, bits=bits, group=group)
-               + dequant_product(x, values, dscales, bits=bits, group=group))
+  (x, values, scales, offsets), (dx, _, dscales, doffsets) = primals, tangents
+  out = _quant_matvec(x, values, scales, offsets, bits, group, kernel)
+  grad = (dequant_product(dx, values, scales, bits=bits, group=group, offsets=offsets)
+          + dequant_product(x, values, dscales, bits=bits, group=group))
+  if offsets is not None:  # each offset multiplies its group's sum of x
+    sums = jnp.sum(x.reshape(x.shape[:-1] + (x.shape[-1] // group, group)), axis=-1)
+    grad = grad + jnp.einsum("...g,og->...o", sums, doffsets,
+                             preferred_element_type=jnp.float32)
+  return out, grad
 
 
 def quant_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: int,
-                 group: int) -> jax.Array:
+                 group: int, offsets: jax.Array | None = None) -> jax.Array:
   """`x [..., in]` times a quantized `[out, in]` weight -> `[..., out]` float32.
 
   On CPU the rows of x are quantized per group as well and the dot products are integer
   (`quant_reference`): the kernel where `quant_usable` (the weight is read at its narrow width),
   else the same arithmetic in jnp. On TPU/GPU the weight is dequantized inside the dot and x stays
   float (`dequant_product`). Derivatives follow `dequant_product`. `values` int8 `[out, in]`
-  (bits 8) or uint8 `[out, in / 2]` (bits 4); `scales` float32 `[out, in / group]`."""
-  return _quant_matvec(x, values, scales, bits, group, quant_usable(x, bits, group))
+  (bits 8) or uint8 `[out, in / 2]` (bits 4); `scales` float32 `[out, in / group]`; `offsets`
+  None or (bits 4) float32 `[out, in / group]`."""
+  if offsets is not None and bits != 4:
+    raise ValueError(f"offsets need bits 4, got bits {bits}")
+  return _quant_matvec(x, values, scales, offsets, bits, group, quant_usable(x, bits, group))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -45,9 +45,7 @@ def fuse_layer(lp: dict) -> dict:
       ws = [lp[name] for name in parts]
       for name in parts:
         del out[name]
-      out[fused + "_t"] = quant.QuantizedWeight(
-          jnp.concatenate([w.values for w in ws], axis=-2),
-          jnp.concatenate([w.scales for w in ws], axis=-2), ws[0].bits, ws[0].group)
+      out[fused + "_t"] = jax.tree.map(lambda *parts: jnp.concatenate(parts, axis=-2), *ws)
       continue
     w = jnp.concatenate([jnp.asarray(lp[name]) for name in parts], axis=-1)  # [in, out]
     for name in parts:
@@ -83,10 +81,8 @@ def split_layer(lp: dict, c: ModelConfig) -> dict:
     step = out.pop(fused + "_t")
     offsets = [sum(sizes[fused][:i]) for i in range(1, len(parts))]
     if quant.is_quantized(step):  # split along `out` (axis -2 of the `[out, in]` integers)
-      values = jnp.split(step.values, offsets, axis=-2)
-      scales = jnp.split(step.scales, offsets, axis=-2)
-      out.update((name, quant.QuantizedWeight(v, s, step.bits, step.group))
-                 for name, v, s in zip(parts, values, scales))
+      out.update((name, step.map_rows(lambda a, i=i: jnp.split(a, offsets, axis=-2)[i]))
+                 for i, name in enumerate(parts))
       continue
     w = step.T
     out.update((name, part.copy()) for name, part in zip(parts, jnp.split(w, offsets, axis=-1)))
