@@ -127,8 +127,9 @@ def test_every_block_size_equals_the_float64_product():
 
 
 def _check_quantized_products():
-  """The quantized product (int8 and int4, 1..9 rows, groups of 32 and 64) against the jnp
-  oracle `quant_reference`, which states the arithmetic exactly (integer dots per group)."""
+  """The quantized product (int8 and int4, symmetric and with offsets, 1..9 rows, groups of 32 and
+  64) against the jnp oracle `quant_reference`, which states the arithmetic exactly (integer dots
+  per group)."""
   rng = np.random.default_rng(12)
   for bits in (8, 4):
     for out, n, group in ((67, 64, 32), (258, 576, 64)):
@@ -139,6 +140,18 @@ def _check_quantized_products():
         want = cpu_gemv.quant_reference(x, values, scales, bits=bits, group=group)
         np.testing.assert_allclose(kernel(x, values, scales), want, rtol=2e-6,
                                    atol=2e-6 * float(jnp.abs(want).max()))
+  # int4 with per-group offsets (asymmetric): in units of 64 weights (n = 64, 576) and, where n is
+  # not a multiple of 64 (96), the 32-weight path
+  for out, n, group in ((67, 64, 32), (258, 576, 64), (40, 96, 32)):
+    values, scales = random_quantized(rng, out, n, 4, group)
+    offsets = jnp.asarray(rng.standard_normal(scales.shape).astype(np.float32))
+    kernel = jax.jit(lambda x, v, s, o: cpu_gemv.quant_matvec(x, v, s, bits=4, group=group,
+                                                              offsets=o))
+    for rows in range(1, 10):
+      x = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
+      want = cpu_gemv.quant_reference(x, values, scales, bits=4, group=group, offsets=offsets)
+      np.testing.assert_allclose(kernel(x, values, scales, offsets), want, rtol=2e-6,
+                                 atol=2e-6 * float(jnp.abs(want).max()))
 
 
 def test_every_quantized_block_size_equals_the_oracle():
