@@ -1,7 +1,7 @@
 """`specjax demo`: chat with a shipped pair (`specjax.load_pair`) and measure the speedup.
 
-Loads the pair (`--pair`; default SmolLM2-135M-Instruct drafting with its own int8 copy, the fastest
-exact configuration measured on CPU), streams the answer to a chat question with
+Loads the pair (`--pair`; default SmolLM2-135M-Instruct drafting with its own 4-bit copy, the file's
+Q4_1 blocks kept: the fastest exact configuration measured on CPU), streams the answer to a chat question with
 `specjax.decode_stream` (greedy, `--num-draft` drafts per round), prints the acceptance statistics,
 then times `specjax.decode` against `specjax.generate` on the same prompt after a warm-up
 call of each (compilation is not counted), prints the ratio and checks that both produce the same
@@ -34,10 +34,10 @@ def add_subcommand(subparsers, handler):
   from specjax.pretrained.pairs import PAIRS
   parser = subparsers.add_parser(
       "demo", help="chat with a shipped target/drafter pair; show the speedup")
-  parser.add_argument("--pair", default="smollm2-int8", choices=sorted(PAIRS),
-                      help="what runs (default: SmolLM2-135M-Instruct drafting with its own int8 "
-                      "copy); the qwen2.5-coder and gemma3-270m pairs need their packages "
-                      "installed")
+  parser.add_argument("--pair", default="smollm2-q4", choices=sorted(PAIRS),
+                      help="what runs (default: SmolLM2-135M-Instruct drafting with its own 4-bit "
+                      "copy, the GGUF's blocks kept); the qwen2.5-coder and gemma3-270m pairs "
+                      "need their packages installed")
   parser.add_argument("--prompt", default=DEFAULT_QUESTION, help="the user's question")
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,

@@ -204,7 +204,7 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
   out = capsys.readouterr().out
   assert "acceptance rate" in out and "output identical to generate: True" in out
-  assert "own int8 copy" in out and "k = 6" in out  # the default: the measured best k
+  assert "own 4-bit copy" in out and "k = 6" in out  # the default: the measured best k
   head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8"]
   assert cli.main(head) == 0
   out = capsys.readouterr().out

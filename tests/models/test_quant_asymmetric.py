@@ -94,7 +94,7 @@ def test_the_offset_term_by_hand():
 
 
 @pytest.mark.skipif(not cpu_gemv.available(), reason="the CPU kernel does not build here")
-@pytest.mark.parametrize("asymmetric", [False, True])
+@pytest.mark.parametrize("asymmetric", [True])  # symmetric int4: test_quant.py's grid
 @pytest.mark.parametrize("out,n,group,rows", [
     (64, 64, 32, 1), (100, 96, 32, 3), (576, 576, 32, 1), (1536, 576, 64, 5),
     (576, 1536, 32, 8), (200, 128, 128, 13), (3, 192, 64, 2), (77, 640, 32, 6),
