@@ -243,7 +243,7 @@ def small_target():
   return sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(10))
 
 
-@pytest.mark.parametrize("name", ["t1", "t0.7_topk3"])
+@pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow)])
 def test_sampled_asymmetric_self_draft_matches_the_target_distribution(small_target, name):
   # N = 20,000 samples, alpha 1e-3 (the harness of test_exactness.py), seeded
   sampling = SETTINGS[name]
@@ -253,6 +253,7 @@ def test_sampled_asymmetric_self_draft_matches_the_target_distribution(small_tar
   assert chi_square_pvalue(tokens, exact_joint(small_target, sampling)) > ALPHA
 
 
+@pytest.mark.slow  # the power check: CI's slow step
 def test_an_asymmetric_self_draft_verified_with_the_float_q_is_rejected(small_target):
   sampling = SETTINGS["t1"]
   drafter = sj.self_drafter(small_target, 4, asymmetric=True)
