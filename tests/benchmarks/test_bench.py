@@ -254,7 +254,7 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6)),
            real.PromptCase("math", "math-0", tuple(range(3, 25)) + (3, 4, 5))]  # one width: 32
   everything = drafters_module.library_drafters(target, num_draft=2)
-  assert [d.name for d in everything] == ["ngram", "suffix", "self-int8", "self-int4"]
+  assert [d.name for d in everything] == ["ngram", "suffix", "self-int8", "self-int4", "self-q4"]
   drafters = drafters_module.library_drafters(target, num_draft=2,
                                               names=("ngram", "self-int8", "suffix-tree"))
   assert [d.name for d in drafters] == ["ngram", "suffix-tree", "self-int8"]
