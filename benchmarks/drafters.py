@@ -9,7 +9,7 @@ import dataclasses
 import pathlib
 from typing import Any
 
-from specjax.pretrained.pairs import DRAFT_CONTEXT, DRAFT_VOCAB_SIZE
+from specjax.pretrained.pairs import DRAFT_CONTEXT, DRAFT_VOCAB_SIZE, GGUF_Q4_COPY
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 # 4-bit GGUF's blocks (asymmetric int4 per 32: Q4_1, Q4_K) with the embedding in int8 per 32
 # (Q8_0's blocks): on SmolLM2's file (Q4_1 layers, Q8_0 embedding) the target's weights exactly.
 SELF_DRAFTS = {"self-int8": dict(bits=8), "self-int4": dict(bits=4),
-               "self-q4": dict(bits=4, group=32, asymmetric=True, embed_bits=8)}
+               "self-q4": GGUF_Q4_COPY}
 SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked for
 # The int8 copy over a draft vocabulary (`specjax.tuning.draft_vocab.frequent_vocab`, counted on
 # the target's own answers to training-template conversations) and each row's recent tokens;

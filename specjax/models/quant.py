@@ -50,8 +50,8 @@ class QuantizedWeight:
       each stored as q + 8).
     scales: float32 `[..., out, in / group]`.
     bits: 8 or 4 (static).
-    offsets: None, or (bits 4) float32 `[..., out, in / group]`: `w = scale * q + offset`.
     group: input columns per scale, a multiple of 32 (static).
+    offsets: None, or (bits 4) float32 `[..., out, in / group]`: `w = scale * q + offset`.
   """
 
   values: jax.Array

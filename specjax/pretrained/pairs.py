@@ -133,6 +133,10 @@ PAIRS = {
                     "the 16,384 ids it uses most and each row's last 256 tokens", 6),
 }
 
+# `specjax.self_drafter` settings of a copy that keeps a 4-bit GGUF's own blocks: asymmetric int4
+# per 32 (Q4_1, Q4_K) and the embedding in int8 per 32 (Q8_0). SmolLM2's file is exactly that.
+GGUF_Q4_COPY = dict(bits=4, group=32, asymmetric=True, embed_bits=8)
+
 # The draft vocabulary of a pair that drafts over one (`specjax.tuning.draft_vocab`).
 DRAFT_VOCAB_SIZE = 16384
 DRAFT_CONTEXT = 256
@@ -182,7 +186,7 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
     gguf = find_packaged_gguf(GGUF_NAME)
     target = from_gguf(gguf, dtype=dtype).for_platform()
     if name == "smollm2-q4":  # the file's own blocks: the copy's weights are the target's
-      draft = self_drafter(target, bits=4, group=32, asymmetric=True, embed_bits=8)
+      draft = self_drafter(target, **GGUF_Q4_COPY)
     else:
       draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
   elif name == "gemma3-270m":

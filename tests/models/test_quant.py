@@ -169,13 +169,15 @@ def test_quantized_leaves_shard_like_the_float_weights(target):
   assert tuple(quants["embed"].values) == tuple(floats["embed"])  # [V, E] both
 
 
+@pytest.mark.parametrize("settings", [dict(bits=4), dict(bits=4, asymmetric=True, embed_bits=8)],
+                         ids=["int4", "int4-asymmetric"])
 @pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=str)
-def test_decode_with_a_quantized_drafter_exports_for_tpu(target, shape):
+def test_decode_with_a_quantized_drafter_exports_for_tpu(target, shape, settings):
   mesh = sj.make_mesh(shape)
   tokens = jnp.array([[5, 9, 2, 7, 1, 3]] * 4 + [[3, 8, 4, 0, 0, 0]] * 4, jnp.int32)
   lengths = jnp.array([6] * 4 + [3] * 4, jnp.int32)
   model = sj.shard(target, mesh)
-  drafter = sj.self_drafter(target, bits=4)
+  drafter = sj.self_drafter(target, **settings)
   drafter = type(drafter)(sj.shard(drafter.model, mesh))
 
   def run(target, drafter, tokens, lengths, rng):
@@ -186,7 +188,7 @@ def test_decode_with_a_quantized_drafter_exports_for_tpu(target, shape):
     text = jax.export.export(jax.jit(run), platforms=["tpu"])(
         model, drafter, tokens, lengths, jax.random.key(3)).mlir_module()
   assert "specjax_cpu" not in text and "tpu_custom_call" in text  # the verify kernel, no CPU call
-  assert "i8" in text or "ui8" in text  # the integers travel narrow
+  assert "ui8" in text  # the int4 nibbles travel packed
 
 
 # ------------------------------------------------------------------------------------------------

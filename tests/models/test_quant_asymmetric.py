@@ -8,7 +8,8 @@ widths (`embed_bits`), and the int4 kernel's unit path.
   oracle's offset term is checked by hand.
 * A model: both layouts agree; Orbax round-trips `asymmetric` and `embed_bits` (and reads a
   checkpoint written before they were recorded); the offsets shard like the scales; decode with
-  the copy as drafter exports for TPU under (1, 8) and (2, 4) meshes.
+  the copy as drafter exports for TPU under (1, 8) and (2, 4) meshes (`test_quant.py`'s export
+  test, parametrized over both int4 copies).
 * Exactness: greedy decode equals `generate` (ragged batch, both layouts); sampled decode matches
   the target's distribution (chi-square, the harness of `test_exactness.py`), and the broken
   variant (the verify told the float target's q) is rejected by the same test.
@@ -197,25 +198,6 @@ def test_offsets_shard_like_the_scales(target):
   for name in ("wq", "w_gate", "w_down"):
     w = specs["layers"][name]
     assert tuple(w.offsets) == tuple(w.scales), name
-
-
-@pytest.mark.parametrize("shape", [(1, 8), (2, 4)], ids=str)
-def test_decode_with_an_asymmetric_drafter_exports_for_tpu(target, shape):
-  mesh = sj.make_mesh(shape)
-  tokens = jnp.array([[5, 9, 2, 7, 1, 3]] * 4 + [[3, 8, 4, 0, 0, 0]] * 4, jnp.int32)
-  lengths = jnp.array([6] * 4 + [3] * 4, jnp.int32)
-  drafter = sj.self_drafter(target, 4, asymmetric=True, embed_bits=8)
-  drafter = type(drafter)(sj.shard(drafter.model, mesh))
-
-  def run(target, drafter, tokens, lengths, rng):
-    return sj.decode(target, drafter, tokens, rng, lengths=lengths, max_new_tokens=8,
-                     num_draft=3, sampling=sj.Sampling(temperature=0.7, top_k=20)).tokens
-
-  with jax.set_mesh(mesh):
-    text = jax.export.export(jax.jit(run), platforms=["tpu"])(
-        sj.shard(target, mesh), drafter, tokens, lengths, jax.random.key(3)).mlir_module()
-  assert "specjax_cpu" not in text and "tpu_custom_call" in text
-  assert "ui8" in text  # the nibbles travel packed
 
 
 # ------------------------------------------------------------------------------------------------
