@@ -22,11 +22,25 @@ def _accelerator_run(markexpr: str) -> bool:
               and not re.search(r"\bnot\s+(tpu|gpu)\b", markexpr))
 
 
+# XLA's backend (LLVM) optimization level for the tests' programs. Compiling takes most of a
+# test's time on CPU (about 80% of tests/loop/test_decode.py at XLA's default level), and level 0
+# roughly halves it; runs that are mostly compute (CI's slow step: large-N chi-squares, the real
+# models) set SPECJAX_TEST_XLA_OPT_LEVEL=default and keep XLA's own level. The level changes how fast the compiled code runs, not its semantics: float
+# arithmetic stays IEEE float32 at every level (no fast-math), two of specjax's programs that a
+# test compares are compiled the same way, and comparisons with torch, NumPy or the C++ kernel
+# carry tolerances. An XLA_FLAGS that names a level wins.
+TEST_XLA_OPT_LEVEL = "--xla_backend_optimization_level=0"
+
+
 def pytest_configure(config):
   # Before any test module imports jax (here, not at import time, so that pytest-xdist's workers,
   # whose command line is not pytest's, read the same mark expression).
   if not _accelerator_run(config.getoption("markexpr", "") or ""):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if ("xla_backend_optimization_level" not in flags
+        and os.environ.get("SPECJAX_TEST_XLA_OPT_LEVEL", "0") != "default"):
+      os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_OPT_LEVEL}".strip()
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
 

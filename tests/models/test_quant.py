@@ -270,7 +270,10 @@ def _told_the_float_q(target_logits, draft_logits, draft_tokens, **kwargs):
   return verify_reference(target_logits, target_logits[:, :k], draft_tokens, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["t1", "t0.7_topk3", "t0.9_topp0.8"])
+# T = 1 by default; the warped settings are `slow`: CI's slow step runs the int4 self-drafter
+# through the exactness harness at T = 0.7 with top-k / top-p, with this broken variant.
+@pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow),
+                                  pytest.param("t0.9_topp0.8", marks=pytest.mark.slow)])
 def test_sampled_self_draft_matches_the_target_distribution(small_target, name):
   sampling = SETTINGS[name]
   tokens, stats = run_decode(small_target, sj.self_drafter(small_target, bits=4), sampling)
@@ -278,7 +281,7 @@ def test_sampled_self_draft_matches_the_target_distribution(small_target, name):
   assert chi_square_pvalue(tokens, exact_joint(small_target, sampling)) > ALPHA
 
 
-@pytest.mark.parametrize("name", ["t1", "t0.7_topk3"])
+@pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow)])
 def test_a_self_draft_verified_with_the_float_q_is_rejected(small_target, name):
   sampling = SETTINGS[name]
   tokens, _ = run_decode(small_target, sj.self_drafter(small_target, bits=4), sampling,
