@@ -22,14 +22,14 @@ def _accelerator_run(markexpr: str) -> bool:
               and not re.search(r"\bnot\s+(tpu|gpu)\b", markexpr))
 
 
-# XLA's backend (LLVM) optimization level for the tests' programs. Compiling takes most of a
-# test's time on CPU (about 80% of tests/loop/test_decode.py at XLA's default level), and level 0
-# roughly halves it; runs that are mostly compute (CI's slow step: large-N chi-squares, the real
-# models) set SPECJAX_TEST_XLA_OPT_LEVEL=default and keep XLA's own level. The level changes how fast the compiled code runs, not its semantics: float
-# arithmetic stays IEEE float32 at every level (no fast-math), two of specjax's programs that a
-# test compares are compiled the same way, and comparisons with torch, NumPy or the C++ kernel
-# carry tolerances. An XLA_FLAGS that names a level wins.
-TEST_XLA_OPT_LEVEL = "--xla_backend_optimization_level=0"
+# XLA's backend (LLVM) optimization level for the tests' programs: SPECJAX_TEST_XLA_OPT_LEVEL,
+# 0 unless set; "default" keeps XLA's own level. Compiling takes most of a test's time on CPU
+# (about 80% of tests/loop/test_decode.py at XLA's default level), and level 0 roughly halves it;
+# runs that are mostly compute (CI's slow step: large-N chi-squares, the real models) keep XLA's
+# level. The level changes how fast the compiled code runs, not its semantics: float arithmetic
+# stays IEEE float32 at every level (no fast-math), two of specjax's programs that a test compares
+# are compiled the same way, and comparisons with torch, NumPy or the C++ kernel carry
+# tolerances. An XLA_FLAGS that names a level wins.
 
 
 def pytest_configure(config):
@@ -38,9 +38,9 @@ def pytest_configure(config):
   if not _accelerator_run(config.getoption("markexpr", "") or ""):
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")
-    if ("xla_backend_optimization_level" not in flags
-        and os.environ.get("SPECJAX_TEST_XLA_OPT_LEVEL", "0") != "default"):
-      os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_OPT_LEVEL}".strip()
+    level = os.environ.get("SPECJAX_TEST_XLA_OPT_LEVEL", "0")
+    if "xla_backend_optimization_level" not in flags and level != "default":
+      os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level={int(level)}".strip()
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
 
