@@ -1,6 +1,7 @@
-"""The CPU layout's small products and attention as hand-written XLA FFI custom calls
-(`cpu_gemv.cc`,
-`cpu_attention.cc`, sharing `cpu_common.h`; one library).
+"""The CPU layout's small products and attention as hand-written XLA FFI custom calls, built into
+one library: `cpu_gemv.cc` (float32 and quantized products; the quantized arithmetic in
+`cpu_quant.h`) and `cpu_attention.cc` (its arithmetic in `cpu_attention.h`), sharing
+`cpu_common.h` (vectors, the split over XLA's intra-op pool).
 
 A batch-1 decode step on CPU is a chain of about a hundred matrix-vector products that should each
 stream their weight at memory bandwidth. XLA:CPU's dot reaches that on one large product but loses
@@ -52,7 +53,8 @@ import numpy as np
 SOURCE = pathlib.Path(__file__).with_name("cpu_gemv.cc")
 # Compiled together into one library; the header is part of its cache key.
 SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
-HEADERS = (SOURCE.with_name("cpu_common.h"),)
+HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_common.h", "cpu_quant.h",
+                                                     "cpu_attention.h"))
 TARGET = "specjax_cpu_gemv"
 QUANT_TARGET = "specjax_cpu_qgemv"
 QUANT_OFFSETS_TARGET = "specjax_cpu_qgemv_offsets"
@@ -380,3 +382,4 @@ def attention(q, keys, values, masks, *, scale: float, softcap: float | None):
     return ref(q, keys, values, masks)
   kernel = functools.partial(_attention_kernel, scale=scale, softcap=softcap)
   return jax.lax.platform_dependent(q, keys, values, masks, cpu=kernel, default=ref)
+
