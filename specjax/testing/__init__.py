@@ -4,5 +4,6 @@ harness (`harness`: a V = 64 target, prompts, one decode per path, the audit's p
 chi-square over it).
 
 Nothing in the library imports this package; tests, benchmarks and the Colab notebooks do (the
-rules are passed as `verify_impl=` callables).
+rules are passed as `verify_impl=` callables). Like the toy pair it is part of a checkout (an
+editable install), not of the wheel.
 """
