@@ -80,10 +80,8 @@ void Rows(const float* w, const float* x, float* y, int64_t n, int64_t r0, int64
 
 // How far ahead of the bytes being read the kernel asks for the next ones: the hardware
 // prefetcher alone leaves a stream that is consumed slower than DRAM delivers it latency-bound.
-// The float32 several-row case prefetches each weight row 1 KiB ahead. The quantized case reads
-// R rows as one contiguous span and prefetches 4 KiB ahead of its linear position (one core, int8,
-// one row of x, a 151 MB matrix of 576 columns: 12 GB/s with per-row prefetch 1 KiB ahead, 18
-// with the linear 4 KiB; SmolLM2's 121 int8 products of a step: 10.6 -> 7.1 ms on 2 cores).
+// The float32 several-row case prefetches each weight row 1 KiB ahead (the quantized case:
+// kPrefetchBytes in cpu_quant.h).
 #ifndef SPECJAX_PREFETCH_F32
 #define SPECJAX_PREFETCH_F32 1024
 #endif
@@ -181,7 +179,6 @@ void AnyRows(const float* w, const float* x, float* y, int64_t n, int64_t out, i
   }
 }
 
-
 // One block of up to kMaxRows rows of x: a function of an output-row range.
 struct Job {
   std::function<void(int64_t, int64_t)> rows;  // computes output rows [r0, r1) for every x row
@@ -263,9 +260,9 @@ ffi::Error QuantProduct(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::An
   PreparedRows prepared;
   PrepareRows(w, x.typed_data(), rows, prepared);
   float* y_data = y->typed_data();
+  const PreparedRows* p = &prepared;
   for (int64_t r = 0; r < rows; r += kMaxRows) {  // each group of up to 8 rows reads w once
     const int64_t m = std::min(kMaxRows, rows - r);
-    const PreparedRows* p = &prepared;
     Run(pool, Job{[=](int64_t r0, int64_t r1) { QuantRows(w, *p, r, m, y_data, r0, r1); }, out,
                   Parts(pool, out)});
   }

@@ -12,10 +12,10 @@ namespace {
 
 // How far ahead of the bytes being read the kernel asks for the next ones: the hardware
 // prefetcher alone leaves a stream that is consumed slower than DRAM delivers it latency-bound.
-// The float32 several-row case prefetches each weight row 1 KiB ahead. The quantized case reads
-// R rows as one contiguous span and prefetches 4 KiB ahead of its linear position (one core, int8,
-// one row of x, a 151 MB matrix of 576 columns: 12 GB/s with per-row prefetch 1 KiB ahead, 18
-// with the linear 4 KiB; SmolLM2's 121 int8 products of a step: 10.6 -> 7.1 ms on 2 cores).
+// The quantized case reads R rows as one contiguous span and prefetches 4 KiB ahead of its linear
+// position (one core, int8, one row of x, a 151 MB matrix of 576 columns: 12 GB/s with per-row
+// prefetch 1 KiB ahead, 18 with the linear 4 KiB; SmolLM2's 121 int8 products of a step: 10.6 ->
+// 7.1 ms on 2 cores).
 #ifndef SPECJAX_PREFETCH
 #define SPECJAX_PREFETCH 4096
 #endif

@@ -382,4 +382,3 @@ def attention(q, keys, values, masks, *, scale: float, softcap: float | None):
     return ref(q, keys, values, masks)
   kernel = functools.partial(_attention_kernel, scale=scale, softcap=softcap)
   return jax.lax.platform_dependent(q, keys, values, masks, cpu=kernel, default=ref)
-
