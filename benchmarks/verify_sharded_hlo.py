@@ -4,8 +4,8 @@
 
 Exports `specjax.verify.dispatch.verify_tokens` (the rule `decode` runs each round, `impl="auto"`)
 for TPU with `jax.export` on this host's CPU devices, over Auto-axis meshes (data, model) of (1, 8),
-(8, 1) and (2, 4), for greedy and for T = 0.7 with top-k 50 and top-p 0.9, and counts in the
-exported StableHLO, per verify call:
+(8, 1) and (2, 4), for greedy, for T = 0.7 alone, with top-p 0.9, and with top-k 50 and top-p 0.9,
+and counts in the exported StableHLO, per verify call:
 
   * collectives (`all_reduce`, `all_gather`, ...): each is one round trip over the mesh;
   * Mosaic kernels (`tpu_custom_call`): the fused verify kernel where the vocabulary is whole on
@@ -19,7 +19,9 @@ iteration appears in the text. Sampling with top-k under a vocabulary split runs
 candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls back to one
 reduction per statistic when a shard may hold tokens tied at the threshold: the two branches are
 counted apart (`candidates`: the fallback replaced by a rule without collectives; `fallback`:
-the candidate verify switched off). Nothing here is timed; any host can run it (no TPU needed).
+the candidate verify switched off). Sampling without top-k or top-p runs the two-round verify
+(`specjax.verify.two_rounds`); top-p alone runs the reduction-per-statistic rule. Nothing here is
+timed; any host can run it (no TPU needed).
 Writes `benchmarks/results/verify_sharded_hlo.json`.
 """
 
@@ -122,6 +124,8 @@ def main():
   args = parser.parse_args()
   jax.config.update("jax_num_cpu_devices", 8)
   settings = {"greedy": sj.Sampling(temperature=0.0),
+              "t0.7": sj.Sampling(temperature=0.7),
+              "t0.7_topp0.9": sj.Sampling(temperature=0.7, top_p=0.9),
               "t0.7_topk50_topp0.9": sj.Sampling(temperature=0.7, top_k=50, top_p=0.9)}
   record = {"benchmark": "verify_sharded_hlo", "vocab": args.vocab, "batch": args.batch,
             "k": args.k, "impl": "auto", "platform": "tpu (jax.export from CPU)",
@@ -134,7 +138,7 @@ def main():
     record["meshes"][name] = {}
     for label, sampling in settings.items():
       counts = measure(args.vocab, args.batch, args.k, shape, sampling)
-      if not sampling.greedy and shape[1] > 1:  # the vocabulary is split: two branches
+      if sampling.top_k is not None and shape[1] > 1:  # the vocabulary is split: two branches
         counts = {"candidates": measure(args.vocab, args.batch, args.k, shape, sampling,
                                         "candidates"),
                   "fallback": measure(args.vocab, args.batch, args.k, shape, sampling,

@@ -27,7 +27,8 @@ Why this is the rule on the whole vocabulary, not an approximation:
   reduction-per-statistic rule, under `lax.cond`.
 
 Sums run in another order than on one device (float32 rounding in the last place), as with
-`ShardedVocab`; the law is the same. Greedy and sampling without top-k keep `ShardedVocab`.
+`ShardedVocab`; the law is the same. Greedy keeps `ShardedVocab` (one all-gather per argmax),
+sampling without top-k or top-p runs `specjax.verify.two_rounds`, top-p alone `ShardedVocab`.
 """
 
 from __future__ import annotations

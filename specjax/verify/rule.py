@@ -105,16 +105,9 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
     `tokens[b, n]` the correction (or the bonus when `n == k`), zeros after.
   """
-  _, k = draft_tokens.shape
-  draft_tokens = draft_tokens.astype(jnp.int32)
-  seeds = jnp.asarray(seeds, jnp.uint32)
-  positions = jnp.asarray(positions, jnp.int32)
-  index = jnp.arange(k + 1, dtype=jnp.int32)
-  if num_drafted is None:
-    num_drafted = jnp.full(draft_tokens.shape[:1], k, jnp.int32)
-  num_drafted = jnp.clip(jnp.asarray(num_drafted, jnp.int32), 0, k)
-  drafted = index[None, :k] < num_drafted[:, None]  # [B, k] the slots that hold drafts
-
+  draft_tokens, seeds, positions, num_drafted, drafted = row_inputs(draft_tokens, seeds,
+                                                                    positions, num_drafted)
+  k = draft_tokens.shape[1]
   if sampling.greedy:
     target_argmax = ops.argmax(target_logits)  # [B, k+1]
     num_accepted = leading_true(drafted & (draft_tokens == target_argmax[:, :k]))
@@ -128,11 +121,36 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
     else:
       q = softmax(ops, warp_logits(draft_logits, sampling, ops))  # [B, k, Vl]
       q_draft = ops.gather_at(q, draft_tokens)
-    u = uniform(seeds[:, None], positions[:, None] + index[None, :k], 0, PURPOSE_ACCEPT)  # [B, k]
-    # u < p/q; q = 0 < p always accepts
-    num_accepted = leading_true(drafted & (u * q_draft < p_draft))
+    num_accepted = ratio_test(p_draft, q_draft, drafted, seeds, positions)
     final = _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions)
+  return verify_result(draft_tokens, num_accepted, final)
 
+
+def row_inputs(draft_tokens, seeds, positions, num_drafted):
+  """The rule's per-row inputs in their dtypes: `(draft_tokens, seeds, positions, num_drafted
+  [B] clipped to [0, k] (None: k), drafted [B, k] the slots that hold drafts)`."""
+  k = draft_tokens.shape[1]
+  if num_drafted is None:
+    num_drafted = jnp.full(draft_tokens.shape[:1], k, jnp.int32)
+  num_drafted = jnp.clip(jnp.asarray(num_drafted, jnp.int32), 0, k)
+  drafted = jnp.arange(k, dtype=jnp.int32)[None] < num_drafted[:, None]
+  return (draft_tokens.astype(jnp.int32), jnp.asarray(seeds, jnp.uint32),
+          jnp.asarray(positions, jnp.int32), num_drafted, drafted)
+
+
+def ratio_test(p_draft, q_draft, drafted, seeds, positions):
+  """`[B]` leading acceptances: slot j accepts when `u * q(x_j) < p(x_j)` (`u < p / q`, and
+  q = 0 < p always accepts), `u` the `PURPOSE_ACCEPT` uniform of the slot's position."""
+  k = drafted.shape[1]
+  u = uniform(seeds[:, None], positions[:, None] + jnp.arange(k, dtype=jnp.int32)[None], 0,
+              PURPOSE_ACCEPT)  # [B, k]
+  return leading_true(drafted & (u * q_draft < p_draft))
+
+
+def verify_result(draft_tokens, num_accepted, final) -> VerifyResult:
+  """`tokens [B, k + 1]`: the accepted drafts, then `final` at slot `num_accepted`, zeros after."""
+  k = draft_tokens.shape[1]
+  index = jnp.arange(k + 1, dtype=jnp.int32)
   tokens = jnp.where(index[None, :k] < num_accepted[:, None], draft_tokens, 0)  # [B, k]
   tokens = jnp.pad(tokens, ((0, 0), (0, 1)))  # [B, k+1]
   tokens = jnp.where(index[None] == num_accepted[:, None], final[:, None], tokens)

@@ -6,8 +6,10 @@ seeds are split with the rows, so every row draws the same numbers as on one dev
 
 Where the mesh also splits the vocabulary, each device holds a `[B / data, k + 1, V / model]` slice
 and `specjax.verify.rule.verify_rule` runs over `ShardedVocab`: maxima, sums, threshold-search
-counts and race winners are reduced on the slice and combined with `pmax` / `psum` / `pmin`, so
-full-vocabulary logits are never gathered. The local reductions are jnp, or Pallas kernels
+counts and race winners are reduced on the slice and combined with `pmax` / `psum` / one
+`all_gather` of (maximum, id) pairs per argmax, so full-vocabulary logits are never gathered.
+Sampling with top-k runs `specjax.verify.candidates` (one collective round), sampling without
+top-k or top-p `specjax.verify.two_rounds` (two). The local reductions are jnp, or Pallas kernels
 (`specjax.verify.kernels.vocab_reduce`) on TPU. A vocabulary that does not divide the vocabulary
 axes is padded with `-inf` logits.
 """
@@ -24,9 +26,8 @@ from jax.sharding import PartitionSpec
 from specjax.parallel.rules import DEFAULT_RULES, ShardingRules
 from specjax.verify.candidates import candidate_verify, uses_candidates
 from specjax.verify.rule import LocalVocab, verify_rule
+from specjax.verify.two_rounds import combine_argmax, two_round_verify, uses_two_rounds
 from specjax.core.sampling import Sampling, VerifyResult, warp_logits
-
-_INT32_MAX = 2**31 - 1
 
 
 class ShardedVocab:
@@ -60,11 +61,13 @@ class ShardedVocab:
     return jax.lax.psum(self.local.sum_at_least(x, weights, thresholds), self.axes)
 
   def argmax(self, x):
-    """Global first-occurrence argmax: the best value over shards, then the smallest id."""
+    """Global first-occurrence argmax, in one collective: every shard's (maximum, its first id)
+    gathered, then the best value with the smallest id (`combine_argmax`)."""
     local_max, local_arg = self.local.max_and_argmax(x)
-    best = jax.lax.pmax(local_max, self.axes)
-    candidate = jnp.where(local_max == best, local_arg + self.offset(x), _INT32_MAX)
-    return jax.lax.pmin(candidate, self.axes)
+    ids = jax.lax.bitcast_convert_type(local_arg + self.offset(x), jnp.float32)
+    got = jax.lax.all_gather(jnp.stack([local_max, ids], axis=-1), self.axes, axis=-1,
+                             tiled=False)  # [..., 2, S]
+    return combine_argmax(got[..., 0, :], jax.lax.bitcast_convert_type(got[..., 1, :], jnp.int32))
 
   def gather_at(self, x, ids):
     local = ids - self.offset(x)
@@ -76,6 +79,11 @@ class ShardedVocab:
 def _candidate_rule(target, draft, tokens, *, ops: ShardedVocab, fallback, **kwargs):
   return candidate_verify(target, draft, tokens, axes=ops.axes, vocab=ops.vocab,
                           offset=ops.offset(target), fallback=fallback, **kwargs)
+
+
+def _two_round_rule(target, draft, tokens, *, ops: ShardedVocab, **kwargs):
+  return two_round_verify(target, draft, tokens, axes=ops.axes, offset=ops.offset(target),
+                          local=ops.local, **kwargs)
 
 
 def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
@@ -147,6 +155,8 @@ def sharded_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
     rule = functools.partial(verify_rule, ops)
     if uses_candidates(sampling, vocab):  # one all-gather of candidates, not one per statistic
       rule = functools.partial(_candidate_rule, ops=ops, fallback=rule)
+    elif uses_two_rounds(sampling, vocab):  # two all-gathers, not one collective per statistic
+      rule = functools.partial(_two_round_rule, ops=ops)
   else:
     rule = local_rule or functools.partial(verify_rule, LocalVocab())
 
