@@ -102,7 +102,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
   real.add_argument("--drafters", type=_strings, default=None,
                     help="comma-separated drafter names (default: every drafter the library "
                          "has; on request also suffix+corpus, suffix-tree, suffix-tree+corpus, "
-                         "self-int8+vocab, and NAME+adaptive)")
+                         "self-int8+vocab, self-q4+vocab, and NAME+adaptive)")
   real.add_argument("--head", dest="heads", action="append", default=None, metavar="DIR",
                     help="a trained head checkpoint (EAGLE-3/MTP or Medusa) to add (repeatable)")
   real.add_argument("--calibration", default=None, metavar="DIR",

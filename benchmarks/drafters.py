@@ -76,10 +76,11 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
 SELF_DRAFTS = {"self-int8": dict(bits=8), "self-int4": dict(bits=4),
                "self-q4": GGUF_Q4_COPY}
 SUFFIX_TREES = ("suffix-tree", "suffix-tree+corpus")  # built only when asked for
-# The int8 copy over a draft vocabulary (`specjax.tuning.draft_vocab.frequent_vocab`, counted on
-# the target's own answers to training-template conversations) and each row's recent tokens;
-# built only when asked for (the counting runs the target).
-VOCAB_DRAFT = "self-int8+vocab"
+# A copy over a draft vocabulary (`specjax.tuning.draft_vocab.frequent_vocab`, counted on the
+# target's own answers to training-template conversations) and each row's recent tokens, by name:
+# the int8 copy and the 4-bit one; built only when asked for (the counting runs the target).
+VOCAB_DRAFTS = {"self-int8+vocab": SELF_DRAFTS["self-int8"],
+                "self-q4+vocab": SELF_DRAFTS["self-q4"]}
 # Its ids kept (at most a quarter of the vocabulary: `draft_vocab_size`) and recent tokens per row
 # also draftable are those of `sj.load_pair("gemma3-270m")`: DRAFT_VOCAB_SIZE, DRAFT_CONTEXT.
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
@@ -149,8 +150,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   per 32 with an int8 embedding; the prompt's cache shared) need no training. A trained head joins the list when the library ships one for this target
   (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
-  empty): a quantized copy costs memory. `self-int8+vocab` (only when named, with `tokenizer`)
-  is the int8 copy over a draft vocabulary (`VOCAB_DRAFT`).
+  empty): a quantized copy costs memory. `self-int8+vocab` and `self-q4+vocab` (only when named,
+  with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`).
   """
   import specjax as sj
   from specjax.drafters.model import default_group
@@ -183,37 +184,46 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
       entries.append(DrafterEntry(
           name, sj.self_drafter(target, **settings), num_draft, None,
           f"the target's own weights quantized to {what}, no training"))
-  if VOCAB_DRAFT in names:
-    entries.append(_vocab_draft(target, tokenizer, num_draft, log))
+  wanted = [n for n in VOCAB_DRAFTS if n in names]
+  if wanted:
+    ids = _draft_vocab(target, tokenizer, wanted[0], log)  # counted once for both copies
+    entries += [_vocab_draft(target, name, ids, num_draft) for name in wanted]
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
-                                VOCAB_DRAFT}:
+                                *VOCAB_DRAFTS}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)
-           | {"suffix+corpus", VOCAB_DRAFT})
+           | {"suffix+corpus", *VOCAB_DRAFTS})
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")
   return [e for e in entries if not names or e.name in names]
 
 
-def _vocab_draft(target, tokenizer, num_draft: int, log) -> DrafterEntry:
+def _draft_vocab(target, tokenizer, name: str, log):
   import time
 
-  import specjax as sj
   from specjax.tuning.draft_vocab import frequent_vocab
 
   if tokenizer is None:
-    raise ValueError(f"{VOCAB_DRAFT} needs the target's tokenizer (its draft vocabulary is "
+    raise ValueError(f"{name} needs the target's tokenizer (its draft vocabulary is "
                      "counted on the target's answers to chat prompts)")
   size = draft_vocab_size(target.config.vocab_size)
   start = time.perf_counter()
   ids = frequent_vocab(target, tokenizer, size)
-  log(f"{VOCAB_DRAFT}: {size} ids counted in {time.perf_counter() - start:.0f}s")
+  log(f"{name}: {size} ids counted in {time.perf_counter() - start:.0f}s")
+  return ids
+
+
+def _vocab_draft(target, name: str, ids, num_draft: int) -> DrafterEntry:
+  import specjax as sj
+
+  settings = VOCAB_DRAFTS[name]
+  what = "int8 copy" if settings["bits"] == 8 else "4-bit copy (as self-q4)"
   return DrafterEntry(
-      VOCAB_DRAFT, sj.self_drafter(target, 8, vocab=ids, context=DRAFT_CONTEXT), num_draft,
-      None, f"the int8 copy drafting over the {size} ids the target uses most (counted on its own "
-      f"answers to 256 training-template conversations) and each row's last {DRAFT_CONTEXT} "
+      name, sj.self_drafter(target, **settings, vocab=ids, context=DRAFT_CONTEXT), num_draft,
+      None, f"the {what} drafting over the {len(ids)} ids the target uses most (counted on its "
+      f"own answers to 256 training-template conversations) and each row's last {DRAFT_CONTEXT} "
       "tokens, no training")
 
 

@@ -16,6 +16,7 @@ from benchmarks import bound, cli as bench_cli, plots, real, real_models, report
 from benchmarks import drafters as drafters_module
 from benchmarks.models import environment
 from specjax.io.export_hf import export_hf
+from specjax.models import quant
 from specjax.testing.models import tiny_config
 
 
@@ -211,35 +212,43 @@ def test_suffix_drafters_of_the_suite_with_a_corpus():
   assert out.stats.summary()["rounds"] < 12
 
 
-def test_the_suites_vocabulary_self_draft():
-  """`self-int8+vocab` is built on request with the target's tokenizer (not without one): the int8
-  copy over the `draft_vocab_size` ids the target uses most and each row's recent tokens; greedy
-  decode with it equals generate."""
+def test_the_suites_vocabulary_self_drafts():
+  """`self-int8+vocab` and `self-q4+vocab` are built on request with the target's tokenizer (not
+  without one): the int8 and the 4-bit copies over the `draft_vocab_size` ids the target uses most
+  (counted once for both) and each row's recent tokens; greedy decode with each equals generate."""
   config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128,
                        tie_embeddings=True)
   target = sj.init_params(config, jax.random.key(0))
+  counted = []
 
   class Ids:  # prompts as ids: `frequent_vocab` only encodes and reads the end-of-turn ids
     eos_ids = (2,)
     chat_template = None
 
     def encode_batch(self, texts):
+      counted.append(len(texts))
       rows = [[3 + (7 * i + j) % 90 for j in range(6)] for i, _ in enumerate(texts)]
       return np.asarray(rows, np.int32), np.full((len(rows),), 6, np.int32)
 
+  names = ("self-int8+vocab", "self-q4+vocab")
   with pytest.raises(ValueError, match="needs the target's tokenizer"):
-    drafters_module.library_drafters(target, num_draft=3, names=("self-int8+vocab",))
-  [entry] = drafters_module.library_drafters(target, num_draft=3, names=("self-int8+vocab",),
-                                             tokenizer=Ids(), log=lambda line: None)
-  assert entry.name == "self-int8+vocab" and drafters_module.draft_vocab_size(96) == 24
-  assert entry.drafter.draft_ids.shape == (24,) and 2 in np.asarray(entry.drafter.draft_ids)
-  assert entry.drafter.context_vocab == drafters_module.DRAFT_CONTEXT
+    drafters_module.library_drafters(target, num_draft=3, names=names[1:])
+  entries = drafters_module.library_drafters(target, num_draft=3, names=names, tokenizer=Ids(),
+                                             log=lambda line: None)
+  assert [e.name for e in entries] == list(names) and len(counted) == 1
+  assert drafters_module.draft_vocab_size(96) == 24
   tokens = jnp.asarray([[1, 5, 6, 7, 8, 9, 10, 11], [1, 40, 41, 0, 0, 0, 0, 0]], jnp.int32)
   lengths = jnp.asarray([8, 3], jnp.int32)
   want = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
-  out = sj.decode(target, entry.drafter, tokens, jax.random.key(0), lengths=lengths,
-                  max_new_tokens=12, num_draft=3)
-  np.testing.assert_array_equal(out.tokens, want.tokens)
+  for entry, bits in zip(entries, (8, 4)):
+    assert entry.drafter.draft_ids.shape == (24,) and 2 in np.asarray(entry.drafter.draft_ids)
+    assert entry.drafter.context_vocab == drafters_module.DRAFT_CONTEXT
+    layer = entry.drafter.model.params["layers"]
+    assert {leaf.bits for leaf in jax.tree.leaves(layer, is_leaf=quant.is_quantized)
+            if quant.is_quantized(leaf)} == {bits}
+    out = sj.decode(target, entry.drafter, tokens, jax.random.key(0), lengths=lengths,
+                    max_new_tokens=12, num_draft=3)
+    np.testing.assert_array_equal(out.tokens, want.tokens)
 
 
 def test_real_suite_machinery_on_a_tiny_model(tmp_path):
