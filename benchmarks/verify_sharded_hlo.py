@@ -15,13 +15,12 @@ and counts in the exported StableHLO, per verify call:
 
 Counts are of executed ops: while counting, `jax.lax.fori_loop` is unrolled (the threshold
 search's `RADIX_ROUNDS` rounds each run one reduction and one collective), so every loop
-iteration appears in the text. Sampling with top-k under a vocabulary split runs the one-round
-candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls back to one
+iteration appears in the text. Sampling with top-k, or with top-p alone, under a vocabulary split
+runs the one-round candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls back to one
 reduction per statistic when a shard may hold tokens tied at the threshold: the two branches are
 counted apart (`candidates`: the fallback replaced by a rule without collectives; `fallback`:
 the candidate verify switched off). Sampling without top-k or top-p runs the two-round verify
-(`specjax.verify.two_rounds`); top-p alone runs the reduction-per-statistic rule. Nothing here is
-timed; any host can run it (no TPU needed).
+(`specjax.verify.two_rounds`). Nothing here is timed; any host can run it (no TPU needed).
 Writes `benchmarks/results/verify_sharded_hlo.json`.
 """
 
@@ -116,6 +115,7 @@ def measure(vocab: int, batch: int, k: int, mesh_shape, sampling, which=None) ->
 
 def main():
   import specjax as sj
+  from specjax.verify.candidates import uses_candidates
   parser = argparse.ArgumentParser()
   parser.add_argument("--vocab", type=int, default=151936)
   parser.add_argument("--batch", type=int, default=8)
@@ -138,7 +138,7 @@ def main():
     record["meshes"][name] = {}
     for label, sampling in settings.items():
       counts = measure(args.vocab, args.batch, args.k, shape, sampling)
-      if sampling.top_k is not None and shape[1] > 1:  # the vocabulary is split: two branches
+      if shape[1] > 1 and uses_candidates(sampling, args.vocab):  # split vocabulary: two branches
         counts = {"candidates": measure(args.vocab, args.batch, args.k, shape, sampling,
                                         "candidates"),
                   "fallback": measure(args.vocab, args.batch, args.k, shape, sampling,

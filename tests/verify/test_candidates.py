@@ -1,15 +1,17 @@
-"""The one-round vocabulary-sharded verify (`specjax.verify.candidates`) under top-k sampling.
+"""The one-round vocabulary-sharded verify (`specjax.verify.candidates`) under top-k sampling and
+under top-p alone.
 
 On 8 simulated CPU devices, (1, 8) and (2, 4) meshes (the vocabulary split 8 and 4 ways):
 
 * it returns the single-device reference's tokens token for token, at T = 0.7 with top-k 20 and
-  top-p 0.9 and at T = 1 with top-k 5, with a drafter's logits and with a point-mass drafter,
+  top-p 0.9, at T = 1 with top-k 5, and with top-p alone (0.9 at T = 0.7, 0.8 at T = 1: each
+  shard sends its 65 most likely tokens and its slice's normalizer), with a drafter's logits and with a point-mass drafter,
   with per-row draft counts, on a vocabulary that divides the shards (1,000) and one that is
   padded (100: each shard sends its whole slice);
 * the candidate branch is the one that ran: the same call with a poisoned fallback (every row's
   count -1) still equals the reference;
 * a row whose logits are all equal (every shard holds more tied tokens at the threshold than it
-  sends) takes the fallback (the poisoned one shows), and the real fallback equals the reference;
+  sends; under top-p alone, a nucleus larger than what a shard sends) takes the fallback (the poisoned one shows), and the real fallback equals the reference;
 * the compiled candidate branch holds all-gathers and no all-reduce (the threshold search's
   collectives are gone), and greedy decoding does not use it.
 """
@@ -30,6 +32,7 @@ from specjax.verify.rule import verify_reference
 SHAPES = [(1, 8), (2, 4)]
 SETTINGS = [sj.Sampling(temperature=0.7, top_k=20, top_p=0.9),
             sj.Sampling(temperature=1.0, top_k=5)]
+NUCLEUS = [sj.Sampling(temperature=0.7, top_p=0.9), sj.Sampling(temperature=1.0, top_p=0.8)]
 
 
 def _case(vocab, seed=0, batch=8, k=5, with_draft=True):
@@ -63,7 +66,8 @@ def _poisoned(monkeypatch):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t0.7-topk20-topp0.9", "t1-topk5"])
+@pytest.mark.parametrize("sampling", SETTINGS + NUCLEUS,
+                         ids=["t0.7-topk20-topp0.9", "t1-topk5", "t0.7-topp0.9", "t1-topp0.8"])
 @pytest.mark.parametrize("vocab,with_draft", [(1000, True), (1000, False), (100, True)],
                          ids=["v1000", "v1000-point-mass", "v100-padded"])
 def test_equals_the_single_device_rule_and_runs_the_candidate_branch(shape, sampling, vocab,
@@ -79,8 +83,8 @@ def test_equals_the_single_device_rule_and_runs_the_candidate_branch(shape, samp
     assert len(set(np.asarray(want.num_accepted).tolist())) > 1
 
 
-def test_ties_at_the_threshold_take_the_fallback(monkeypatch):
-  sampling = SETTINGS[0]
+@pytest.mark.parametrize("sampling", [SETTINGS[0], NUCLEUS[0]], ids=["topk", "topp"])
+def test_ties_at_the_threshold_take_the_fallback(sampling, monkeypatch):
   case = _case(1000, seed=3)
   case["target_logits"] = case["target_logits"].at[0].set(0.0)  # row 0: every token tied
   want = verify_reference(**case, sampling=sampling)
@@ -89,13 +93,13 @@ def test_ties_at_the_threshold_take_the_fallback(monkeypatch):
   assert (np.asarray(_sharded(case, sampling, (1, 8)).num_accepted) == -1).all()
 
 
-def test_the_candidate_branch_gathers_once_and_reduces_nothing():
+@pytest.mark.parametrize("sampling", [SETTINGS[0], NUCLEUS[0]], ids=["topk", "topp"])
+def test_the_candidate_branch_gathers_once_and_reduces_nothing(sampling):
   """Lowered on its own (a fallback without collectives), the candidate branch makes exactly one
   collective, an all-gather of the packed ids, p, q and per-shard (K + 1)-th logits, and no
   all-reduce (the threshold search over the slices had one per radix round). One, not one per
   array: separate independent gathers inside one `shard_map` deadlocked on 8 CPU devices under
   load (tests/parallel/test_mesh.py's stream test aborted in a rendezvous)."""
-  sampling = SETTINGS[0]
   case = _case(1000, seed=5)
   mesh = sj.make_mesh((1, 8))
 
@@ -120,9 +124,48 @@ def test_the_candidate_branch_gathers_once_and_reduces_nothing():
   assert gathers == 1 and reduces == 0, (gathers, reduces)
 
 
-def test_greedy_and_untruncated_sampling_keep_the_reduction_rule():
+def test_greedy_and_untruncated_sampling_do_not_use_candidates():
   assert not candidates.uses_candidates(sj.Sampling(), 1000)
   assert not candidates.uses_candidates(sj.Sampling(temperature=1.0), 1000)
-  assert not candidates.uses_candidates(sj.Sampling(temperature=1.0, top_p=0.9), 1000)
+  assert not candidates.uses_candidates(sj.Sampling(temperature=1.0, top_p=1.0), 1000)
   assert not candidates.uses_candidates(sj.Sampling(temperature=1.0, top_k=999), 1000)
   assert candidates.uses_candidates(sj.Sampling(temperature=1.0, top_k=50), 1000)
+  assert candidates.uses_candidates(sj.Sampling(temperature=1.0, top_p=0.9), 1000)
+  assert candidates.uses_candidates(sj.Sampling(temperature=1.0, top_k=1000, top_p=0.9), 1000)
+
+
+def _long_tail_case(seed=11, batch=64, k=2, vocab=16000, head=40):
+  """Logits whose nucleus (top-p 0.8 at T = 1) lies in 40 head tokens (about 5 a shard) while a
+  tail of 15,960 tokens holds a tenth of the mass; a shard sends at most 5 * 66 of its 2,000."""
+  rng = np.random.default_rng(seed)
+  logits = rng.normal(size=(batch, 2 * k + 1, vocab)) * 0.1
+  for row in logits.reshape(-1, vocab):
+    row[rng.choice(vocab, head, replace=False)] = 8.3 + rng.normal(size=head)
+  target = jnp.asarray(logits[:, :k + 1], jnp.float32)
+  draft = jnp.asarray(logits[:, k + 1:], jnp.float32)
+  tokens = jnp.argmax(draft + jnp.asarray(rng.gumbel(size=draft.shape), jnp.float32), axis=-1)
+  return dict(target_logits=target, draft_logits=draft, draft_tokens=tokens.astype(jnp.int32),
+              seeds=sj.row_seeds(jax.random.key(seed), batch),
+              positions=jnp.asarray(rng.integers(0, 50, size=batch), jnp.int32),
+              num_drafted=jnp.full((batch,), k, jnp.int32))
+
+
+def test_top_p_alone_counts_the_mass_no_shard_sends(monkeypatch):
+  """The nucleus's needed mass is top-p times the whole vocabulary's (from every slice's
+  normalizer), not the candidates': on a long tail the candidate branch (fallback poisoned) still
+  equals the reference. (A rule that took the candidates' sum for the whole mass returns other
+  tokens here: 5 of the 192 differed when tried; 64 rows, so that the test can see it.)"""
+  sampling = sj.Sampling(temperature=1.0, top_p=0.8)
+  case = _long_tail_case()
+  x = case["target_logits"]
+  top = jnp.max(x, axis=-1, keepdims=True)
+  kept = np.asarray(jax.lax.top_k(x.reshape(x.shape[:2] + (8, -1)), 66)[0])  # what shards send
+  share = jnp.exp(jnp.asarray(kept) - top[..., None]).sum((-1, -2)) / jnp.exp(x - top).sum(-1)
+  assert float(share.mean()) < 0.97  # the unsent tail holds several percent of the mass
+  nucleus = (np.asarray(warp_logits(x, sampling)) > -np.inf).sum(-1)
+  assert 1 < nucleus.min() and nucleus.max() < 40  # inside the head, so inside what is sent
+  want = verify_reference(**case, sampling=sampling)
+  _poisoned(monkeypatch)
+  got = _sharded(case, sampling, (1, 8))
+  np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
