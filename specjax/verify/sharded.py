@@ -82,8 +82,8 @@ def _candidate_rule(target, draft, tokens, *, ops: ShardedVocab, fallback, **kwa
 
 
 def _two_round_rule(target, draft, tokens, *, ops: ShardedVocab, **kwargs):
-  return two_round_verify(target, draft, tokens, axes=ops.axes, offset=ops.offset(target),
-                          local=ops.local, **kwargs)
+  return two_round_verify(target, draft, tokens, axes=ops.axes, vocab=ops.vocab,
+                          offset=ops.offset(target), local=ops.local, **kwargs)
 
 
 def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:

@@ -89,7 +89,8 @@ def _owned(x, tokens, offset):
 
 
 def two_round_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sampling, seeds,
-                     positions, num_drafted=None, axes, offset, local) -> VerifyResult:
+                     positions, num_drafted=None, axes, vocab: int, offset, local
+                     ) -> VerifyResult:
   """Inside a `shard_map` over the vocabulary `axes`: `verify_rule`'s result in two `all_gather`s
   (see the module docstring).
 
@@ -97,10 +98,11 @@ def two_round_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sam
     target_logits / draft_logits: this device's `[B, k + 1, Vl]` / `[B, k, Vl]` (or None: a
       point-mass drafter) slices.
     draft_tokens, seeds, positions, num_drafted: as `verify_rule`.
-    axes: the mesh axes the vocabulary is split over; offset: this slice's first global id.
+    axes: the mesh axes the vocabulary is split over; vocab: the full vocabulary size (a top-k
+      at or above it keeps every token); offset: this slice's first global id.
     local: the reductions over the slice (`max`, `sum`, `max_and_argmax`).
   """
-  if not uses_two_rounds(sampling, 1 << 31):
+  if not uses_two_rounds(sampling, vocab):
     raise ValueError(f"two_round_verify needs sampling without top-k / top-p, got {sampling}")
   draft_tokens, seeds, positions, num_drafted, drafted = row_inputs(draft_tokens, seeds,
                                                                     positions, num_drafted)

@@ -3,7 +3,7 @@
 On 8 simulated CPU devices, (1, 8) and (2, 4) meshes (the vocabulary split 8 and 4 ways):
 
 * sampling without top-k or top-p returns the single-device reference's tokens token for token,
-  at T = 0.7 and T = 1, with a drafter's logits and with a point-mass drafter, with per-row draft
+  at T = 0.7 and T = 1 (and with a top-k as large as the vocabulary, which keeps every token), with a drafter's logits and with a point-mass drafter, with per-row draft
   counts, on a vocabulary that divides the shards (1,000) and one that is padded (100), in cases
   where rows accept different numbers of drafts (so rejections, residual races and bonus tokens
   all occur);
@@ -54,7 +54,8 @@ def _collectives(sampling, shape, case):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("sampling", SETTINGS, ids=["t0.7", "t1"])
+@pytest.mark.parametrize("sampling", SETTINGS + [sj.Sampling(temperature=1.0, top_k=1000)],
+                         ids=["t0.7", "t1", "t1-topk-the-vocabulary"])
 @pytest.mark.parametrize("vocab,with_draft", [(1000, True), (1000, False), (100, True)],
                          ids=["v1000", "v1000-point-mass", "v100-padded"])
 def test_equals_the_single_device_rule_in_two_gathers(shape, sampling, vocab, with_draft):
@@ -92,7 +93,8 @@ def test_truncated_sampling_does_not_use_two_rounds():
   with pytest.raises(ValueError, match="without top-k"):
     two_rounds.two_round_verify(None, None, jnp.zeros((1, 2), jnp.int32),
                                 sampling=sj.Sampling(temperature=1.0, top_k=5), seeds=None,
-                                positions=None, axes=("model",), offset=0, local=None)
+                                positions=None, axes=("model",), vocab=1000, offset=0,
+                                local=None)
 
 
 @pytest.mark.parametrize("shards", [1, 4, 10])
