@@ -16,8 +16,9 @@ and counts in the exported StableHLO, per verify call:
 Counts are of executed ops: while counting, `jax.lax.fori_loop` is unrolled (the threshold
 search's `RADIX_ROUNDS` rounds each run one reduction and one collective), so every loop
 iteration appears in the text. Sampling with top-k, or with top-p alone, under a vocabulary split
-runs the one-round candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls back to one
-reduction per statistic when a shard may hold tokens tied at the threshold: the two branches are
+runs the one-round candidate verify (`specjax.verify.candidates`) and, under `lax.cond`, falls
+back to one reduction per statistic when a shard may hold tokens at the threshold that it did not
+send: the two branches are
 counted apart (`candidates`: the fallback replaced by a rule without collectives; `fallback`:
 the candidate verify switched off). Sampling without top-k or top-p runs the two-round verify
 (`specjax.verify.two_rounds`). Nothing here is timed; any host can run it (no TPU needed).

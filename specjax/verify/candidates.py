@@ -48,6 +48,7 @@ import jax.numpy as jnp
 from specjax.core.sampling import (JnpReductions, Sampling, VerifyResult, first_argmax,
                                    radix_threshold, top_k_threshold)
 from specjax.verify.rule import verify_rule
+from specjax.verify.two_rounds import combine_normalizers, slice_normalizer
 
 __all__ = ["CandidateVocab", "candidate_verify", "uses_candidates"]
 
@@ -148,12 +149,9 @@ def _gather_once(ids, p, q, side_p, side_q, axes):
 
 
 def _slice_mass(logits, temperature):
-  """`[B, n, 2]`: the slice's maximum `m` of the tempered logits and `sum exp(x - m)` per
-  position (`-inf`, 0 on an all-`-inf` slice)."""
+  """`[B, n, 2]`: the slice's `(m, s)` of the tempered logits per position (`slice_normalizer`)."""
   x = logits.astype(jnp.float32) / temperature
-  m = jnp.max(x, axis=-1)
-  shift = jnp.where(jnp.isfinite(m), m, 0.0)
-  return jnp.stack([m, jnp.sum(jnp.exp(x - shift[..., None]), axis=-1)], axis=-1)
+  return jnp.stack(slice_normalizer(JnpReductions(), x), axis=-1)
 
 
 def _nucleus_floor(x, mass, top_p: float):
@@ -162,8 +160,7 @@ def _nucleus_floor(x, mass, top_p: float):
   needed mass `top_p * Z` from the slices' sums (not the candidates'), its trial sums over the
   candidates (exact at every trial value above each shard's unsent logits: checked by the caller)."""
   top = jnp.max(x, axis=-1)  # every shard sends its maximum: the global one is a candidate
-  m, s = mass[..., 0], mass[..., 1]
-  total = jnp.sum(jnp.where(jnp.isfinite(m), s * jnp.exp(m - top[..., None]), 0.0), axis=-1)
+  _, total = combine_normalizers(mass[..., 0], mass[..., 1])  # relative to that same maximum
   weights = jnp.exp(x - top[..., None])
   needed = jnp.float32(top_p) * total
   local = JnpReductions()

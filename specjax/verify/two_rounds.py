@@ -33,7 +33,8 @@ import jax.numpy as jnp
 from specjax.core.sampling import PURPOSE_RESIDUAL, Sampling, VerifyResult, gumbel
 from specjax.verify.rule import ratio_test, row_inputs, verify_result
 
-__all__ = ["combine_argmax", "two_round_verify", "uses_two_rounds"]
+__all__ = ["combine_argmax", "combine_normalizers", "slice_normalizer", "two_round_verify",
+           "uses_two_rounds"]
 
 _INT32_MAX = jnp.iinfo(jnp.int32).max
 
@@ -64,16 +65,17 @@ def combine_argmax(values: jax.Array, ids: jax.Array) -> jax.Array:
   return jnp.min(jnp.where(chosen, ids, _INT32_MAX), axis=-1)
 
 
-def _slice_stats(local, x):
+def slice_normalizer(local, x):
   """`(m, s)`: the slice's maximum and `sum exp(x - m)` per position (`m = -inf`, `s = 0` on an
-  all-`-inf` slice, e.g. a padded one)."""
+  all-`-inf` slice, e.g. a padded one), reduced with `local` (`max`, `sum`)."""
   m = local.max(x)
   shift = jnp.where(jnp.isfinite(m), m, 0.0)
   return m, local.sum(jnp.exp(x - shift[..., None]))
 
 
-def _normalizers(m, s):
-  """`[..., S]` per-shard `(m, s)` -> `(M, S)` of the whole vocabulary."""
+def combine_normalizers(m, s):
+  """`[..., S]` per-shard `(m, s)` -> `(M, S)` of the whole vocabulary (a streaming log-sum-exp:
+  `M = max_s m_s`, `S = sum_s s_s exp(m_s - M)`; `M` is 0 where every slice is `-inf`)."""
   big = jnp.max(m, axis=-1)
   safe = jnp.where(jnp.isfinite(big), big, 0.0)
   scale = jnp.where(jnp.isfinite(m), jnp.exp(m - safe[..., None]), 0.0)
@@ -112,17 +114,17 @@ def two_round_verify(target_logits, draft_logits, draft_tokens, *, sampling: Sam
 
   # Round 1: each slice's normalizers and owned draft-token logits, gathered once.
   xt = target_logits.astype(jnp.float32) / temperature  # [B, k+1, Vl]
-  parts = [*_slice_stats(local, xt), _owned(xt[:, :k], draft_tokens, offset)]
+  parts = [*slice_normalizer(local, xt), _owned(xt[:, :k], draft_tokens, offset)]
   if has_draft:
     xq = draft_logits.astype(jnp.float32) / temperature  # [B, k, Vl]
-    parts += [*_slice_stats(local, xq), _owned(xq, draft_tokens, offset)]
+    parts += [*slice_normalizer(local, xq), _owned(xq, draft_tokens, offset)]
   sizes = [part.shape[1] for part in parts]
   stats = jax.lax.all_gather(jnp.concatenate(parts, axis=1), axes, axis=2, tiled=False)
   pieces = jnp.split(stats, [sum(sizes[:i]) for i in range(1, len(sizes))], axis=1)  # [B, ., S]
-  max_p, sum_p = _normalizers(pieces[0], pieces[1])  # [B, k+1]
+  max_p, sum_p = combine_normalizers(pieces[0], pieces[1])  # [B, k+1]
   p_draft = jnp.exp(jnp.max(pieces[2], axis=-1) - max_p[:, :k]) / sum_p[:, :k]
   if has_draft:
-    max_q, sum_q = _normalizers(pieces[3], pieces[4])  # [B, k]
+    max_q, sum_q = combine_normalizers(pieces[3], pieces[4])  # [B, k]
     q_draft = jnp.exp(jnp.max(pieces[5], axis=-1) - max_q) / sum_q
   else:
     q_draft = jnp.ones_like(p_draft)

@@ -25,21 +25,10 @@ import specjax as sj
 from specjax.core.sampling import first_argmax
 from specjax.verify import sharded, two_rounds
 from specjax.verify.rule import verify_reference
+from tests.verify.test_candidates import _case
 
 SHAPES = [(1, 8), (2, 4)]
 SETTINGS = [sj.Sampling(temperature=0.7), sj.Sampling(temperature=1.0)]
-
-
-def _case(vocab, seed=0, batch=8, k=5, with_draft=True):
-  rng = np.random.default_rng(seed)
-  target = jnp.asarray(rng.normal(size=(batch, k + 1, vocab)) * 3, jnp.float32)
-  draft = target[:, :k] + jnp.asarray(rng.normal(size=(batch, k, vocab)) * 0.3, jnp.float32)
-  noise = jnp.asarray(rng.gumbel(size=(batch, k, vocab)), jnp.float32)
-  tokens = jnp.argmax(draft / 0.7 + noise, axis=-1).astype(jnp.int32)
-  return dict(target_logits=target, draft_logits=draft if with_draft else None,
-              draft_tokens=tokens, seeds=sj.row_seeds(jax.random.key(seed), batch),
-              positions=jnp.asarray(rng.integers(0, 50, size=batch), jnp.int32),
-              num_drafted=jnp.asarray(rng.integers(0, k + 1, size=batch), jnp.int32))
 
 
 def _verify(sampling, shape):
