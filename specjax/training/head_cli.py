@@ -88,6 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
   parser.add_argument("--write-chunks", help="head-data: write only these chunks, e.g. 50:90")
   parser.add_argument("--run-dir", default="runs/eagle3", help="head: the run's folder")
   parser.add_argument("--kind", choices=("eagle3", "mtp", "medusa"), default="eagle3")
+  parser.add_argument("--parallel", action="store_true",
+                      help="eagle3/mtp: a parallel-drafting head (ttt-steps - 2 placeholder slots; "
+                           "drafts up to ttt-steps tokens in one forward)")
   parser.add_argument("--steps", type=int, default=2000)
   parser.add_argument("--stop-at", type=int, help="stop after this step (resume later)")
   parser.add_argument("--batch-size", type=int, default=4)
@@ -136,7 +139,7 @@ def run(args) -> int:
     return 0
   config = heads.HeadTrainConfig(kind=args.kind, steps=args.steps, batch_size=args.batch_size,
                                  seq_len=args.seq_len, ttt_steps=args.ttt_steps,
-                                 draft_vocab_size=args.draft_vocab, learning_rate=args.lr,
+                                 parallel=args.parallel, draft_vocab_size=args.draft_vocab, learning_rate=args.lr,
                                  warmup_steps=args.warmup, seed=args.seed)
   chunks = _span(args.chunks)
   head_run.train_head(target, args.data, args.run_dir, config, chunks=chunks,

@@ -10,6 +10,12 @@ restricted to the draft vocabulary and renormalised, averaged over answer positi
 argmax lies in the draft vocabulary. Medusa head `i` at position `t` is trained the same way
 against the target's distribution for token `t + 2 + i`.
 
+A parallel EAGLE head (`parallel=True`, P-EAGLE-style) is unrolled the same way except that steps
+`j >= 2` read the head's learned placeholders (`parallel_embed[j - 2]`, `parallel_feature[j - 2]`)
+in place of the previous step's output and token `i + 1 + j`: at inference those slots come out
+of one forward, before any of the drafts they precede exist. It gets `ttt_steps - 2` placeholders
+and drafts up to `ttt_steps` tokens a round.
+
 The target's features (taps, final hidden state) and its top-k logits are recorded once, by the
 forward passes that generated the data (`specjax.training.selfdistill`), so training never runs
 the target. The train state is one pytree (`params`, `opt_state`, `step`) updated by
@@ -45,6 +51,8 @@ class HeadTrainConfig:
     batch_size: conversations per step.
     seq_len: window length (a conversation is cut or padded to it).
     ttt_steps: training-time-test unroll depth (EAGLE/MTP); Medusa: number of heads.
+    parallel: EAGLE/MTP only: a parallel-drafting head with `ttt_steps - 2` placeholder slots
+      (see the module docstring; needs `ttt_steps >= 3`).
     step_weight: weight `w^j` of unroll step / Medusa head `j`.
     draft_vocab_size: `N`, the most frequent answer ids.
     learning_rate / warmup_steps / final_lr_ratio: AdamW peak, linear warmup, cosine floor.
@@ -59,6 +67,7 @@ class HeadTrainConfig:
   batch_size: int = 8
   seq_len: int = 256
   ttt_steps: int = 5
+  parallel: bool = False
   step_weight: float = 0.8
   draft_vocab_size: int = 8192
   learning_rate: float = 1e-3
@@ -76,6 +85,10 @@ class HeadTrainConfig:
     for name in ("steps", "batch_size", "seq_len", "ttt_steps", "draft_vocab_size"):
       if int(getattr(self, name)) < 1:
         raise ValueError(f"HeadTrainConfig.{name} must be >= 1")
+    if self.parallel and (self.kind == "medusa" or self.ttt_steps < 3):
+      raise ValueError("a parallel head is an EAGLE-3 or MTP head with ttt_steps >= 3 (two "
+                       f"ordinary steps, then placeholders); got kind {self.kind!r}, ttt_steps "
+                       f"{self.ttt_steps}")
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError("warmup_steps must lie in [0, steps]")
 
@@ -97,7 +110,8 @@ def init_network(config: HeadTrainConfig, target: Model, draft_ids: np.ndarray):
     mc = medusa.MedusaConfig(target.config.embed_dim, config.ttt_steps, len(draft_ids),
                              target.config.vocab_size)
     return medusa.init_medusa(mc, target, draft_ids)
-  hc = eagle.head_config_for(target.config, kind=config.kind, draft_vocab_size=len(draft_ids))
+  hc = eagle.head_config_for(target.config, kind=config.kind, draft_vocab_size=len(draft_ids),
+                             parallel=config.ttt_steps - 2 if config.parallel else 0)
   return eagle.init_head(hc, target, jax.random.PRNGKey(config.seed), draft_ids)
 
 
@@ -193,17 +207,26 @@ def _ttt_attention(q, k0, v0, diag_k, diag_v, scale):
 def eagle_unroll(head: eagle.EagleHead, embed: jax.Array, tokens: jax.Array, source: jax.Array,
                  num_steps: int) -> list[jax.Array]:
   """The head's draft logits of every unroll step: list of `[B, T, N]`, step `j` at chain `t`
-  predicting token `t + 2 + j` (see the module docstring)."""
+  predicting token `t + 2 + j` (see the module docstring; a parallel head's steps `j >= 2` read
+  its placeholders)."""
   c = head.config
   b, t = tokens.shape
+  if c.parallel and num_steps > c.parallel + 2:
+    raise ValueError(f"a head with {c.parallel} placeholder slots unrolls at most "
+                     f"{c.parallel + 2} steps, asked for {num_steps}")
   features = eagle.project_features(head, source)  # [B, T, E]
   base = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   scale = c.layer_config.attention_scale
   k0 = v0 = None
   diag_k, diag_v, outputs = [], [], []
   for j in range(num_steps):
-    step_tokens = _shift(tokens, 1 + j)
-    q, k, v = eagle.head_qkv(head, embed, step_tokens, features, base + j)
+    if c.parallel and j >= 2:
+      slot = lambda name: jnp.broadcast_to(head.params[name][j - 2].astype(features.dtype),
+                                           features.shape)
+      features = slot("parallel_feature")
+      q, k, v = eagle.head_qkv(head, None, slot("parallel_embed"), features, base + j)
+    else:
+      q, k, v = eagle.head_qkv(head, embed, _shift(tokens, 1 + j), features, base + j)
     if j == 0:
       k0, v0 = k, v
     else:

@@ -10,8 +10,8 @@ variant uses its path's N). 24 new tokens per row, k = 7 for chains (trees of de
 row runs about ten rounds and the tested positions span several of them. Settings: T = 1, and T =
 0.7 with top-k 16 and top-p 0.9. Drafters: a noisy copy of the target (first-draft acceptance about
 0.6), prompt lookup, static / dynamic / sampled (i.i.d. and without replacement) / n-gram trees,
-EAGLE-3, MTP and Medusa heads with random weights (exactness does not depend on their quality; they
-are rarely accepted), the hybrid (lookup in front of an EAGLE-3 head), the confidence stop with
+EAGLE-3, MTP and Medusa heads and a parallel EAGLE-3 head (all K drafts from one forward) with random
+weights (exactness does not depend on their quality; they are rarely accepted), the hybrid (lookup in front of an EAGLE-3 head), the confidence stop with
 verify widths, the per-row adaptive drafter, and the int4 self-drafter
 (`specjax.self_drafter(bits=4)`). Everything is seeded.
 
@@ -42,13 +42,14 @@ target's samples keyed by the depth within the round (every round reuses them); 
 matching by the target's argmax at T > 0; dynamic tree: top-m children verified as if sampled
 from q; i.i.d. sampled tree: an acceptance threshold of 0.8; without replacement: q not
 renormalised after a rejected sibling; EAGLE-3: q before the temperature; MTP: drafts outside the
-draft vocabulary where q says 0; Medusa: each draft verified with the neighbouring head's q;
+draft vocabulary where q says 0; Medusa: each draft verified with the neighbouring head's q; parallel EAGLE-3: drafts sampled, but
+verify given point masses at each slot's argmax;
 hybrid: copied drafts verified with the head's q; confidence stop and adaptive: the stop slot's
 token drawn from a residual; int4 self-drafter: verify told the float model's q.
 
 Cost (2-core CPU host shared with other work, one worker): the 43 `slow` cases 19.5 minutes
-(4.6 to 98 s each; the sampled trees are the slowest); the default selection's two small-N
-checks 18 s.
+(4.6 to 98 s each; the sampled trees are the slowest), and the parallel head's three added since
+40-100 s each; the default selection's two small-N checks 18 s.
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def world():
               scorer=harness.Scorer(target))
 
 
-def _eagle(target, kind: str, cls=EagleDrafter, seed: int = 1):
-  config = eagle.head_config_for(target.config, kind=kind, draft_vocab_size=len(DRAFT_IDS))
+def _eagle(target, kind: str, cls=EagleDrafter, seed: int = 1, parallel: int = 0):
+  config = eagle.head_config_for(target.config, kind=kind, draft_vocab_size=len(DRAFT_IDS),
+                                 parallel=parallel)
   head = eagle.init_head(config, target, jax.random.key(seed), sorted(DRAFT_IDS))
   head = eagle.EagleHead(harness.noisy_copy(head.params, jax.random.key(seed + 100), HEAD_NOISE),
                          config)
@@ -149,6 +151,20 @@ class LeakyVocabEagle(EagleDrafter):
     in_vocab = jnp.zeros((harness.VOCAB,), bool).at[jnp.asarray(DRAFT_IDS)].set(True)
     return state, dataclasses.replace(
         proposal, logits=jnp.where(in_vocab, proposal.logits, -jnp.inf))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ArgmaxQParallelEagle(EagleDrafter):
+  """A parallel head that samples each draft from its slot's q but hands verify a point mass at
+  that slot's argmax (the greedy peers' q) in its place."""
+
+  def propose(self, state, sequence, lengths, **kwargs):
+    state, proposal = super().propose(state, sequence, lengths, **kwargs)
+    logits = proposal.logits
+    top = jnp.argmax(logits, axis=-1)[..., None]
+    return state, dataclasses.replace(proposal, logits=jnp.where(
+        jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf))
 
 
 @jax.tree_util.register_dataclass
@@ -258,6 +274,7 @@ PATHS = {
     "eagle3": lambda w: dict(draft=_eagle(w["target"], "eagle3")),
     "mtp": lambda w: dict(draft=_eagle(w["target"], "mtp")),
     "medusa": lambda w: dict(draft=_medusa(w["target"])),
+    "eagle3_parallel": lambda w: dict(draft=_eagle(w["target"], "eagle3", parallel=K - 2)),
     "hybrid": lambda w: dict(draft=HybridDrafter(_eagle(w["target"], "eagle3"), ngram=2)),
     "confidence_stop": lambda w: dict(draft=sj.ModelDrafter(w["draft"], confidence=0.5),
                                       verify_widths=(1, 2, 4)),
@@ -289,6 +306,8 @@ MUTANTS = {
     "mtp_drafts_outside_draft_vocab": lambda w: dict(draft=_eagle(w["target"], "mtp",
                                                                   LeakyVocabEagle)),
     "medusa_neighbour_head_q": lambda w: dict(draft=_medusa(w["target"], NeighbourQMedusa)),
+    "eagle3_parallel_argmax_q": lambda w: dict(draft=_eagle(w["target"], "eagle3",
+                                                            ArgmaxQParallelEagle, parallel=K - 2)),
     "hybrid_copies_with_head_q": lambda w: dict(draft=HeadQHybrid(_eagle(w["target"], "eagle3"),
                                                                   ngram=2)),
     "confidence_stop_from_residual": lambda w: dict(

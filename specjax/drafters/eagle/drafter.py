@@ -21,6 +21,14 @@ at `L - 1` and its logits for `token_L`.
   features, so rejected drafts roll back for free, and it leaves the output at the last kept
   entry as the next round's starting point. Per round the head runs `k` forwards.
 
+A parallel head (`head.config.parallel = P > 0`, P-EAGLE-style) drafts all of a round in one
+forward instead of `k - 1` steps: `d_1` from the stored logits as above, then one forward over
+`k - 1` slots, slot 0 the pair `(hidden, d_1)` and slots `1 .. k - 2` the head's learned
+placeholders (`network.parallel_inputs`); slot `j`'s logits give `d_{j+2}`. Draft `d_{j+2}` is
+drawn from that slot's own distribution, which depends on `d_1` but not on the drafts between,
+and that distribution is the `q` the verify receives: exact like every proposal whose `q` is the
+law each draft was drawn from. Per round the head runs two forwards, whatever `k <= P + 2`.
+
 Sampling: `specjax.drafters.draft_vocab`.
 """
 
@@ -35,7 +43,8 @@ import jax.numpy as jnp
 from specjax.core.cache import KVCache
 from specjax.drafters.draft_vocab import draft_tokens, take_rows
 from specjax.drafters.model import draft_chain
-from specjax.drafters.proposal import check_confidence
+from specjax.drafters.proposal import (Proposal, check_confidence, confident_count,
+                                       stopped_count, top_probability)
 from specjax.drafters.eagle import network as eagle
 
 __all__ = ["EagleDrafter", "EagleState"]
@@ -90,7 +99,15 @@ class EagleDrafter:
   def vocab_size(self) -> int:
     return int(self.head.config.vocab_size)
 
+  @property
+  def max_draft(self) -> int | None:
+    """The longest round a parallel head drafts (`parallel + 2`); None for a sequential head."""
+    parallel = self.head.config.parallel
+    return parallel + 2 if parallel else None
+
   def forwards_per_round(self, num_draft: int) -> int:
+    if self.head.config.parallel:
+      return 1 + (num_draft > 1)
     return num_draft
 
   def features(self, out) -> jax.Array:
@@ -124,6 +141,8 @@ class EagleDrafter:
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
               stop=None):
     del sequence
+    if self.head.config.parallel:
+      return self._propose_parallel(state, lengths, num_draft, sampling, seeds, limits, stop)
     draft = lambda logits, positions: draft_tokens(logits, self.head.draft_ids, self.full_logits,
                                                    sampling, seeds, positions)
     first, first_logits = draft(state.logits, lengths)  # [B], [B, V] or None
@@ -141,6 +160,40 @@ class EagleDrafter:
     # Entries past the committed pairs are scratch that `observe` overwrites; lengths stay.
     state = dataclasses.replace(state, cache=cache.with_lengths(state.cache.lengths))
     return state, proposal
+
+  def _propose_parallel(self, state, lengths, num_draft, sampling, seeds, limits, stop):
+    """All `k` drafts of a parallel head: `d_1` from the stored logits, the rest from one forward
+    (see the module docstring). Confidence, stop rules and limits trim the proposal: every
+    draft's top probability is known before any later draft is drawn from it."""
+    if num_draft > self.max_draft:
+      raise ValueError(f"num_draft ({num_draft}) exceeds what this parallel head drafts in one "
+                       f"forward ({self.max_draft}: {self.head.config.parallel} placeholder "
+                       "slots + 2)")
+    first, first_full = draft_tokens(state.logits[:, None], self.head.draft_ids,
+                                     self.full_logits, sampling, seeds[:, None], lengths[:, None])
+    raw, tokens, full = state.logits[:, None], first, first_full
+    if num_draft > 1:
+      embedded, features = eagle.parallel_inputs(self.head, self.target_embed, first[:, 0],
+                                                 state.hidden, num_draft - 1)
+      # Slot L - 1 holds (hidden, d_1); the placeholders follow it. The cache this forward
+      # returns is dropped: `observe` writes the round's pairs from the target's features.
+      logits, _, _ = eagle.head_forward(self.head, None, embedded, features, lengths - 1,
+                                        state.cache)
+      positions = lengths[:, None] + jnp.arange(1, num_draft, dtype=jnp.int32)
+      rest, rest_full = draft_tokens(logits, self.head.draft_ids, self.full_logits, sampling,
+                                     seeds[:, None], positions)
+      raw = jnp.concatenate([raw, logits], axis=1)
+      tokens = jnp.concatenate([tokens, rest], axis=1)
+      if full is not None:
+        full = jnp.concatenate([full, rest_full], axis=1)
+    tops = top_probability(raw)  # [B, k]
+    num_drafted = None if self.confidence is None else confident_count(tops, self.confidence)
+    if stop is not None:
+      stopped = stopped_count(tops, stop)
+      num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
+    if limits is not None:
+      num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
+    return state, Proposal(tokens, full, num_drafted, tops)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block

@@ -40,7 +40,7 @@ from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, 
                                         rope_tables)
 
 __all__ = ["EagleHead", "HeadConfig", "head_config_for", "head_forward", "init_head", "load_head",
-           "project_features", "save_head", "to_target_logits"]
+           "parallel_inputs", "project_features", "save_head", "to_target_logits"]
 
 HEAD_KIND = "eagle_head"
 
@@ -63,6 +63,10 @@ class HeadConfig:
     norm_eps: RMSNorm epsilon.
     rope_theta: RoPE base frequency of the head's attention.
     max_len: the longest sequence the head is meant for (sizes caches by default).
+    parallel: `P` >= 0 placeholder slots (P-EAGLE-style parallel drafting): 0 = a sequential
+      head; `P` > 0 = the head drafts up to `P + 2` tokens with one forward per round, slots
+      after the first drafted token reading learned placeholders in place of a (feature, token)
+      pair (`parallel_inputs`).
   """
 
   embed_dim: int
@@ -77,6 +81,7 @@ class HeadConfig:
   norm_eps: float = 1e-5
   rope_theta: float = 10_000.0
   max_len: int = 2048
+  parallel: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "taps", tuple(int(i) for i in self.taps))
@@ -92,6 +97,8 @@ class HeadConfig:
     if self.draft_vocab_size > self.vocab_size:
       raise ValueError(f"draft_vocab_size ({self.draft_vocab_size}) exceeds the target's "
                        f"vocab_size ({self.vocab_size})")
+    if not isinstance(self.parallel, (int, np.integer)) or self.parallel < 0:
+      raise ValueError(f"HeadConfig.parallel must be an int >= 0, got {self.parallel!r}")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                        f"({self.num_kv_heads})")
@@ -106,7 +113,7 @@ class HeadConfig:
 
 
 def head_config_for(target: ModelConfig, *, kind: str = "eagle3", draft_vocab_size: int,
-                    max_len: int | None = None) -> HeadConfig:
+                    max_len: int | None = None, parallel: int = 0) -> HeadConfig:
   """The head shape that matches a target: its attention and MLP widths, EAGLE-3 or MTP taps.
 
   Args:
@@ -114,6 +121,7 @@ def head_config_for(target: ModelConfig, *, kind: str = "eagle3", draft_vocab_si
     kind: "eagle3" (taps `(2, L//2, L-3)`) or "mtp" (the final normed hidden state).
     draft_vocab_size: `N`.
     max_len: defaults to the target's.
+    parallel: placeholder slots of a parallel-drafting head (`HeadConfig.parallel`), 0 = none.
   """
   L = target.num_layers
   if kind == "eagle3":
@@ -129,7 +137,7 @@ def head_config_for(target: ModelConfig, *, kind: str = "eagle3", draft_vocab_si
                     mlp_dim=target.mlp_dim, num_taps=len(taps) or 1, taps=taps,
                     draft_vocab_size=draft_vocab_size, vocab_size=target.vocab_size,
                     norm_eps=target.norm_eps, rope_theta=target.rope_theta,
-                    max_len=max_len or target.max_len)
+                    max_len=max_len or target.max_len, parallel=parallel)
 
 
 class _DraftVocabHead:
@@ -155,7 +163,10 @@ class EagleHead(_DraftVocabHead):
 
   `params`: `fc [num_taps*E, E]`, `input_norm [E]`, `hidden_norm [E]`, `layer` {`wq [2E, H*D]`,
   `wk [2E, KVH*D]`, `wv [2E, KVH*D]`, `wo [H*D, E]`, `mlp_norm [E]`, `w_gate [E, F]`,
-  `w_up [E, F]`, `w_down [F, E]`}, `final_norm [E]`, `lm_head [E, N]`, `d2t [N] int32`.
+  `w_up [E, F]`, `w_down [F, E]`}, `final_norm [E]`, `lm_head [E, N]`, `d2t [N] int32`; a
+  parallel head (`config.parallel = P > 0`) also `parallel_embed [P, E]` and
+  `parallel_feature [P, E]`, the placeholders that stand in for a slot's token embedding and
+  feature.
   """
 
   params: dict
@@ -230,6 +241,12 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
   params = {"fc": fc, "input_norm": ones, "hidden_norm": jnp.ones_like(ones), "layer": layer,
             "final_norm": jnp.asarray(target.params["final_norm"], jnp.float32), "lm_head": lm_head,
             "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
+  if c.parallel:
+    # Placeholders start as unit-scale vectors (the slot's input norms rescale them either way),
+    # from their own key: a sequential head's weights stay what they were.
+    embed_key, feature_key = jax.random.split(jax.random.fold_in(rng, 1))
+    params["parallel_embed"] = jax.random.normal(embed_key, (c.parallel, e), jnp.float32)
+    params["parallel_feature"] = jax.random.normal(feature_key, (c.parallel, e), jnp.float32)
   return EagleHead(params, config)
 
 
@@ -290,9 +307,12 @@ def project_features(head: EagleHead, source: jax.Array) -> jax.Array:
   return jnp.einsum("btf,fe->bte", stacked.astype(fc.dtype), fc)
 
 
-def head_qkv(head: EagleHead, embed: jax.Array, tokens: jax.Array, features: jax.Array,
+def head_qkv(head: EagleHead, embed: jax.Array | None, tokens: jax.Array, features: jax.Array,
              positions: jax.Array):
   """The layer's rotated queries/keys/values for pairs `(features, tokens)` at `positions`.
+
+  `tokens` are `[B, T]` ids embedded with `embed`, or (`embed=None`) `[B, T, E]` already
+  embedded (a parallel head's placeholders, `parallel_inputs`).
 
   Returns:
     `q [B, T, H, D]`, `k [B, T, KVH, D]`, `v [B, T, KVH, D]`.
@@ -300,8 +320,8 @@ def head_qkv(head: EagleHead, embed: jax.Array, tokens: jax.Array, features: jax
   c = head.config
   p = head.params
   lp = p["layer"]
-  b, t = tokens.shape
-  x_embed = embed[tokens].astype(features.dtype)  # [B, T, E]
+  b, t = tokens.shape[:2]
+  x_embed = (tokens if embed is None else embed[tokens]).astype(features.dtype)  # [B, T, E]
   joint = jnp.concatenate([rms_norm(x_embed, p["input_norm"], c.norm_eps, 0.0),
                            rms_norm(features, p["hidden_norm"], c.norm_eps, 0.0)], axis=-1)
   q = jnp.einsum("btf,fg->btg", joint, lp["wq"]).reshape(b, t, c.num_heads, c.head_dim)
@@ -340,7 +360,8 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
   Args:
     head: the head.
     embed: `[V, E]` the target's input embedding table.
-    tokens: `[B, T]` int32; `tokens[:, j]` is the token that FOLLOWS the feature `features[:, j]`.
+    tokens: `[B, T]` int32; `tokens[:, j]` is the token that FOLLOWS the feature `features[:, j]`
+      (or, with `embed=None`, `[B, T, E]` their embeddings: see `head_qkv`).
     features: `[B, T, E]` projected target features (`project_features`) or the head's own
       `hidden_out` of the previous step when drafting on.
     starts: `[B]` int32 slot (= position) of each row's first pair.
@@ -353,7 +374,7 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
     `starts .. starts + T - 1` and `lengths = starts + T` (None if no cache was given).
   """
   c = head.config
-  b, t = tokens.shape
+  b, t = tokens.shape[:2]
   if features.shape != (b, t, c.embed_dim):
     raise ValueError(f"features must be [B, T, E] = {(b, t, c.embed_dim)}, got {features.shape}")
   starts = jnp.asarray(starts, jnp.int32)
@@ -370,6 +391,37 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
     cache = KVCache(write_stacked_block(cache.k, k[None], starts),
                     write_stacked_block(cache.v, v[None], starts), starts + t)
   return logits, hidden_out, cache
+
+
+def parallel_inputs(head: EagleHead, embed: jax.Array, token: jax.Array, feature: jax.Array,
+                    count: int) -> tuple[jax.Array, jax.Array]:
+  """The inputs of a parallel head's drafting forward: `count` slots per row.
+
+  Slot 0 is the ordinary pair `(feature, token)` (the head's guess of the feature at the first
+  drafted token's position, that token); slots `1 .. count - 1` read the placeholders
+  `parallel_embed[j - 1]` and `parallel_feature[j - 1]`, so the forward's output at slot `j`
+  predicts the draft `j + 2` tokens ahead of the stored logits without the drafts between.
+
+  Args:
+    embed: `[V, E]` the target's embedding table.
+    token: `[B]` int32 the first drafted token.
+    feature: `[B, E]` the head's output feature that precedes it.
+    count: slots, `1 <= count <= parallel + 1`.
+
+  Returns:
+    `(embedded [B, count, E], features [B, count, E])` for `head_forward(head, None, ...)`.
+  """
+  c = head.config
+  if not 1 <= count <= c.parallel + 1:
+    raise ValueError(f"a head with {c.parallel} placeholder slots drafts at most "
+                     f"{c.parallel + 2} tokens a round; asked for {count + 1}")
+  b = token.shape[0]
+  dtype = feature.dtype
+  first = embed[token].astype(dtype)[:, None]
+  rest = lambda name: jnp.broadcast_to(head.params[name][:count - 1].astype(dtype),
+                                       (b, count - 1, c.embed_dim))
+  return (jnp.concatenate([first, rest("parallel_embed")], axis=1),
+          jnp.concatenate([feature[:, None], rest("parallel_feature")], axis=1))
 
 
 def to_target_logits(head: EagleHead, draft_logits: jax.Array) -> jax.Array:
@@ -392,7 +444,9 @@ def _abstract(config: HeadConfig) -> dict:
           "layer": {"wq": s(2 * e, c.num_heads * d), "wk": s(2 * e, c.num_kv_heads * d),
                     "wv": s(2 * e, c.num_kv_heads * d), "wo": s(c.num_heads * d, e),
                     "mlp_norm": s(e), "w_gate": s(e, f), "w_up": s(e, f), "w_down": s(f, e)},
-          "final_norm": s(e), "lm_head": s(e, n), "d2t": s(n, dtype=jnp.int32)}
+          "final_norm": s(e), "lm_head": s(e, n), "d2t": s(n, dtype=jnp.int32),
+          **({"parallel_embed": s(c.parallel, e), "parallel_feature": s(c.parallel, e)}
+             if c.parallel else {})}
 
 
 def config_to_dict(config: HeadConfig) -> dict:

@@ -1,0 +1,213 @@
+"""A parallel-drafting EAGLE head (P-EAGLE-style): every draft of a round from one forward.
+
+* Training and inference agree: step `j >= 2` of the training-time unroll (`eagle_unroll`, its
+  placeholders) equals the logits of the drafting forward at slot `j - 1`, run with the head's KV
+  cache over the true pairs and the first draft (`parallel_inputs` + `head_forward`). The same
+  check with the placeholders in the wrong order fails, so the check can fail.
+* Greedy decoding with a parallel EAGLE-3 or MTP head on a ragged batch returns exactly
+  `sj.generate`'s tokens, at the head's longest round and a shorter one, with two head forwards a
+  round; after decoding, its KV cache holds the target's features (the placeholder slots it wrote
+  while drafting are overwritten).
+* A parallel head trains (`head_run`, `parallel=True`), saves and loads through Orbax with its
+  placeholders, and decodes greedily like `generate`.
+* Bad input: more drafts than the head has slots, a negative `parallel`, a parallel Medusa or a
+  too-short unroll: clear errors.
+
+The sampled path's chi-square (T = 1, T = 0.7 with top-k / top-p) and its broken variant (drafts
+sampled, verify given point masses at each slot's argmax) are in
+`tests/exactness/test_exactness_harness.py` (`eagle3_parallel`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.training import head_run, heads
+from specjax.testing.models import tiny_config
+from tests.drafters.test_heads import (DRAFT_IDS, MAX_NEW, VOCAB, batch,  # noqa: F401 (fixtures)
+                                       features_mismatch, target)
+from tests.training.test_heads_train import VOCAB as TRAIN_VOCAB, _write_chunks
+
+PARALLEL = 3  # placeholder slots: rounds of up to 5 drafts
+
+
+def parallel_drafter(model, kind: str, parallel: int = PARALLEL, seed: int = 1):
+  config = eagle.head_config_for(model.config, kind=kind, draft_vocab_size=len(DRAFT_IDS),
+                                 parallel=parallel)
+  head = eagle.init_head(config, model, jax.random.key(seed), DRAFT_IDS)
+  return EagleDrafter(head, model.params["embed"])
+
+
+@pytest.mark.parametrize("swap", [False, True])
+def test_training_unroll_equals_the_drafting_forward(target, swap):
+  """Chain t's unroll step j (j >= 1) == slot j - 1 of one drafting forward over the cache of the
+  true pairs 0..t, slot 0 fed the head's output at t with token t + 2; with the placeholders
+  swapped in the drafting forward (swap=True) the later slots differ."""
+  drafter = parallel_drafter(target, "eagle3")
+  head = drafter.head
+  # Far from the identity, so that a wrong slot, position or placeholder shows.
+  head = eagle.EagleHead(jax.tree.map(lambda x: x * 3.0 if x.dtype == jnp.float32 and x.ndim == 2
+                                      else x, head.params), head.config)
+  tokens = jax.random.randint(jax.random.key(2), (2, 14), 0, VOCAB)
+  out = jax.jit(lambda m, t: m(t, jnp.zeros((2,), jnp.int32), taps=head.config.taps))(target,
+                                                                                      tokens)
+  embed = target.params["embed"]
+  steps = jax.jit(lambda h, t, s: heads.eagle_unroll(h, embed, t, s, PARALLEL + 2))(
+      head, tokens, out.taps)
+  features = eagle.project_features(head, out.taps)
+  drafting = head
+  if swap:
+    drafting = eagle.EagleHead({**head.params,
+                                "parallel_embed": head.params["parallel_embed"][::-1],
+                                "parallel_feature": head.params["parallel_feature"][::-1]},
+                               head.config)
+  forward = jax.jit(eagle.head_forward)
+  for chain in (0, 5):
+    cache = head.init_cache(2, 32)
+    logits, hidden, cache = forward(head, embed, tokens[:, 1:chain + 2], features[:, :chain + 1],
+                                    jnp.zeros(2, jnp.int32), cache)
+    np.testing.assert_allclose(logits[:, -1], steps[0][:, chain], atol=2e-4, rtol=2e-4)
+    inputs = eagle.parallel_inputs(drafting, embed, tokens[:, chain + 2], hidden[:, -1],
+                                   PARALLEL + 1)
+    block, _, _ = forward(drafting, None, *inputs, cache.lengths, cache)
+    np.testing.assert_allclose(block[:, 0], steps[1][:, chain], atol=2e-4, rtol=2e-4)
+    later = np.stack([np.asarray(steps[j][:, chain]) for j in range(2, PARALLEL + 2)], 1)
+    if swap:
+      assert float(np.abs(np.asarray(block[:, 1:]) - later).max()) > 1e-2
+    else:
+      np.testing.assert_allclose(block[:, 1:], later, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("kind, num_draft", [("eagle3", PARALLEL + 2), ("eagle3", 3),
+                                             ("mtp", PARALLEL + 2)])
+def test_greedy_equals_generate_ragged_batch(target, batch, kind, num_draft):
+  tokens, lengths = batch
+  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
+                         max_new_tokens=MAX_NEW)
+  drafter = parallel_drafter(target, kind)
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=MAX_NEW, num_draft=num_draft)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  stats = out.stats
+  assert int(np.sum(stats.accepted)) > 0  # rollback after partial acceptance is exercised
+  assert drafter.forwards_per_round(num_draft) == 2
+  np.testing.assert_array_equal(stats.draft_calls, stats.rounds * 2)
+
+
+def test_head_cache_holds_the_targets_features(target, batch):
+  tokens, lengths = batch
+  drafter = parallel_drafter(target, "eagle3", parallel=1)  # rounds of 3 = test_heads' NUM_DRAFT
+  assert features_mismatch(target, drafter, tokens, lengths) < 1e-4
+
+
+def test_a_trained_parallel_head_saves_loads_and_decodes(tmp_path):
+  data = tmp_path / "data"
+  _write_chunks(data, 3)
+  config = heads.HeadTrainConfig(kind="eagle3", steps=4, batch_size=4, seq_len=16, ttt_steps=4,
+                                 parallel=True, draft_vocab_size=32, warmup_steps=1,
+                                 learning_rate=3e-3)
+  model = sj.init_params(tiny_config(vocab_size=TRAIN_VOCAB, num_layers=6, pad_id=0),
+                         jax.random.PRNGKey(0))
+  trained = head_run.train_head(model, data, tmp_path / "run", config, chunks=[0, 1],
+                                eval_chunks=[2], rows_per_chunk=4, log_every=1, eval_every=2,
+                                eval_batches=1, checkpoint_every=2, progress=False,
+                                log=lambda _: None)
+  assert trained.config.parallel == 2
+  loaded = eagle.load_head(tmp_path / "run" / "head")
+  assert loaded.config == trained.config
+  for a, b in zip(jax.tree.leaves(trained.params), jax.tree.leaves(loaded.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  untrained = eagle.init_head(trained.config, model, jax.random.key(1), trained.draft_ids)
+  assert not np.array_equal(np.asarray(untrained.params["parallel_embed"]),
+                            np.asarray(loaded.params["parallel_embed"]))  # trained, then saved
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3], [3, 8, 0, 0, 0, 0]], jnp.int32)
+  lengths = jnp.array([6, 2], jnp.int32)
+  expected = sj.generate(model, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=16)
+  out = sj.decode(model, EagleDrafter(loaded, model.params["embed"]), tokens, jax.random.key(5),
+                  lengths=lengths, max_new_tokens=16, num_draft=4)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+
+
+def test_bad_input_is_a_clear_error(target, batch):
+  tokens, lengths = batch
+  drafter = parallel_drafter(target, "eagle3")
+  assert drafter.max_draft == PARALLEL + 2
+  assert parallel_drafter(target, "eagle3", parallel=0).max_draft is None
+  with pytest.raises(ValueError, match="exceeds what this parallel head drafts"):
+    sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=8,
+              num_draft=PARALLEL + 3)
+  with pytest.raises(ValueError, match="parallel must be an int >= 0"):
+    eagle.head_config_for(target.config, draft_vocab_size=4, parallel=-1)
+  for kind, ttt_steps in (("medusa", 4), ("eagle3", 2)):
+    with pytest.raises(ValueError, match="a parallel head is an EAGLE-3 or MTP head"):
+      heads.HeadTrainConfig(kind=kind, ttt_steps=ttt_steps, parallel=True)
+  with pytest.raises(ValueError, match="unrolls at most"):
+    heads.eagle_unroll(drafter.head, target.params["embed"], tokens, None, PARALLEL + 3)
+
+
+def _shifted_q(proposal):
+  """Broken: verify gets each slot's neighbour's q (the last keeps its own)."""
+  logits = proposal.logits
+  return jnp.concatenate([logits[:, 1:], logits[:, -1:]], axis=1)
+
+
+def _argmax_q(proposal):
+  """Broken: verify gets a point mass at each slot's argmax while drafts are sampled."""
+  logits = proposal.logits
+  return jnp.where(jnp.arange(logits.shape[-1]) == jnp.argmax(logits, -1)[..., None], 0.0,
+                   -jnp.inf)
+
+
+@pytest.mark.parametrize("broken", [None, _shifted_q, _argmax_q])
+def test_each_slot_draws_from_the_q_it_hands_verify(target, broken):
+  """At T = 1, N = 6,000 rows of one prompt, one round of 5 drafts each (distinct row streams):
+  given the first draft `d_1` (the most frequent value's rows, about a third of them), draft `j`
+  of every slot `j >= 2` is an independent draw from the q the proposal hands verify for it.
+  Pearson's chi-square per slot (cells of expected count < 5 pooled; a draw where q is 0 fails
+  outright) at a family-wise 1e-3 (Bonferroni over the 4 slots). The broken variants (q of the
+  neighbouring slot; a point mass at the slot's argmax) must be rejected at the same level."""
+  from scipy import stats as scipy_stats
+  from specjax.core.sampling import row_seeds
+  from specjax.exactness.stats import _pearson
+  n, num_draft = 6000, PARALLEL + 2
+  drafter = parallel_drafter(target, "eagle3")
+  head = eagle.EagleHead(jax.tree.map(lambda x: x * 3.0 if x.dtype == jnp.float32 and x.ndim == 2
+                                      else x, drafter.head.params), drafter.head.config)
+  drafter = EagleDrafter(head, drafter.target_embed)
+  tokens = jnp.tile(jnp.array([[5, 9, 2, 7, 1, 3]], jnp.int32), (n, 1))
+  lengths = jnp.full((n,), 6, jnp.int32)
+
+  @jax.jit
+  def one_round(tokens, lengths, seeds):  # arguments, not constants XLA would fold
+    prefill = target(tokens, jnp.zeros((n,), jnp.int32), taps=drafter.taps)
+    state = drafter.init(tokens, lengths, 16, prefill)
+    return drafter.propose(state, tokens, lengths, num_draft=num_draft,
+                           sampling=sj.Sampling(temperature=1.0), seeds=seeds)[1]
+
+  proposal = one_round(tokens, lengths, row_seeds(jax.random.key(11), n))
+  q_logits = proposal.logits if broken is None else broken(proposal)
+  drafts = np.asarray(proposal.tokens)
+  first = np.bincount(drafts[:, 0], minlength=VOCAB).argmax()
+  rows = np.flatnonzero(drafts[:, 0] == first)
+  assert len(rows) >= 1000
+  pvalues = []
+  for j in range(1, num_draft):
+    q = np.asarray(jax.nn.softmax(q_logits[rows, j].astype(jnp.float32), axis=-1), np.float64)
+    np.testing.assert_allclose(q, np.broadcast_to(q[0], q.shape), atol=1e-5)  # one q per group
+    observed = np.bincount(drafts[rows, j], minlength=VOCAB).astype(np.float64)
+    if np.any(observed[q[0] == 0] > 0):
+      pvalues.append(0.0)
+      continue
+    statistic, cells = _pearson(observed, len(rows) * q[0])
+    pvalues.append(float(scipy_stats.chi2.sf(statistic, cells - 1)) if cells > 1 else 1.0)
+  print(f"broken={getattr(broken, '__name__', None)}: slot p-values {pvalues}")
+  level = 1e-3 / len(pvalues)
+  if broken is None:
+    assert min(pvalues) > level, pvalues
+  else:
+    assert min(pvalues) <= level, pvalues
