@@ -251,6 +251,7 @@ def test_the_suites_vocabulary_self_drafts():
     np.testing.assert_array_equal(out.tokens, want.tokens)
 
 
+@pytest.mark.costly
 def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   """The real suite's measurement, summary, table and plots on a tiny random Llama and its
   `transformers` twin (exported weights), with prompts that repeat so lookup drafts get accepted."""
@@ -354,6 +355,7 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
     assert r["draft_ratio"] > 0 and np.isfinite(r["bound"])
 
 
+@pytest.mark.costly
 def test_real_suite_runs_a_drafter_inside_adaptive_drafter():
   """`NAME+adaptive` names build NAME and wrap it in `specjax.adaptive_drafter` (under a given
   calibration here), take the plan's K as their k, and run through the suite like any drafter:

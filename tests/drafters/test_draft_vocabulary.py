@@ -135,6 +135,7 @@ def _told_mass_outside(target_logits, draft_logits, draft_tokens, **kwargs):
   return verify_reference(target_logits, leaky, draft_tokens, **kwargs)
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", ["t1", "t0.7_topk3",
                                   pytest.param("t0.9_topp0.8", marks=pytest.mark.slow)])
 def test_sampled_decode_over_a_draft_vocabulary_matches_the_target(small_target, name):

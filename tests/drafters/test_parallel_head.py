@@ -105,6 +105,7 @@ def test_head_cache_holds_the_targets_features(target, batch):
   assert features_mismatch(target, drafter, tokens, lengths) < 1e-4
 
 
+@pytest.mark.costly
 def test_a_trained_parallel_head_saves_loads_and_decodes(tmp_path):
   data = tmp_path / "data"
   _write_chunks(data, 3)

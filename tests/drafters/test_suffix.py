@@ -288,6 +288,7 @@ def test_full_corpus_drops_the_oldest():
   assert check_against_reference([6, 1], sequences, 8, corpus=corpus)[2][0] == 2
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("seed", range(3))
 def test_random_rows_and_corpora_match_the_reference(seed):
   rng = np.random.default_rng(seed)
@@ -401,11 +402,13 @@ def _broken(world, setting, num_samples):
   assert fit.min_pvalue <= ALPHA / max(fit.num_tests, 1), fit.describe()
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_sampling_is_exact(world, setting):
   _exact(world, setting, N_DEFAULT)
 
 
+@pytest.mark.costly
 def test_claiming_another_q_is_detected(world):
   _broken(world, "t0.7_topk16_topp0.9", N_DEFAULT)
 
@@ -575,6 +578,7 @@ def _tree_exact(world, setting, num_samples):
   assert fit.passed, fit.describe()
 
 
+@pytest.mark.costly
 def test_tree_sampling_is_exact(world):
   _tree_exact(world, "t0.7_topk16_topp0.9", N_DEFAULT)
 

@@ -385,6 +385,7 @@ def fit_pvalue(target, drafter, spec, setting):
   return p, summary
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("kind,builder,setting", [
     ("eagle3", "sampled", "t0.7_topk5_topp0.9"),
     pytest.param("eagle3", "sampled", "t1", marks=pytest.mark.slow),

@@ -49,6 +49,7 @@ def exact_report(pair):
   return run(pair)
 
 
+@pytest.mark.costly
 def test_exact_pair_passes(exact_report):
   report = exact_report
   assert report.passed and report.verdict == "PASS", str(report)

@@ -107,6 +107,7 @@ DRAFT_MODEL_BROKEN = {"t1": rule_without_residual, "t0.7_topk3": rule_warping_on
 NGRAM_BROKEN = rule_without_residual  # a point-mass q: only the residual step can be wrong
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_draft_model_decode_matches_target_distribution(target, draft, name):
   sampling = SETTINGS[name]
@@ -116,6 +117,7 @@ def test_draft_model_decode_matches_target_distribution(target, draft, name):
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) > ALPHA
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_ngram_decode_matches_target_distribution(target, name):
   sampling = SETTINGS[name]
@@ -124,6 +126,7 @@ def test_ngram_decode_matches_target_distribution(target, name):
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) > ALPHA
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow)
                                       for name in sorted(SETTINGS) if name != "t1"), "t1"])
 def test_draft_model_power(target, draft, name):
@@ -132,6 +135,7 @@ def test_draft_model_power(target, draft, name):
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) < POWER_ALPHA
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", [*(pytest.param(name, marks=pytest.mark.slow)
                                       for name in sorted(SETTINGS) if name != "t1"), "t1"])
 def test_ngram_power(target, name):

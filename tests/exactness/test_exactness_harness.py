@@ -377,6 +377,7 @@ def test_broken_variant_is_detected(world, mutant, monkeypatch):
 SMALL_N = 300
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("rule, exact", [("auto", True), (rules.rule_without_residual, False)])
 def test_harness_small_n_sees_the_classic_bug(world, rule, exact):
   """At N = 300 rows per prompt the same statistic passes the chain and rejects the correction

@@ -199,11 +199,13 @@ def first_acceptance_pvalue(target, drafter, sampling) -> float:
 ACCEPTANCE_SETTING = "t0.7_topk5_topp0.9"  # shares the compiled decode of the chi-square test
 
 
+@pytest.mark.costly
 def test_first_draft_acceptance_is_one_minus_tv(target):
   drafter = make_eagle(target, "eagle3")
   assert first_acceptance_pvalue(target, drafter, SETTINGS[ACCEPTANCE_SETTING]) > ALPHA
 
 
+@pytest.mark.costly
 def test_point_mass_q_is_detected(target):
   """(a) A point-mass verify of a sampled draft is still exact (conditional on any proposal the
   rule emits p), so the chi-square above cannot see it; it shows as acceptance E_q[p(x)]

@@ -62,6 +62,7 @@ def _chat_ids(real, question):
   return real["tokenizer"].apply_chat_template(messages, chat_template=real["template"])
 
 
+@pytest.mark.costly
 def test_logits_match_transformers(real):
   ids = _chat_ids(real, QUESTIONS[0])
   with torch.no_grad():
@@ -99,6 +100,7 @@ def test_greedy_matches_transformers(real):
   _greedy(real, max_new_tokens=8)
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("real", ["smollm2"], indirect=True)  # one model is enough for the layout
 def test_cpu_layout_greedy_matches_transformers(real):
   """The layout the library runs on CPU (`for_platform("cpu")`: per-layer fused weights, one-row

@@ -250,6 +250,7 @@ def _slot_five_batch(prompt, key, rng_seed=100):
   return others, lengths, keys
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("sampling", REPRO_SAMPLINGS, ids=str)
 def test_sampled_tokens_depend_on_the_rows_own_key_not_its_slot(target, draft, sampling):
   """Same prompt and key in slot 0 of a batch of 1 and in slot 5 of a batch of 8: same tokens."""

@@ -45,6 +45,7 @@ def test_the_kernel_builds_on_this_machine():
   assert ok, why
 
 
+@pytest.mark.costly
 def test_a_fresh_cache_compiles_the_source(tmp_path, monkeypatch):
   """`build()` into an empty cache runs the compiler (the cache above may already hold the
   library) and gives a library exporting the handler, also when threads build at once (one
@@ -149,10 +150,12 @@ def _check_quantized_products():
                                  atol=2e-6 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.costly
 def test_every_quantized_block_size_equals_the_oracle():
   _check_quantized_products()
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("flags", ["-mno-avx512f", "-mno-avx512f -mno-avxvnni"])
 def test_the_avx2_builds_equal_the_references(tmp_path, flags):
   """The same products and attention from the kernel built without AVX-512 (its AVX2 tiles: 16

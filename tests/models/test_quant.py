@@ -195,6 +195,7 @@ def test_decode_with_a_quantized_drafter_exports_for_tpu(target, shape, settings
 # Self-drafting is exact
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("layout", ["stacked", "cpu"])
 def test_greedy_self_draft_equals_generate(target, bits, layout):
@@ -236,6 +237,7 @@ def test_a_self_draft_starts_from_the_targets_prompt_cache(target, layout):
   assert jax.tree.leaves(small.k)[0].shape != jax.tree.leaves(prefill.cache.k)[0].shape
 
 
+@pytest.mark.costly
 def test_a_self_draft_streams_and_calibrates_with_donated_state(target):
   # The shared prompt cache is a copy: the loop state's two caches are separate buffers, so the
   # stream (state donated every round) and the calibration (draft state donated) run.
@@ -272,6 +274,7 @@ def _told_the_float_q(target_logits, draft_logits, draft_tokens, **kwargs):
 
 # T = 1 by default; the warped settings are `slow`: CI's slow step runs the int4 self-drafter
 # through the exactness harness at T = 0.7 with top-k / top-p, with this broken variant.
+@pytest.mark.costly
 @pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow),
                                   pytest.param("t0.9_topp0.8", marks=pytest.mark.slow)])
 def test_sampled_self_draft_matches_the_target_distribution(small_target, name):
@@ -281,6 +284,7 @@ def test_sampled_self_draft_matches_the_target_distribution(small_target, name):
   assert chi_square_pvalue(tokens, exact_joint(small_target, sampling)) > ALPHA
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow)])
 def test_a_self_draft_verified_with_the_float_q_is_rejected(small_target, name):
   sampling = SETTINGS[name]
@@ -326,6 +330,7 @@ def test_an_unknown_pair_name_lists_the_known_ones():
   assert {"smollm2-int8", "smollm2-head", "qwen2.5-coder"} <= set(sj.PAIRS)
 
 
+@pytest.mark.costly
 def test_the_self_drafts_default_group_is_64_for_int8_where_it_divides():
   from specjax.drafters.model import default_group
   wide = tiny_config(vocab_size=96, embed_dim=64, mlp_dim=128, num_heads=4, head_dim=16)

@@ -225,6 +225,7 @@ def small_target():
   return sj.init_params(tiny_config(vocab_size=VOCAB), jax.random.key(10))
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", ["t1", pytest.param("t0.7_topk3", marks=pytest.mark.slow)])
 def test_sampled_asymmetric_self_draft_matches_the_target_distribution(small_target, name):
   # N = 20,000 samples, alpha 1e-3 (the harness of test_exactness.py), seeded

@@ -316,6 +316,7 @@ TREES = {"dynamic": TreeSpec("dynamic", depth=3, width=2, num_nodes=6),
          "sampled": TreeSpec("sampled", branching=(2, 1, 1), replacement=False)}
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("kind, shape, builder, context", [
     ("auto", (8, 1), "sampled", "none"),
     ("explicit", (2, 4), "dynamic", "set_mesh"),
@@ -344,6 +345,7 @@ def test_tree_decode_on_a_mesh_matches_single_device(models, prompts, single_dev
   assert int(np.sum(out.stats.accepted)) > 0
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("kind", MESH_KINDS)
 def test_generate_and_stream_on_an_explicit_or_mixed_mesh(models, prompts, single_device, kind):
   from specjax.loop.stream import decode_stream
@@ -394,6 +396,7 @@ def test_rules_are_part_of_the_compiled_program_key(models, prompts):
   np.testing.assert_array_equal(first.tokens, second.tokens)
 
 
+@pytest.mark.costly
 def test_decode_under_a_vocab_split_mesh_verifies_shard_by_shard(models, prompts, monkeypatch):
   """Inside `use_mesh`, decode's verify runs `sharded_verify` (no full-vocabulary gather) and
   still returns the single-device tokens."""
@@ -450,6 +453,7 @@ def test_sharded_verify_equals_reference(sampling, point_mass):
     assert 0 < int(jnp.sum(expected.num_accepted)) < 32 * 4
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("shape, vocab", [
     ((1, 8), 128), pytest.param((2, 4), 100, marks=pytest.mark.slow),
     pytest.param((8, 1), 128, marks=pytest.mark.slow)])
@@ -600,6 +604,7 @@ def test_shard_places_an_unstacked_model_in_the_stacked_layout():
     assert isinstance(placed.params["layers"][name].sharding, NamedSharding)
 
 
+@pytest.mark.costly
 def test_decode_inside_the_callers_jit_on_an_explicit_mesh_equals_one_device():
   """A user's own `jax.jit` around `sj.decode` and `sj.generate` under
   `jax.set_mesh(jax.make_mesh(...))` (Explicit axes, JAX's default): the library runs under
@@ -638,6 +643,7 @@ def _mesh_of_kind(kind: str, shape):
   return jax.make_mesh(shape, ("data", "model"))  # Explicit axes: specs in the types too
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_decode_inside_the_callers_jit_without_a_mesh_context_equals_one_device(
     models, prompts, single_device, kind):
@@ -683,6 +689,7 @@ def test_export_for_tpu_inside_the_callers_jit_without_a_mesh_context(models, ki
   assert "tpu_custom_call" in text and "sdy.manual_computation" in text
 
 
+@pytest.mark.costly
 def test_decode_inside_the_callers_shard_map_equals_one_device(models, prompts, single_device):
   """Inside the caller's `shard_map` (rows split over 8 devices, weights replicated) each device
   decodes its own row with no collective: the single-device tokens, and it exports for TPU with

@@ -65,6 +65,7 @@ def _poisoned(monkeypatch):
   monkeypatch.setattr(sharded, "_candidate_rule", patched)
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("sampling", SETTINGS + NUCLEUS,
                          ids=["t0.7-topk20-topp0.9", "t1-topk5", "t0.7-topp0.9", "t1-topp0.8"])

@@ -130,6 +130,7 @@ def _decode(target, draft, tokens, lengths, sampling, impl):
                    num_draft=3, sampling=sampling, verify_impl=impl)
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("maker,shape,sampling", [
     ("sj", (2, 4), SAMPLED), ("jax", (1, 8), SAMPLED),
     *[pytest.param(m, s, x, marks=pytest.mark.slow)

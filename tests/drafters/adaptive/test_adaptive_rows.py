@@ -284,6 +284,7 @@ def _greedy_equals_generate(target, drafter, tokens, lengths, calibration, max_n
   return out.stats.summary()
 
 
+@pytest.mark.costly
 def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_nothing(
     target, ragged):
   tokens, lengths = ragged
@@ -344,6 +345,7 @@ def test_token_stop_greedy_equals_generate(target, ragged, kind):
   assert 0 < summary["drafted"] < 4 * summary["rounds"]
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name, power, token_stop", [
     ("t1", False, False), ("t1", True, True),
     pytest.param("t1", True, False, marks=pytest.mark.slow),
@@ -395,6 +397,7 @@ class _PeekingDrafter(sj.ModelDrafter):
     return cache, dataclasses.replace(proposal, num_drafted=jnp.sum(jnp.cumprod(mode, 1), 1))
 
 
+@pytest.mark.costly
 def test_a_stop_that_peeks_at_its_draft_is_detected():
   """The exactness condition is needed: truncating on the drawn drafts themselves biases the
   output, and the same harness (N = 20,000, p < 1e-6) rejects it."""
@@ -612,6 +615,7 @@ def test_a_plan_where_drafting_never_pays_runs_plain_steps(target, ragged):
   assert summary["drafted"] == 0 and summary["draft_calls"] == 0
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name, power", [("t1", False), ("t1", True)])
 def test_sampled_decode_with_skipped_rounds_matches_target_distribution(name, power):
   """Round 1 skips the drafter for every row, round 2 probes it, and in round 3 the rows whose
