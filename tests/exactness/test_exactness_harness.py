@@ -49,7 +49,7 @@ token drawn from a residual; int4 self-drafter: verify told the float model's q.
 
 Cost (2-core CPU host shared with other work, one worker): the 43 `slow` cases 19.5 minutes
 (4.6 to 98 s each; the sampled trees are the slowest), and the parallel head's three added since
-40-100 s each; the default selection's two small-N checks 18 s.
+40-100 s each; the two small-N checks (`costly`: CI's second step) 18-30 s each.
 """
 
 from __future__ import annotations
@@ -372,7 +372,8 @@ def test_broken_variant_is_detected(world, mutant, monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------
-# The default selection's cheap guard: the harness itself, at a small N on the chain at T = 1.
+# A cheaper guard (`costly`, run by CI's second step): the harness itself, at a small N on the
+# chain at T = 1.
 
 SMALL_N = 300
 
