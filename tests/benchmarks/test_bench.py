@@ -181,6 +181,7 @@ def test_agent_prompt_file_is_well_formed():
     assert calls and all(set(c) == {"tool", "arguments"} for c in calls)
 
 
+@pytest.mark.costly
 def test_suffix_drafters_of_the_suite_with_a_corpus():
   """`suffix` and `suffix+corpus` (its corpus set by `with_corpus`) are built on request, and greedy
   decode with the corpus equals generate."""
@@ -212,6 +213,7 @@ def test_suffix_drafters_of_the_suite_with_a_corpus():
   assert out.stats.summary()["rounds"] < 12
 
 
+@pytest.mark.costly
 def test_the_suites_vocabulary_self_drafts():
   """`self-int8+vocab` and `self-q4+vocab` are built on request with the target's tokenizer (not
   without one): the int8 and the 4-bit copies over the `draft_vocab_size` ids the target uses most

@@ -64,6 +64,7 @@ def test_exact_pair_passes(exact_report):
   assert "Bonferroni" in text and f"{SAMPLES} samples per prompt" in text
 
 
+@pytest.mark.costly
 def test_exact_pair_pass_shows_the_power_of_its_control(exact_report):
   control = exact_report.control
   assert control is not None and control.rejected

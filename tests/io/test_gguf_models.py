@@ -96,6 +96,7 @@ def _greedy(real, max_new_tokens):
     assert ours == theirs, QUESTIONS[row]
 
 
+@pytest.mark.costly
 def test_greedy_matches_transformers(real):
   _greedy(real, max_new_tokens=8)
 

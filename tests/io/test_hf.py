@@ -141,6 +141,7 @@ def test_logits_match_transformers(saved):
   assert max(cached_diffs) < LOGIT_ATOL, (name, cached_diffs)
 
 
+@pytest.mark.costly
 def test_greedy_decode_matches_transformers(saved):
   name, hf_model, path = saved
   model = sj.from_hf(path)

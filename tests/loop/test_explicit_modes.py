@@ -226,6 +226,7 @@ def test_decode_takes_k_and_widths_from_the_wrapper(target, draft, ragged, nothi
                            sampling=sj.Sampling(), eos_id=None, verify_impl="auto")
 
 
+@pytest.mark.costly
 def test_greedy_with_the_wrapper_equals_generate(target, draft, ragged):
   """A ragged batch, greedy: `decode` and `decode_stream` with `sj.adaptive_drafter(...)` (no
   `num_draft`) give `sj.generate`'s tokens, and the loop drafts up to the wrapper's K = 3 (the

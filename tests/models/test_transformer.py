@@ -230,6 +230,7 @@ def test_bad_taps_raise_before_tracing(taps):
     forward(model, _tokens(1, 2, 97), jnp.zeros(1, jnp.int32), taps=taps)
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_unstacked_layers_equal_the_stacked_scan(name):
   """The CPU layout (per-layer weights and cache buffers, an unrolled loop) computes exactly what

@@ -364,6 +364,7 @@ def test_lowered_kernel_fits_vmem(device_kind, num_nodes, vocab, rule):
   assert _vmem_bytes(eqn) <= limit <= TPU_VMEM_BYTES[tpu_generation(device_kind)]
 
 
+@pytest.mark.costly
 @pytest.mark.parametrize("sampling", [Sampling(temperature=0.0),
                                       Sampling(temperature=0.8, top_k=5)], ids=["greedy", "t0.8"])
 def test_tree_decode_through_the_kernel_equals_the_reference_rule(sampling):

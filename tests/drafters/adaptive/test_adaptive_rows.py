@@ -308,6 +308,7 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
   assert poor["drafted"] < 0.4 * poor["rounds"]
 
 
+@pytest.mark.costly
 def test_greedy_ngram_and_eagle_equal_generate(target, ragged):
   from specjax.drafters.eagle import network as eagle
   tokens, lengths = ragged

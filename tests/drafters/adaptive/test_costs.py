@@ -151,6 +151,7 @@ def tiny():
   return target, draft
 
 
+@pytest.mark.costly
 def test_measure_save_load_round_trip(tiny, tmp_path):
   target, draft = tiny
   table = calibrate.measure_costs(target, sj.ModelDrafter(draft), max_width=3, context=8,
