@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Proposal", "check_confidence", "confident_count", "stopped_count", "top_probability"]
+__all__ = ["Proposal", "check_confidence", "confident_count", "proposed_count", "stopped_count",
+           "top_probability"]
 
 
 @jax.tree_util.register_dataclass
@@ -76,4 +77,24 @@ def stopped_count(confidences: jax.Array, stop) -> jax.Array:
     keep, stats = stop(index, confidences[:, index], stats)
     alive = alive & keep
     count = count + alive.astype(jnp.int32)
+  return count
+
+
+def proposed_count(confidences: jax.Array, confidence: float | None, stop, limits
+                   ) -> jax.Array | None:
+  """`[B]` leading drafts a row proposes when all `k` came from one forward (Medusa, a parallel
+  EAGLE head): the fewest that the confidence threshold (`confident_count`), the stop rule
+  (`stopped_count`) and the limits allow; None when none of them is set (every row proposes `k`).
+  Each draft's confidence is known before any later draft is drawn, so trimming here is the same
+  as stopping in a loop."""
+  counts = [] if confidence is None else [confident_count(confidences, confidence)]
+  if stop is not None:
+    counts.append(stopped_count(confidences, stop))
+  if limits is not None:
+    counts.append(limits)
+  if not counts:
+    return None
+  count = counts[0]
+  for other in counts[1:]:
+    count = jnp.minimum(count, other)
   return count

@@ -139,8 +139,8 @@ def run(args) -> int:
     return 0
   config = heads.HeadTrainConfig(kind=args.kind, steps=args.steps, batch_size=args.batch_size,
                                  seq_len=args.seq_len, ttt_steps=args.ttt_steps,
-                                 parallel=args.parallel, draft_vocab_size=args.draft_vocab, learning_rate=args.lr,
-                                 warmup_steps=args.warmup, seed=args.seed)
+                                 parallel=args.parallel, draft_vocab_size=args.draft_vocab,
+                                 learning_rate=args.lr, warmup_steps=args.warmup, seed=args.seed)
   chunks = _span(args.chunks)
   head_run.train_head(target, args.data, args.run_dir, config, chunks=chunks,
                       eval_chunks=_span(args.eval_chunks),

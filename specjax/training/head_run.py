@@ -68,7 +68,7 @@ def _initial_network(network, target: Model, draft_ids: np.ndarray):
   if isinstance(network, medusa.MedusaHeads) or own.shape[0] > draft_ids.shape[0]:
     raise ValueError(f"the saved head has a draft vocabulary of {own.shape[0]} ids; a run can "
                      f"only grow an EAGLE-3/MTP head's vocabulary (asked for {draft_ids.shape[0]})")
-  return eagle.extend_draft_vocab(network, target, draft_ids)
+  return heads_lib.extend_draft_vocab(network, target, draft_ids)
 
 
 def save_network(network, path, *, dtype=None, overwrite=True):
@@ -122,7 +122,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
     context: windows start this many tokens before the answer (None: at the conversation start).
     init_from: start from this saved network instead of a fresh one; its draft vocabulary is kept,
       or grown with the most frequent other ids of `vocab_chunks` when `config.draft_vocab_size`
-      is larger (EAGLE-3/MTP heads; `eagle.extend_draft_vocab`).
+      is larger (EAGLE-3/MTP heads; `heads.extend_draft_vocab`).
     log: sink for one-line JSON records (also appended to `log.jsonl`).
 
   Returns:

@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.parallel import placeholders
 from specjax.drafters.medusa import network as medusa
 from specjax.models.transformer import Model
 
@@ -129,6 +130,40 @@ def join_network(params: dict, d2t: jax.Array, static):
   return eagle.EagleHead(full, static)
 
 
+def extend_draft_vocab(head: eagle.EagleHead, target: Model, draft_ids) -> eagle.EagleHead:
+  """The same head over a larger draft vocabulary that contains its own.
+
+  The LM-head columns of the ids the head already has are kept. Each new id's column is the
+  target's output row for it, carried through the linear map `A` that best takes the target's
+  rows of the old ids to the head's trained columns (least squares, `A T_old ~ W_old`): training
+  moved the head's columns away from the target's rows (scale, the head's own final norm), and raw
+  target rows beside trained columns would outscore them and take over its drafts. On the old ids
+  the logits are exactly the old head's.
+
+  Args:
+    head: the head.
+    target: the target it drafts for (its output projection initialises the new columns).
+    draft_ids: strictly increasing target ids, a superset of `head.draft_ids`.
+
+  Returns:
+    An `EagleHead` whose config has `draft_vocab_size = len(draft_ids)`.
+  """
+  c = head.config
+  ids = eagle._check_draft_ids(draft_ids, c.vocab_size, np.asarray(draft_ids).size)
+  old = np.asarray(head.draft_ids)
+  if not np.isin(old, ids).all():
+    raise ValueError("the new draft vocabulary must contain every id of the head's own")
+  where = np.searchsorted(ids, old)
+  rows = np.asarray(eagle.target_output_head(target), np.float64)[:, ids]  # [E, N]
+  trained = np.asarray(head.params["lm_head"], np.float64)  # [E, n_old]
+  fit = np.linalg.lstsq(rows[:, where].T, trained.T, rcond=None)[0]  # A.T: rows.T @ A.T ~ W.T
+  lm_head = (fit.T @ rows).astype(np.float32)
+  lm_head[:, where] = trained  # the old columns exactly (float32 -> float64 -> float32)
+  params = {**head.params, "lm_head": lm_head.astype(head.params["lm_head"].dtype),
+            "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
+  return eagle.EagleHead(params, dataclasses.replace(c, draft_vocab_size=int(ids.shape[0])))
+
+
 def init_state(config: HeadTrainConfig, params: dict) -> dict:
   state = {"params": params, "opt_state": make_optimizer(config).init(params),
              "step": jnp.zeros((), jnp.int32)}
@@ -221,10 +256,8 @@ def eagle_unroll(head: eagle.EagleHead, embed: jax.Array, tokens: jax.Array, sou
   diag_k, diag_v, outputs = [], [], []
   for j in range(num_steps):
     if c.parallel and j >= 2:
-      slot = lambda name: jnp.broadcast_to(head.params[name][j - 2].astype(features.dtype),
-                                           features.shape)
-      features = slot("parallel_feature")
-      q, k, v = eagle.head_qkv(head, None, slot("parallel_embed"), features, base + j)
+      embedded, features = placeholders(head, j - 2, features.shape, features.dtype)
+      q, k, v = eagle.head_qkv(head, None, embedded, features, base + j)
     else:
       q, k, v = eagle.head_qkv(head, embed, _shift(tokens, 1 + j), features, base + j)
     if j == 0:

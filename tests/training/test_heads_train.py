@@ -115,7 +115,7 @@ def test_extend_draft_vocab_keeps_the_old_logits(target):
   out_rows = eagle.target_output_head(target)
   small = eagle.EagleHead({**small.params, "lm_head": m @ out_rows[:, _draft_ids(40)]}, cfg)
   new_ids = selfdistill.frequent_ids(np.arange(VOCAB)[::-1].copy(), 56, keep=_draft_ids(40))
-  big = eagle.extend_draft_vocab(small, target, new_ids)
+  big = heads.extend_draft_vocab(small, target, new_ids)
   assert big.config.draft_vocab_size == 56
   np.testing.assert_array_equal(big.draft_ids, new_ids)
   tokens = jax.random.randint(jax.random.PRNGKey(2), (2, 6), 0, VOCAB)
@@ -131,7 +131,7 @@ def test_extend_draft_vocab_keeps_the_old_logits(target):
   np.testing.assert_allclose(big.params["lm_head"][:, np.searchsorted(new_ids, added)],
                              m @ out_rows[:, added], rtol=1e-4, atol=1e-4)
   with pytest.raises(ValueError, match="must contain every id"):
-    eagle.extend_draft_vocab(small, target, np.arange(56, dtype=np.int32))
+    heads.extend_draft_vocab(small, target, np.arange(56, dtype=np.int32))
 
 
 def _write_chunks(directory, count, target=None, rows=4, seed=0):

@@ -24,10 +24,11 @@ at `L - 1` and its logits for `token_L`.
 A parallel head (`head.config.parallel = P > 0`, P-EAGLE-style) drafts all of a round in one
 forward instead of `k - 1` steps: `d_1` from the stored logits as above, then one forward over
 `k - 1` slots, slot 0 the pair `(hidden, d_1)` and slots `1 .. k - 2` the head's learned
-placeholders (`network.parallel_inputs`); slot `j`'s logits give `d_{j+2}`. Draft `d_{j+2}` is
-drawn from that slot's own distribution, which depends on `d_1` but not on the drafts between,
-and that distribution is the `q` the verify receives: exact like every proposal whose `q` is the
-law each draft was drawn from. Per round the head runs two forwards, whatever `k <= P + 2`.
+placeholders (`specjax.drafters.eagle.parallel`); slot `j`'s logits give `d_{j+2}`. Draft
+`d_{j+2}` is drawn from that slot's own distribution, which depends on `d_1` but not on the
+drafts between, and that distribution is the `q` the verify receives: exact like every proposal
+whose `q` is the law each draft was drawn from. Per round the head runs two forwards, whatever
+`k <= P + 2`.
 
 Sampling: `specjax.drafters.draft_vocab`.
 """
@@ -43,9 +44,10 @@ import jax.numpy as jnp
 from specjax.core.cache import KVCache
 from specjax.drafters.draft_vocab import draft_tokens, take_rows
 from specjax.drafters.model import draft_chain
-from specjax.drafters.proposal import (Proposal, check_confidence, confident_count,
-                                       stopped_count, top_probability)
+from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
+                                       top_probability)
 from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.parallel import parallel_inputs
 
 __all__ = ["EagleDrafter", "EagleState"]
 
@@ -163,8 +165,7 @@ class EagleDrafter:
 
   def _propose_parallel(self, state, lengths, num_draft, sampling, seeds, limits, stop):
     """All `k` drafts of a parallel head: `d_1` from the stored logits, the rest from one forward
-    (see the module docstring). Confidence, stop rules and limits trim the proposal: every
-    draft's top probability is known before any later draft is drawn from it."""
+    (see the module docstring); confidence, stop rules and limits trim it (`proposed_count`)."""
     if num_draft > self.max_draft:
       raise ValueError(f"num_draft ({num_draft}) exceeds what this parallel head drafts in one "
                        f"forward ({self.max_draft}: {self.head.config.parallel} placeholder "
@@ -173,7 +174,7 @@ class EagleDrafter:
                                      self.full_logits, sampling, seeds[:, None], lengths[:, None])
     raw, tokens, full = state.logits[:, None], first, first_full
     if num_draft > 1:
-      embedded, features = eagle.parallel_inputs(self.head, self.target_embed, first[:, 0],
+      embedded, features = parallel_inputs(self.head, self.target_embed, first[:, 0],
                                                  state.hidden, num_draft - 1)
       # Slot L - 1 holds (hidden, d_1); the placeholders follow it. The cache this forward
       # returns is dropped: `observe` writes the round's pairs from the target's features.
@@ -187,13 +188,7 @@ class EagleDrafter:
       if full is not None:
         full = jnp.concatenate([full, rest_full], axis=1)
     tops = top_probability(raw)  # [B, k]
-    num_drafted = None if self.confidence is None else confident_count(tops, self.confidence)
-    if stop is not None:
-      stopped = stopped_count(tops, stop)
-      num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
-    if limits is not None:
-      num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
-    return state, Proposal(tokens, full, num_drafted, tops)
+    return state, Proposal(tokens, full, proposed_count(tops, self.confidence, stop, limits), tops)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block

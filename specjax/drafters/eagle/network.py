@@ -40,7 +40,7 @@ from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, 
                                         rope_tables)
 
 __all__ = ["EagleHead", "HeadConfig", "head_config_for", "head_forward", "init_head", "load_head",
-           "parallel_inputs", "project_features", "save_head", "to_target_logits"]
+           "project_features", "save_head", "to_target_logits"]
 
 HEAD_KIND = "eagle_head"
 
@@ -66,7 +66,7 @@ class HeadConfig:
     parallel: `P` >= 0 placeholder slots (P-EAGLE-style parallel drafting): 0 = a sequential
       head; `P` > 0 = the head drafts up to `P + 2` tokens with one forward per round, slots
       after the first drafted token reading learned placeholders in place of a (feature, token)
-      pair (`parallel_inputs`).
+      pair (`specjax.drafters.eagle.parallel`).
   """
 
   embed_dim: int
@@ -242,46 +242,13 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
             "final_norm": jnp.asarray(target.params["final_norm"], jnp.float32), "lm_head": lm_head,
             "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
   if c.parallel:
-    # Placeholders start as unit-scale vectors (the slot's input norms rescale them either way),
-    # from their own key: a sequential head's weights stay what they were.
+    # Placeholders (`specjax.drafters.eagle.parallel`) start as unit-scale vectors (the slot's
+    # input norms rescale them either way), from their own key: the other weights are those of a
+    # sequential head with `rng`.
     embed_key, feature_key = jax.random.split(jax.random.fold_in(rng, 1))
     params["parallel_embed"] = jax.random.normal(embed_key, (c.parallel, e), jnp.float32)
     params["parallel_feature"] = jax.random.normal(feature_key, (c.parallel, e), jnp.float32)
   return EagleHead(params, config)
-
-
-def extend_draft_vocab(head: EagleHead, target: Model, draft_ids) -> EagleHead:
-  """The same head over a larger draft vocabulary that contains its own.
-
-  The LM-head columns of the ids the head already has are kept. Each new id's column is the
-  target's output row for it, carried through the linear map `A` that best takes the target's
-  rows of the old ids to the head's trained columns (least squares, `A T_old ~ W_old`): training
-  moved the head's columns away from the target's rows (scale, the head's own final norm), and raw
-  target rows beside trained columns would outscore them and take over its drafts. On the old ids
-  the logits are exactly the old head's.
-
-  Args:
-    head: the head.
-    target: the target it drafts for (its output projection initialises the new columns).
-    draft_ids: strictly increasing target ids, a superset of `head.draft_ids`.
-
-  Returns:
-    An `EagleHead` whose config has `draft_vocab_size = len(draft_ids)`.
-  """
-  c = head.config
-  ids = _check_draft_ids(draft_ids, c.vocab_size, np.asarray(draft_ids).size)
-  old = np.asarray(head.draft_ids)
-  if not np.isin(old, ids).all():
-    raise ValueError("the new draft vocabulary must contain every id of the head's own")
-  where = np.searchsorted(ids, old)
-  rows = np.asarray(target_output_head(target), np.float64)[:, ids]  # [E, N]
-  trained = np.asarray(head.params["lm_head"], np.float64)  # [E, n_old]
-  fit = np.linalg.lstsq(rows[:, where].T, trained.T, rcond=None)[0]  # A.T: rows.T @ A.T ~ W.T
-  lm_head = (fit.T @ rows).astype(np.float32)
-  lm_head[:, where] = trained  # the old columns exactly (float32 -> float64 -> float32)
-  params = {**head.params, "lm_head": lm_head.astype(head.params["lm_head"].dtype),
-            "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
-  return EagleHead(params, dataclasses.replace(c, draft_vocab_size=int(ids.shape[0])))
 
 
 def project_features(head: EagleHead, source: jax.Array) -> jax.Array:
@@ -312,7 +279,7 @@ def head_qkv(head: EagleHead, embed: jax.Array | None, tokens: jax.Array, featur
   """The layer's rotated queries/keys/values for pairs `(features, tokens)` at `positions`.
 
   `tokens` are `[B, T]` ids embedded with `embed`, or (`embed=None`) `[B, T, E]` already
-  embedded (a parallel head's placeholders, `parallel_inputs`).
+  embedded (a parallel head's placeholders: `specjax.drafters.eagle.parallel`).
 
   Returns:
     `q [B, T, H, D]`, `k [B, T, KVH, D]`, `v [B, T, KVH, D]`.
@@ -391,37 +358,6 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
     cache = KVCache(write_stacked_block(cache.k, k[None], starts),
                     write_stacked_block(cache.v, v[None], starts), starts + t)
   return logits, hidden_out, cache
-
-
-def parallel_inputs(head: EagleHead, embed: jax.Array, token: jax.Array, feature: jax.Array,
-                    count: int) -> tuple[jax.Array, jax.Array]:
-  """The inputs of a parallel head's drafting forward: `count` slots per row.
-
-  Slot 0 is the ordinary pair `(feature, token)` (the head's guess of the feature at the first
-  drafted token's position, that token); slots `1 .. count - 1` read the placeholders
-  `parallel_embed[j - 1]` and `parallel_feature[j - 1]`, so the forward's output at slot `j`
-  predicts the draft `j + 2` tokens ahead of the stored logits without the drafts between.
-
-  Args:
-    embed: `[V, E]` the target's embedding table.
-    token: `[B]` int32 the first drafted token.
-    feature: `[B, E]` the head's output feature that precedes it.
-    count: slots, `1 <= count <= parallel + 1`.
-
-  Returns:
-    `(embedded [B, count, E], features [B, count, E])` for `head_forward(head, None, ...)`.
-  """
-  c = head.config
-  if not 1 <= count <= c.parallel + 1:
-    raise ValueError(f"a head with {c.parallel} placeholder slots drafts at most "
-                     f"{c.parallel + 2} tokens a round; asked for {count + 1}")
-  b = token.shape[0]
-  dtype = feature.dtype
-  first = embed[token].astype(dtype)[:, None]
-  rest = lambda name: jnp.broadcast_to(head.params[name][:count - 1].astype(dtype),
-                                       (b, count - 1, c.embed_dim))
-  return (jnp.concatenate([first, rest("parallel_embed")], axis=1),
-          jnp.concatenate([feature[:, None], rest("parallel_feature")], axis=1))
 
 
 def to_target_logits(head: EagleHead, draft_logits: jax.Array) -> jax.Array:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.draft_vocab import draft_tokens, take_rows
-from specjax.drafters.proposal import (Proposal, check_confidence, confident_count, stopped_count,
+from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
                                        top_probability)
 from specjax.drafters.medusa import network as medusa
 
@@ -87,14 +87,8 @@ class MedusaDrafter:
     positions = lengths[:, None] + jnp.arange(num_draft, dtype=jnp.int32)  # [B, k]
     tokens, full = draft_tokens(logits, self.heads.draft_ids, self.full_logits, sampling,
                                 seeds[:, None], positions)
-    tops = top_probability(logits)  # [B, k]
-    num_drafted = None if self.confidence is None else confident_count(tops, self.confidence)
-    if stop is not None:  # head j's confidence does not depend on the drafts before it
-      stopped = stopped_count(tops, stop)
-      num_drafted = stopped if num_drafted is None else jnp.minimum(num_drafted, stopped)
-    if limits is not None:  # all k come from one forward: a limit only trims the proposal
-      num_drafted = limits if num_drafted is None else jnp.minimum(num_drafted, limits)
-    return state, Proposal(tokens, full, num_drafted, tops)
+    tops = top_probability(logits)  # [B, k]: head j's does not depend on the drafts before it
+    return state, Proposal(tokens, full, proposed_count(tops, self.confidence, stop, limits), tops)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block, emitted, lengths

@@ -1,0 +1,57 @@
+"""The placeholder slots of a parallel-drafting EAGLE head (P-EAGLE-style).
+
+A head with `HeadConfig.parallel = P > 0` carries two `[P, E]` parameters, `parallel_embed` and
+`parallel_feature` (`network.init_head` draws them). In a drafting forward
+(`specjax.drafters.eagle.drafter`) and in the training-time unroll
+(`specjax.training.heads.eagle_unroll`), slot `j >= 1` after the first drafted token reads
+`parallel_embed[j - 1]` in place of a token's embedding and `parallel_feature[j - 1]` in place of
+a feature, so every draft of a round comes out of one forward, before any of the drafts it
+follows exist.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from specjax.drafters.eagle.network import EagleHead
+
+__all__ = ["parallel_inputs", "placeholders"]
+
+
+def placeholders(head: EagleHead, index, shape: tuple[int, ...], dtype):
+  """`(embedded, features)`: placeholder slot(s) `index` (an int, or a slice of slots) broadcast
+  to `shape` (`[..., E]`) in `dtype`, the inputs `head_qkv` reads with `embed=None`."""
+  p = head.params
+  take = lambda name: jnp.broadcast_to(p[name][index].astype(dtype), shape)
+  return take("parallel_embed"), take("parallel_feature")
+
+
+def parallel_inputs(head: EagleHead, embed: jax.Array, token: jax.Array, feature: jax.Array,
+                    count: int) -> tuple[jax.Array, jax.Array]:
+  """The inputs of a parallel head's drafting forward: `count` slots per row.
+
+  Slot 0 is the ordinary pair `(feature, token)` (the head's guess of the feature at the first
+  drafted token's position, that token); slots `1 .. count - 1` read the placeholders
+  `parallel_embed[j - 1]` and `parallel_feature[j - 1]`, so the forward's output at slot `j`
+  predicts the draft `j + 2` tokens ahead of the stored logits without the drafts between.
+
+  Args:
+    head: a head with `config.parallel >= count - 1`.
+    embed: `[V, E]` the target's embedding table.
+    token: `[B]` int32 the first drafted token.
+    feature: `[B, E]` the head's output feature that precedes it.
+    count: slots, `1 <= count <= parallel + 1`.
+
+  Returns:
+    `(embedded [B, count, E], features [B, count, E])` for `head_forward(head, None, ...)`.
+  """
+  c = head.config
+  if not 1 <= count <= c.parallel + 1:
+    raise ValueError(f"a head with {c.parallel} placeholder slots drafts at most "
+                     f"{c.parallel + 2} tokens a round; asked for {count + 1}")
+  dtype = feature.dtype
+  rest_embed, rest_feature = placeholders(head, slice(0, count - 1),
+                                          (token.shape[0], count - 1, c.embed_dim), dtype)
+  return (jnp.concatenate([embed[token].astype(dtype)[:, None], rest_embed], axis=1),
+          jnp.concatenate([feature[:, None], rest_feature], axis=1))
