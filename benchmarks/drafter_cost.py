@@ -32,10 +32,10 @@ def _draft_rounds(drafter, state, sequence, lengths, scored, block, emitted, cou
   return jax.lax.fori_loop(0, steps, body, (state, jnp.int32(0)))[1]
 
 
-def draft_round_seconds(target, drafter, tokens, lengths, *, buffer_len: int, num_draft: int,
-                        sampling, repeats: int = 5, steps: int = 8,
-                        statistic: str = "min") -> float:
-  """Seconds of one round's drafting (`propose` + `observe`) for a batch of prompts.
+def draft_round_call(target, drafter, tokens, lengths, *, buffer_len: int, num_draft: int,
+                     sampling, steps: int = 8):
+  """A zero-argument call that runs `steps` rounds of a drafter's work (`propose` + `observe`)
+  for a batch of prompts, on the state it builds from a real prefill and one verify forward.
 
   Args:
     target: the target model (its prefill and one verify forward feed the drafter).
@@ -44,7 +44,7 @@ def draft_round_seconds(target, drafter, tokens, lengths, *, buffer_len: int, nu
     buffer_len: the decode's token buffer / cache length.
     num_draft: `k`.
     sampling: the sampling settings the drafter proposes under.
-    repeats, steps, statistic: see `timing.measure_costs`.
+    steps: rounds per call.
   """
   batch, width = tokens.shape
   taps, hidden = tuple(drafter.taps), bool(drafter.needs_hidden)
@@ -59,7 +59,18 @@ def draft_round_seconds(target, drafter, tokens, lengths, *, buffer_len: int, nu
   scored = target(block, starts, prefill.cache, taps=taps, return_hidden=hidden)
   count = jnp.full((batch,), num_draft // 2 + 1, jnp.int32)  # a typical partial acceptance
   seeds = jnp.arange(batch, dtype=jnp.uint32) + 1
-  call = lambda: _draft_rounds(drafter, state, sequence, lengths, scored, block, block, count,
+  return lambda: _draft_rounds(drafter, state, sequence, lengths, scored, block, block, count,
                                seeds, num_draft=num_draft, sampling=sampling, steps=steps)
+
+
+def draft_round_seconds(target, drafter, tokens, lengths, *, buffer_len: int, num_draft: int,
+                        sampling, repeats: int = 5, steps: int = 8,
+                        statistic: str = "min") -> float:
+  """Seconds of one round's drafting (`propose` + `observe`) for a batch of prompts.
+
+  Args: as `draft_round_call`; repeats, statistic: see `timing.measure_costs`.
+  """
+  call = draft_round_call(target, drafter, tokens, lengths, buffer_len=buffer_len,
+                          num_draft=num_draft, sampling=sampling, steps=steps)
   timed = time_alternately({"draft": call}, repeats, statistic)
   return timed["draft"]["seconds"] / steps

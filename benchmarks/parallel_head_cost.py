@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.drafter_cost import _draft_rounds
+from benchmarks.drafter_cost import draft_round_call
 from benchmarks.timing import time_alternately
 
 RESULTS = pathlib.Path(__file__).parent / "results"
@@ -57,26 +57,9 @@ def main():
                                    parallel=parallel)
     drafters[name] = sj.EagleDrafter(eagle.init_head(config, target, jax.random.key(1), ids),
                                      target.params["embed"])
-  buffer_len = 512
-  batch, width = tokens.shape
-  calls = {}
-  for name, drafter in drafters.items():
-    taps = tuple(drafter.taps)
-    prefill = target(tokens, jnp.zeros((batch,), jnp.int32), target.init_cache(batch, buffer_len),
-                     taps=taps)
-    sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
-    state = drafter.init(tokens, lengths, buffer_len, prefill)
-    for k in KS:
-      starts = lengths - 1
-      block = jax.vmap(lambda row, s: jax.lax.dynamic_slice(row, (s,), (k + 1,)))(sequence,
-                                                                                 starts)
-      scored = target(block, starts, prefill.cache, taps=taps)
-      count = jnp.full((batch,), k // 2 + 1, jnp.int32)
-      seeds = jnp.ones((batch,), jnp.uint32)
-      calls[f"{name}-k{k}"] = (lambda d=drafter, st=state, sc=scored, b=block, c=count, k=k:
-                               _draft_rounds(d, st, sequence, lengths, sc, b, b, c, seeds,
-                                             num_draft=k, sampling=sj.Sampling(),
-                                             steps=args.steps))
+  calls = {f"{name}-k{k}": draft_round_call(target, drafter, tokens, lengths, buffer_len=512,
+                                            num_draft=k, sampling=sj.Sampling(), steps=args.steps)
+           for name, drafter in drafters.items() for k in KS}
   load_before = os.getloadavg()
   timed = time_alternately(calls, args.repeats)
   record = {"model": "smollm2-135m (f32, for_platform)", "head": "EAGLE-3 shape, random weights,"

@@ -65,21 +65,28 @@ def make_drafter(target, kind: str, cls=None):
   return (cls or EagleDrafter)(head, target.params["embed"])
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "mtp", "medusa"])
-def test_greedy_equals_generate_ragged_batch(target, batch, kind):
+def assert_greedy_equals_generate(target, drafter, batch, num_draft: int):
+  """Greedy `decode` with `drafter` on the ragged batch returns `generate`'s tokens, accepts some
+  drafts (so rollback after partial acceptance is exercised) and runs the drafter's
+  `forwards_per_round` a round; returns the decode's stats."""
   tokens, lengths = batch
   expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
                          max_new_tokens=MAX_NEW)
-  drafter = make_drafter(target, kind)
   out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
-                  max_new_tokens=MAX_NEW, num_draft=NUM_DRAFT)
+                  max_new_tokens=MAX_NEW, num_draft=num_draft)
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
   stats = out.stats
-  print(kind, stats.summary())
-  assert int(np.sum(stats.accepted)) > 0  # rollback after partial acceptance is exercised
-  per_round = drafter.forwards_per_round(NUM_DRAFT)
+  assert int(np.sum(stats.accepted)) > 0
+  per_round = drafter.forwards_per_round(num_draft)
   np.testing.assert_array_equal(stats.draft_calls, stats.rounds * per_round)
+  return stats
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "mtp", "medusa"])
+def test_greedy_equals_generate_ragged_batch(target, batch, kind):
+  stats = assert_greedy_equals_generate(target, make_drafter(target, kind), batch, NUM_DRAFT)
+  print(kind, stats.summary())
 
 
 def test_forwards_per_round_and_protocol(target):

@@ -25,11 +25,13 @@ import pytest
 
 import specjax as sj
 from specjax.drafters.eagle import network as eagle
+from specjax.drafters.eagle.parallel import parallel_inputs
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.training import head_run, heads
 from specjax.testing.models import tiny_config
-from tests.drafters.test_heads import (DRAFT_IDS, MAX_NEW, VOCAB, batch,  # noqa: F401 (fixtures)
-                                       features_mismatch, target)
+from tests.drafters.test_heads import (DRAFT_IDS, VOCAB, assert_greedy_equals_generate,
+                                       batch, features_mismatch, target)  # noqa: F401 (fixtures)
+from tests.exactness.test_exactness_harness import argmax_point_mass, neighbour_q
 from tests.training.test_heads_train import VOCAB as TRAIN_VOCAB, _write_chunks
 
 PARALLEL = 3  # placeholder slots: rounds of up to 5 drafts
@@ -71,7 +73,7 @@ def test_training_unroll_equals_the_drafting_forward(target, swap):
     logits, hidden, cache = forward(head, embed, tokens[:, 1:chain + 2], features[:, :chain + 1],
                                     jnp.zeros(2, jnp.int32), cache)
     np.testing.assert_allclose(logits[:, -1], steps[0][:, chain], atol=2e-4, rtol=2e-4)
-    inputs = eagle.parallel_inputs(drafting, embed, tokens[:, chain + 2], hidden[:, -1],
+    inputs = parallel_inputs(drafting, embed, tokens[:, chain + 2], hidden[:, -1],
                                    PARALLEL + 1)
     block, _, _ = forward(drafting, None, *inputs, cache.lengths, cache)
     np.testing.assert_allclose(block[:, 0], steps[1][:, chain], atol=2e-4, rtol=2e-4)
@@ -85,18 +87,9 @@ def test_training_unroll_equals_the_drafting_forward(target, swap):
 @pytest.mark.parametrize("kind, num_draft", [("eagle3", PARALLEL + 2), ("eagle3", 3),
                                              ("mtp", PARALLEL + 2)])
 def test_greedy_equals_generate_ragged_batch(target, batch, kind, num_draft):
-  tokens, lengths = batch
-  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
-                         max_new_tokens=MAX_NEW)
   drafter = parallel_drafter(target, kind)
-  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
-                  max_new_tokens=MAX_NEW, num_draft=num_draft)
-  np.testing.assert_array_equal(out.tokens, expected.tokens)
-  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
-  stats = out.stats
-  assert int(np.sum(stats.accepted)) > 0  # rollback after partial acceptance is exercised
   assert drafter.forwards_per_round(num_draft) == 2
-  np.testing.assert_array_equal(stats.draft_calls, stats.rounds * 2)
+  assert_greedy_equals_generate(target, drafter, batch, num_draft)
 
 
 def test_head_cache_holds_the_targets_features(target, batch):
@@ -151,20 +144,7 @@ def test_bad_input_is_a_clear_error(target, batch):
     heads.eagle_unroll(drafter.head, target.params["embed"], tokens, None, PARALLEL + 3)
 
 
-def _shifted_q(proposal):
-  """Broken: verify gets each slot's neighbour's q (the last keeps its own)."""
-  logits = proposal.logits
-  return jnp.concatenate([logits[:, 1:], logits[:, -1:]], axis=1)
-
-
-def _argmax_q(proposal):
-  """Broken: verify gets a point mass at each slot's argmax while drafts are sampled."""
-  logits = proposal.logits
-  return jnp.where(jnp.arange(logits.shape[-1]) == jnp.argmax(logits, -1)[..., None], 0.0,
-                   -jnp.inf)
-
-
-@pytest.mark.parametrize("broken", [None, _shifted_q, _argmax_q])
+@pytest.mark.parametrize("broken", [None, neighbour_q, argmax_point_mass])
 def test_each_slot_draws_from_the_q_it_hands_verify(target, broken):
   """At T = 1, N = 6,000 rows of one prompt, one round of 5 drafts each (distinct row streams):
   given the first draft `d_1` (the most frequent value's rows, about a third of them), draft `j`
@@ -191,7 +171,7 @@ def test_each_slot_draws_from_the_q_it_hands_verify(target, broken):
                            sampling=sj.Sampling(temperature=1.0), seeds=seeds)[1]
 
   proposal = one_round(tokens, lengths, row_seeds(jax.random.key(11), n))
-  q_logits = proposal.logits if broken is None else broken(proposal)
+  q_logits = proposal.logits if broken is None else broken(proposal.logits)
   drafts = np.asarray(proposal.tokens)
   first = np.bincount(drafts[:, 0], minlength=VOCAB).argmax()
   rows = np.flatnonzero(drafts[:, 0] == first)

@@ -10,10 +10,10 @@ variant uses its path's N). 24 new tokens per row, k = 7 for chains (trees of de
 row runs about ten rounds and the tested positions span several of them. Settings: T = 1, and T =
 0.7 with top-k 16 and top-p 0.9. Drafters: a noisy copy of the target (first-draft acceptance about
 0.6), prompt lookup, static / dynamic / sampled (i.i.d. and without replacement) / n-gram trees,
-EAGLE-3, MTP and Medusa heads and a parallel EAGLE-3 head (all K drafts from one forward) with random
-weights (exactness does not depend on their quality; they are rarely accepted), the hybrid (lookup in front of an EAGLE-3 head), the confidence stop with
-verify widths, the per-row adaptive drafter, and the int4 self-drafter
-(`specjax.self_drafter(bits=4)`). Everything is seeded.
+EAGLE-3, MTP and Medusa heads and a parallel EAGLE-3 head (all K drafts from one forward) with
+random weights (exactness does not depend on their quality; they are rarely accepted), the hybrid
+(lookup in front of an EAGLE-3 head), the confidence stop with verify widths, the per-row adaptive
+drafter, and the int4 self-drafter (`specjax.self_drafter(bits=4)`). Everything is seeded.
 
 **Statistic** (`specjax.exactness.stats.position_tests`, the audit's own): at every (prompt,
   position)
@@ -42,9 +42,9 @@ target's samples keyed by the depth within the round (every round reuses them); 
 matching by the target's argmax at T > 0; dynamic tree: top-m children verified as if sampled
 from q; i.i.d. sampled tree: an acceptance threshold of 0.8; without replacement: q not
 renormalised after a rejected sibling; EAGLE-3: q before the temperature; MTP: drafts outside the
-draft vocabulary where q says 0; Medusa: each draft verified with the neighbouring head's q; parallel EAGLE-3: drafts sampled, but
-verify given point masses at each slot's argmax;
-hybrid: copied drafts verified with the head's q; confidence stop and adaptive: the stop slot's
+draft vocabulary where q says 0; Medusa: each draft verified with the neighbouring head's q;
+parallel EAGLE-3: drafts sampled, but verify given point masses at each slot's argmax; hybrid:
+copied drafts verified with the head's q; confidence stop and adaptive: the stop slot's
 token drawn from a residual; int4 self-drafter: verify told the float model's q.
 
 Cost (2-core CPU host shared with other work, one worker): the 43 `slow` cases 19.5 minutes
@@ -153,18 +153,26 @@ class LeakyVocabEagle(EagleDrafter):
         proposal, logits=jnp.where(in_vocab, proposal.logits, -jnp.inf))
 
 
+def argmax_point_mass(logits):
+  """`[B, k, V]` q logits -> a point mass at each position's argmax (the greedy peers' q)."""
+  top = jnp.argmax(logits, axis=-1)[..., None]
+  return jnp.where(jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf)
+
+
+def neighbour_q(logits):
+  """`[B, k, V]` q logits -> position j gets position j + 1's (the last keeps its own)."""
+  return jnp.concatenate([logits[:, 1:], logits[:, -1:]], axis=1)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ArgmaxQParallelEagle(EagleDrafter):
   """A parallel head that samples each draft from its slot's q but hands verify a point mass at
-  that slot's argmax (the greedy peers' q) in its place."""
+  that slot's argmax in its place."""
 
   def propose(self, state, sequence, lengths, **kwargs):
     state, proposal = super().propose(state, sequence, lengths, **kwargs)
-    logits = proposal.logits
-    top = jnp.argmax(logits, axis=-1)[..., None]
-    return state, dataclasses.replace(proposal, logits=jnp.where(
-        jnp.arange(logits.shape[-1]) == top, 0.0, -jnp.inf))
+    return state, dataclasses.replace(proposal, logits=argmax_point_mass(proposal.logits))
 
 
 @jax.tree_util.register_dataclass
@@ -174,9 +182,7 @@ class NeighbourQMedusa(MedusaDrafter):
 
   def propose(self, state, sequence, lengths, **kwargs):
     state, proposal = super().propose(state, sequence, lengths, **kwargs)
-    logits = proposal.logits
-    shifted = jnp.concatenate([logits[:, 1:], logits[:, -1:]], axis=1)
-    return state, dataclasses.replace(proposal, logits=shifted)
+    return state, dataclasses.replace(proposal, logits=neighbour_q(proposal.logits))
 
 
 @jax.tree_util.register_dataclass
