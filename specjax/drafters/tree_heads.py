@@ -13,7 +13,11 @@ head's cache holds the pairs `(target feature_t, token_{t+1})` of slots `0 .. L 
   in a small per-round key/value buffer; the committed cache is read, never written). Nodes are
   evaluated depth by depth, each once: the builders tell an incremental `expand` which nodes were
   added since its last call. Dynamic (EAGLE-2) and sampled trees use it directly; static trees take
-  the head's greedy chain with its top-`K` candidates per depth. A `MedusaDrafter` gives static
+  the head's greedy chain with its top-`K` candidates per depth. A parallel EAGLE head
+  (`HeadConfig.parallel > 0`) runs one forward for the whole tree instead (`ParallelTreeExpand`):
+  each depth-1 node opens a group of placeholder slots, and a depth-`d` node's children come
+  from slot `d - 1` of its depth-1 ancestor's group; static trees rank the top-`K` of each slot
+  of the greedy first draft's group (top-`K` per parallel position). A `MedusaDrafter` gives static
   trees (head `i`'s top-`K` are the depth-`i + 1` candidates) and sampled trees (every depth-`d`
   node draws its children from head `d`); its heads never see the tree's tokens, so EAGLE-2's
   dynamic trees are refused.
@@ -27,7 +31,8 @@ head's cache holds the pairs `(target feature_t, token_{t+1})` of slots `0 .. L 
   rows keep their state (`count == 0`), and the next round starts from the invariant again.
 
 Per round an `EagleDrafter` runs `D - 1` head forwards to draft (depth `D` nodes are never
-expanded) plus one to catch up: `D`, as its chain of `D` drafts. A `MedusaDrafter` runs one.
+expanded) plus one to catch up: `D`, as its chain of `D` drafts; with a parallel head, two (one
+for `D = 1`). A `MedusaDrafter` runs one.
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.eagle.drafter import EagleDrafter
-from specjax.drafters.eagle.tree import EagleTreeExpand, eagle_chain_candidates
+from specjax.drafters.eagle.tree import (EagleTreeExpand, ParallelTreeExpand,
+                                         eagle_chain_candidates, parallel_chain_candidates)
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.medusa.tree import medusa_logits
 from specjax.models.transformer import ForwardOutput, check_taps
@@ -72,6 +78,11 @@ def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
     if drafter.head.config.embed_dim != config.embed_dim:
       raise ValueError(f"the head's width ({drafter.head.config.embed_dim}) does not match the "
                        f"target's embed_dim ({config.embed_dim})")
+  if isinstance(drafter, EagleDrafter) and drafter.max_draft is not None:
+    if spec.depth > drafter.max_draft:
+      raise ValueError(f"a tree of depth {spec.depth} exceeds what this parallel head drafts in "
+                       f"one forward ({drafter.max_draft}: {drafter.head.config.parallel} "
+                       "placeholder slots + 2)")
   if isinstance(drafter, MedusaDrafter):
     if spec.builder == "dynamic":
       raise ValueError("a dynamic (EAGLE-2) tree expands each node from its own token, but "
@@ -105,7 +116,7 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
     spec: the tree spec ("static", "sampled", or "dynamic" for an `EagleDrafter`).
     root: `[B]` each row's last token; sequence: `[B, S]` tokens; lengths: `[B]` (`L`).
     sampling, seeds: as for `specjax.trees.builders.build_tree`.
-    incremental: `EagleTreeExpand`'s evaluation mode.
+    incremental: `EagleTreeExpand`'s evaluation mode (a parallel head's is always incremental).
 
   Returns:
     The `Tree`; `logits` (sampled and dynamic trees) are full-vocabulary.
@@ -124,6 +135,13 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
       k = max(c[-1] for c in spec.resolved_choices) + 1
       top = jax.lax.top_k(head_logits, k)[1]  # [B, D, K]
       return jnp.take(drafter.heads.draft_ids, top).astype(jnp.int32)
+  elif drafter.head.config.parallel:
+    pool = trees.dynamic_pool_size(depth, spec.width) if spec.builder == "dynamic" else spec.size
+    expand = ParallelTreeExpand(drafter, state, lengths, pool, depth)
+
+    def chain_candidates():
+      k = max(c[-1] for c in spec.resolved_choices) + 1
+      return parallel_chain_candidates(drafter, state, lengths, depth, k)
   else:
     pool = trees.dynamic_pool_size(depth, spec.width) if spec.builder == "dynamic" else spec.size
     expand = EagleTreeExpand(drafter, state, lengths, pool, incremental=incremental)

@@ -13,7 +13,16 @@
 * Bad input: more drafts than the head has slots, a negative `parallel`, a parallel Medusa or a
   too-short unroll: clear errors.
 
-The sampled path's chi-square (T = 1, T = 0.7 with top-k / top-p) and its broken variant (drafts
+* Trees (top-`K` per parallel position): in a head tree (EAGLE-2 dynamic, sampled), every node's
+  draft logits equal slot `d - 2` of the chain's drafting forward run with the node's depth-1
+  ancestor as first draft (the neighbouring slot differs, so the check can fail); greedy tree
+  decoding (dynamic, static, sampled) returns `sj.generate`'s tokens on a ragged batch with two
+  head forwards a round; a sampled tree at T = 0.7 with top-k / top-p fits the target's
+  distribution (the tree harness of tests/drafters/test_tree_heads.py: N = 20,000, alpha 1e-3),
+  and the same head's top-m tree verified as if sampled is rejected (p < 1e-6); a tree deeper
+  than the head's slots is refused before tracing.
+
+The sampled chain's chi-square (T = 1, T = 0.7 with top-k / top-p) and its broken variant (drafts
 sampled, verify given point masses at each slot's argmax) are in
 `tests/exactness/test_exactness_harness.py` (`eagle3_parallel`).
 """
@@ -29,10 +38,13 @@ from specjax.drafters.eagle.parallel import parallel_inputs
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.training import head_run, heads
 from specjax.testing.models import tiny_config
+from specjax.trees.structure import TreeSpec
 from tests.drafters.test_heads import (DRAFT_IDS, VOCAB, assert_greedy_equals_generate,
                                        batch, features_mismatch, target)  # noqa: F401 (fixtures)
+from tests.exactness.test_exactness import ALPHA
 from tests.exactness.test_exactness_harness import argmax_point_mass, neighbour_q
 from tests.training.test_heads_train import VOCAB as TRAIN_VOCAB, _write_chunks
+from tests.trees.test_trees import all_paths, check_structure
 
 PARALLEL = 3  # placeholder slots: rounds of up to 5 drafts
 
@@ -192,3 +204,117 @@ def test_each_slot_draws_from_the_q_it_hands_verify(target, broken):
     assert min(pvalues) > level, pvalues
   else:
     assert min(pvalues) <= level, pvalues
+
+
+# ---------------------------------------------------------------------------------------------
+# Trees: top-K per parallel position.
+
+TREE_SPECS = {
+    "dynamic": TreeSpec("dynamic", depth=PARALLEL + 2, width=3, num_nodes=12),
+    "sampled": TreeSpec("sampled", branching=(3, 2, 1, 1), replacement=False),
+    "static": TreeSpec("static", depth=4, width=3),
+}
+
+
+def scaled(drafter: EagleDrafter, factor: float = 3.0) -> EagleDrafter:
+  """The head with its matrices scaled: far from the identity, so a wrong slot shows."""
+  head = eagle.EagleHead(jax.tree.map(lambda x: x * factor if x.dtype == jnp.float32
+                                      and x.ndim == 2 else x, drafter.head.params),
+                         drafter.head.config)
+  return EagleDrafter(head, drafter.target_embed)
+
+
+@pytest.mark.parametrize("builder", ["dynamic", "sampled"])
+def test_tree_logits_equal_the_chain_forward_of_the_depth_one_ancestor(target, batch, builder):
+  from tests.drafters.test_tree_heads import build, head_state
+  tokens, lengths = batch
+  drafter = scaled(parallel_drafter(target, "eagle3"))
+  spec = TREE_SPECS[builder]
+  state, _ = head_state(target, drafter, tokens, lengths)
+  tree = build(drafter, state, tokens, lengths, spec=spec, sampling=sj.Sampling(temperature=1.0))
+  check_structure(tree, deterministic=builder == "dynamic")
+  slots = spec.depth - 1
+  forward = jax.jit(eagle.head_forward)
+  got, node_tokens = np.asarray(tree.logits), np.asarray(tree.tokens)
+  checked = wrong_slot = 0
+  for b in range(3):
+    cache = state.cache
+    cache = sj.KVCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1], cache.lengths[b:b + 1])
+    stored = np.asarray(drafter.full_logits(state.logits[b]))
+    groups = {}
+    for path in all_paths(tree, b):
+      first = int(node_tokens[b, path[0]])
+      if first not in groups:  # the chain's drafting forward with this first draft
+        inputs = parallel_inputs(drafter.head, drafter.target_embed, jnp.asarray([first]),
+                                 state.hidden[b:b + 1], slots)
+        logits, _, _ = forward(drafter.head, None, *inputs, lengths[b:b + 1] - 1, cache)
+        groups[first] = np.asarray(drafter.full_logits(logits[0]))  # [S, V]
+      for depth, node in enumerate(path, start=1):
+        expected = stored if depth == 1 else groups[first][depth - 2]
+        np.testing.assert_allclose(got[b, node], expected, atol=2e-4, rtol=2e-4)
+        checked += 1
+        if depth >= 3:  # the neighbouring slot is a different distribution
+          finite = np.isfinite(expected)
+          wrong_slot += np.abs(groups[first][depth - 3] - expected)[finite].max() > 1e-2
+  assert checked >= 3 * spec.depth and wrong_slot > 0
+
+
+@pytest.mark.parametrize("kind,builder", [
+    ("eagle3", "dynamic"),
+    pytest.param("mtp", "static", marks=pytest.mark.costly),
+    pytest.param("eagle3", "sampled", marks=pytest.mark.costly)])
+def test_greedy_tree_decode_equals_generate(target, batch, kind, builder):
+  tokens, lengths = batch
+  spec = TREE_SPECS[builder]
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=16)
+  eos = int(ref.tokens[0, 5])  # row 0 stops early
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=16,
+                    eos_id=eos)
+  drafter = parallel_drafter(target, kind)
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=16, eos_id=eos, tree=spec)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  np.testing.assert_array_equal(out.num_tokens, ref.num_tokens)
+  assert int(ref.num_tokens[0]) < 16
+  stats = out.stats
+  np.testing.assert_array_equal(stats.draft_calls, stats.rounds * 2)
+
+
+def fit_drafter(target):
+  """A random parallel head on the harness's 8-token target, perturbed so that q differs from p
+  and its drafts are accepted often enough to test the tree (as `make_eagle`)."""
+  from tests.exactness.test_heads_exactness import DRAFT_IDS as FIT_IDS, perturbed
+  config = eagle.head_config_for(target.config, kind="eagle3", draft_vocab_size=len(FIT_IDS),
+                                 parallel=1)
+  head = eagle.init_head(config, target, jax.random.key(1), FIT_IDS)
+  head = eagle.EagleHead(perturbed(head.params, jax.random.key(101), 0.5), config)
+  return EagleDrafter(head, target.params["embed"])
+
+
+@pytest.mark.costly
+@pytest.mark.parametrize("broken", [False, True])
+def test_parallel_tree_matches_target_distribution(broken):
+  """A sampled tree of depth 3 (the placeholder slot in use at depth 3) at T = 0.7 with top-k /
+  top-p fits the target's distribution; the same head's top-m (dynamic) tree verified as if its
+  children were sampled i.i.d. must not."""
+  from tests.drafters.test_tree_heads import IidRuleSpec, fit_pvalue
+  from tests.exactness.test_exactness import POWER_ALPHA
+  target = sj.init_params(tiny_config(vocab_size=8, num_layers=4), jax.random.key(10))
+  drafter = fit_drafter(target)
+  if broken:
+    p, _ = fit_pvalue(target, drafter, IidRuleSpec("dynamic", depth=3, width=2, num_nodes=6),
+                      "t1")
+    assert p < POWER_ALPHA
+    return
+  spec = TreeSpec("sampled", branching=(2, 2, 1), replacement=False)
+  p, summary = fit_pvalue(target, drafter, spec, "t0.7_topk5_topp0.9")
+  assert summary["accepted"] > 0.05 * summary["rounds"]  # the tree is really used
+  assert p > ALPHA
+
+
+def test_a_tree_deeper_than_the_slots_is_refused(target, batch):
+  tokens, lengths = batch
+  drafter = parallel_drafter(target, "eagle3", parallel=1)  # rounds of up to 3
+  with pytest.raises(ValueError, match="exceeds what this parallel head drafts"):
+    sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=8,
+              tree=TreeSpec("dynamic", depth=4, width=2, num_nodes=6))

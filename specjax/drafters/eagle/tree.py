@@ -1,6 +1,8 @@
 """An EAGLE head's draft trees: `EagleTreeExpand` (the generic `expand` of
 `specjax.trees.structure`, evaluated depth by depth with an ancestor mask) and
-`eagle_chain_candidates` (the head's greedy chain with its top-`K` per depth, for static trees).
+`eagle_chain_candidates` (the head's greedy chain with its top-`K` per depth, for static trees);
+for a parallel head (`HeadConfig.parallel > 0`), `ParallelTreeExpand` and
+`parallel_chain_candidates`, which run one head forward a round whatever the depth.
 `specjax.drafters.tree_heads` runs them each round."""
 
 from __future__ import annotations
@@ -10,10 +12,20 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.eagle.parallel import parallel_inputs
 from specjax.models.transformer import attention
 from specjax.trees import structure as trees
 
-__all__ = ["EagleTreeExpand", "eagle_chain_candidates"]
+__all__ = ["EagleTreeExpand", "ParallelTreeExpand", "eagle_chain_candidates",
+           "parallel_chain_candidates", "parallel_group_logits"]
+
+
+def _committed_segment(cache, base):
+  """The head cache's committed slots `0 .. base` as an `attention` segment."""
+  batch, size = base.shape[0], cache.max_len
+  slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
+  committed = (slot_positions <= base[:, None])[:, None, :]  # [B, 1, S]
+  return cache.k[0], cache.v[0], slot_positions, committed
 
 
 class EagleTreeExpand:
@@ -75,11 +87,7 @@ class EagleTreeExpand:
     self.values = self.values.at[:, :, nodes].set(v.swapaxes(1, 2).astype(self.values.dtype))
     mask = trees.ancestor_mask(ext_parents)[:, ext, 1:]  # [B, T, P] ancestors and itself
     tree_positions = self.base[:, None] + ext_depths[:, 1:].astype(jnp.int32)  # [B, P]
-    cache = self.state.cache
-    batch, size = tokens.shape[0], cache.max_len
-    slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
-    committed = (slot_positions <= self.base[:, None])[:, None, :]  # [B, 1, S] slots 0 .. L - 2
-    segments = [(cache.k[0], cache.v[0], slot_positions, committed),
+    segments = [_committed_segment(self.state.cache, self.base),  # slots 0 .. L - 2
                 (self.keys, self.values, tree_positions, mask)]
     attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
     logits, hidden = eagle.head_finish(head, features, attn)
@@ -106,3 +114,115 @@ def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: i
     ranked.append(top)
     ext_tokens = ext_tokens.at[:, d + 1].set(top[:, 0])
   return jnp.stack(ranked, axis=1)
+
+
+def parallel_group_logits(drafter: EagleDrafter, state, lengths: jax.Array, tokens: jax.Array,
+                          slots: int) -> jax.Array:
+  """A parallel head's drafting forward for `G` first drafts per row at once: `[B, G, S, N]`.
+
+  Group `g` is the chain drafting forward of `EagleDrafter._propose_parallel` with first draft
+  `tokens[:, g]`: slot 0 the pair (stored `hidden`, the token) at position `L - 1`, slots
+  `1 .. S - 1` the placeholders after it; slot `j`'s draft-vocabulary logits are those of the
+  draft `j + 2` tokens ahead of the stored logits. Every slot attends to the committed slots
+  `0 .. L - 2` of the head's cache and to the slots of its own group up to itself (one
+  attention call over a block-diagonal causal mask); the cache is read, never written.
+
+  Args:
+    drafter: an `EagleDrafter` with a parallel head; state: its `EagleState`.
+    lengths: `[B]` int32 tokens per row (`L`).
+    tokens: `[B, G]` int32 first drafts (target ids).
+    slots: `S`, `1 <= S <= parallel + 1`.
+  """
+  head = drafter.head
+  c = head.config
+  batch, groups = tokens.shape
+  embedded, features = parallel_inputs(head, drafter.target_embed, tokens.reshape(-1),
+                                       jnp.repeat(state.hidden, groups, axis=0), slots)
+  embedded = embedded.reshape(batch, groups * slots, c.embed_dim)
+  features = features.reshape(batch, groups * slots, c.embed_dim)
+  slot = jnp.tile(jnp.arange(slots, dtype=jnp.int32), groups)  # [G * S]
+  group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), slots)
+  positions = (lengths.astype(jnp.int32) - 1)[:, None] + slot[None]  # [B, G * S]
+  q, k, v = eagle.head_qkv(head, None, embedded, features, positions)
+  same_group = jnp.broadcast_to(group[:, None] == group[None, :],
+                                (batch, groups * slots, groups * slots))
+  segments = [_committed_segment(state.cache, lengths.astype(jnp.int32) - 2),
+              (k.swapaxes(1, 2), v.swapaxes(1, 2), positions, same_group)]
+  attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
+  logits, _ = eagle.head_finish(head, features, attn)
+  return logits.reshape(batch, groups, slots, -1)
+
+
+class ParallelTreeExpand:
+  """A parallel head's `expand` (`specjax.trees.structure`) below each row's root, for one round.
+
+  The root's children come from the stored logits. A depth-1 node `a` opens a group: the head's
+  drafting forward with `a`'s token as the first draft (`parallel_group_logits`). A depth-`d`
+  node below `a` gets its children from slot `d - 1` of `a`'s group: as in the chain, where the
+  drafts after the second depend on the first but not on the drafts between, a node's draft
+  distribution depends on its depth-1 ancestor and its depth, and not on the tokens between.
+  The children are drawn from (or ranked by) that distribution, and it is the `q` the verify
+  receives: exact like every tree of `specjax.trees`.
+
+  The builders of `specjax.trees.builders` evaluate the root, then all of depth 1 in one call
+  (the root's children are the pool's first nodes): that call runs the round's one head forward,
+  over every depth-1 node; later calls gather from it. Incremental only (`built` is required).
+
+  Args:
+    drafter: the `EagleDrafter` (parallel head); state: its `EagleState`.
+    lengths: `[B]` int32 tokens per row (`L`).
+    pool: the builder's node budget `P`.
+    depth: the tree's depth `D` (`D - 1` slots per group: depth-`D` nodes are never expanded).
+  """
+
+  incremental = True
+
+  def __init__(self, drafter: EagleDrafter, state, lengths: jax.Array, pool: int, depth: int):
+    c = drafter.head.config
+    if not 1 <= depth <= c.parallel + 2:
+      raise ValueError(f"a tree of depth {depth} needs a parallel head with at least "
+                       f"{depth - 2} placeholder slots; this one has {c.parallel}")
+    self.drafter = drafter
+    self.state = state
+    self.lengths = lengths
+    self.depth = depth
+    self.slots = max(depth - 1, 1)
+    self.groups = None  # [B, G, S, N] once depth 1 is evaluated
+    root = drafter.full_logits(state.logits.astype(jnp.float32))  # [B, V]
+    self.full = jnp.zeros((lengths.shape[0], pool + 1, c.vocab_size), jnp.float32).at[
+        :, 0].set(root)
+
+  def __call__(self, ext_tokens, ext_parents, ext_depths, built: slice | None = None):
+    """Full-vocabulary draft logits `[B, P + 1, V]` after the root and every evaluated node."""
+    if built is None:
+      raise ValueError("a parallel head's tree is expanded incrementally (built=...)")
+    if built.stop <= built.start:
+      return self.full
+    ext = slice(built.start + 1, built.stop + 1)
+    if self.groups is None:  # the first level: the depth-1 nodes, pool nodes 0 .. G - 1
+      if built.start != 0:
+        raise ValueError("the depth-1 nodes must be the first nodes a builder evaluates")
+      self.groups = parallel_group_logits(self.drafter, self.state, self.lengths,
+                                          ext_tokens[:, ext].astype(jnp.int32), self.slots)
+    first = jnp.broadcast_to(jnp.arange(ext.start, ext.stop, dtype=jnp.int32)[None],
+                             ext_tokens[:, ext].shape)  # [B, T] extended indices
+    take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
+    for _ in range(self.depth - 1):  # up to the depth-1 ancestor
+      first = jnp.where(take(ext_depths, first) > 1, take(ext_parents, first), first)
+    slot = jnp.clip(ext_depths[:, ext] - 1, 0, self.slots - 1)
+    rows = jnp.arange(first.shape[0])[:, None]
+    logits = self.groups[rows, jnp.clip(first - 1, 0, self.groups.shape[1] - 1), slot]
+    self.full = self.full.at[:, ext].set(self.drafter.full_logits(logits))
+    return self.full
+
+
+def parallel_chain_candidates(drafter: EagleDrafter, state, lengths, depth: int,
+                              k: int) -> jax.Array:
+  """A parallel head's greedy first draft and its one forward: the top-`k` candidates at each
+  depth, `[B, D, K]` (depth 1 from the stored logits, depth `d >= 2` from slot `d - 2`)."""
+  ranked = [jax.lax.top_k(state.logits, k)[1]]  # [B, K] draft ids, best first
+  if depth > 1:
+    first = jnp.take(drafter.head.draft_ids, ranked[0][:, :1]).astype(jnp.int32)  # [B, 1]
+    groups = parallel_group_logits(drafter, state, lengths, first, depth - 1)[:, 0]
+    ranked += list(jax.lax.top_k(groups, k)[1].swapaxes(0, 1))
+  return jnp.take(drafter.head.draft_ids, jnp.stack(ranked, axis=1)).astype(jnp.int32)
