@@ -21,6 +21,9 @@
   distribution (the tree harness of tests/drafters/test_tree_heads.py: N = 20,000, alpha 1e-3),
   and the same head's top-m tree verified as if sampled is rejected (p < 1e-6); a tree deeper
   than the head's slots is refused before tracing.
+* Adaptive length (`sj.adaptive_drafter`) bounds `K` by the head's slots and keeps greedy output
+  `generate`'s; on meshes: `test_parallel_head_on_a_mesh_matches_single_device`
+  (tests/parallel/test_mesh.py).
 
 The sampled chain's chi-square (T = 1, T = 0.7 with top-k / top-p) and its broken variant (drafts
 sampled, verify given point masses at each slot's argmax) are in
@@ -318,3 +321,18 @@ def test_a_tree_deeper_than_the_slots_is_refused(target, batch):
   with pytest.raises(ValueError, match="exceeds what this parallel head drafts"):
     sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=8,
               tree=TreeSpec("dynamic", depth=4, width=2, num_nodes=6))
+
+
+def test_adaptive_length_with_a_parallel_head_equals_generate(target, batch):
+  """`sj.adaptive_drafter` bounds `K` by the head's slots and trims each row's proposal (its
+  token stop and limits, `proposed_count`): greedy output stays `generate`'s."""
+  from tests.loop.test_explicit_modes import FLAT
+  tokens, lengths = batch
+  drafter = sj.adaptive_drafter(parallel_drafter(target, "mtp", parallel=1), calibration=FLAT)
+  assert drafter.max_draft == 3  # FLAT alone would allow 4
+  expected = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=24)
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=24)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  assert int(np.sum(out.stats.accepted)) > 0

@@ -316,6 +316,41 @@ TREES = {"dynamic": TreeSpec("dynamic", depth=3, width=2, num_nodes=6),
          "sampled": TreeSpec("sampled", branching=(2, 1, 1), replacement=False)}
 
 
+@pytest.mark.parametrize("kind, shape, tree, sampled, context", [
+    ("explicit", (2, 4), False, True, "set_mesh"),
+    pytest.param("auto", (1, 8), True, False, "none", marks=pytest.mark.costly),
+    pytest.param("mixed", (8, 1), True, True, "use_mesh", marks=pytest.mark.costly),
+], ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_parallel_head_on_a_mesh_matches_single_device(models, prompts, single_device, kind,
+                                                       shape, tree, sampled, context):
+  """A parallel MTP head (every draft of a round, or a tree's top-K per position, from one
+  forward) on a sharded target: the same tokens as unsharded, greedy ones equal to generate."""
+  from specjax.drafters.eagle import network as eagle
+  from specjax.drafters.eagle.drafter import EagleDrafter
+  target, _ = models
+  tokens, lengths = prompts
+  ids = list(range(0, TARGET_CONFIG.vocab_size, 2))
+  config = eagle.head_config_for(TARGET_CONFIG, kind="mtp", draft_vocab_size=len(ids),
+                                 parallel=2)
+  head = eagle.init_head(config, target, jax.random.key(7), ids)
+  common = dict(lengths=lengths, max_new_tokens=NEW_TOKENS,
+                sampling=SAMPLED if sampled else Sampling())
+  common.update(tree=TREES["dynamic"]) if tree else common.update(num_draft=4)
+  expected = decode(target, EagleDrafter(head, target.params["embed"]), tokens,
+                    jax.random.key(4), **common)
+  mesh = _mesh(kind, shape)
+  sharded = sj.shard(target, mesh)
+  with _context(context, mesh):
+    out = decode(sharded, EagleDrafter(head, sharded.params["embed"]), tokens,
+                 jax.random.key(4), **common)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
+  if not sampled:
+    np.testing.assert_array_equal(out.tokens, single_device["generate"])
+  assert int(np.sum(out.stats.accepted)) > 0
+  np.testing.assert_array_equal(out.stats.draft_calls, out.stats.rounds * 2)
+
+
 @pytest.mark.costly
 @pytest.mark.parametrize("kind, shape, builder, context", [
     ("auto", (8, 1), "sampled", "none"),
