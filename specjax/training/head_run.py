@@ -18,6 +18,7 @@ import shutil
 import time
 from typing import Callable, Sequence
 
+import jax
 import numpy as np
 
 from specjax.drafters.eagle import network as eagle
@@ -60,8 +61,12 @@ def _load_network(path):
   return medusa.load_medusa(path) if kind == medusa.MEDUSA_KIND else eagle.load_head(path)
 
 
-def _initial_network(network, target: Model, draft_ids: np.ndarray):
-  """The saved network to start from, its draft vocabulary grown to `draft_ids` if larger."""
+def _initial_network(network, target: Model, draft_ids: np.ndarray,
+                     config: heads_lib.HeadTrainConfig):
+  """The saved network to start from, its draft vocabulary grown to `draft_ids` if larger; a
+  sequential EAGLE-3/MTP head that starts a parallel run gets fresh placeholder slots
+  (`network.init_placeholders` with the run's seed), its other weights kept."""
+  network = _with_slots(network, config)
   own = np.asarray(network.draft_ids)
   if own.shape == draft_ids.shape:
     return network
@@ -69,6 +74,25 @@ def _initial_network(network, target: Model, draft_ids: np.ndarray):
     raise ValueError(f"the saved head has a draft vocabulary of {own.shape[0]} ids; a run can "
                      f"only grow an EAGLE-3/MTP head's vocabulary (asked for {draft_ids.shape[0]})")
   return heads_lib.extend_draft_vocab(network, target, draft_ids)
+
+
+def _with_slots(network, config: heads_lib.HeadTrainConfig):
+  """`network` with the placeholder slots the run trains (`config.parallel`: ttt_steps - 2)."""
+  if isinstance(network, medusa.MedusaHeads):
+    return network
+  have = int(network.config.parallel)
+  want = config.ttt_steps - 2 if config.parallel else 0
+  if have == want:
+    return network
+  if have:
+    raise ValueError(f"the saved head has {have} placeholder slots; this run trains "
+                     + (f"{want} (--ttt-steps {config.ttt_steps})" if want else
+                        "a sequential head (no --parallel)")
+                     + ": start from a sequential head or match --ttt-steps")
+  slots = eagle.init_placeholders(jax.random.PRNGKey(config.seed), want,
+                                  network.config.embed_dim)
+  return eagle.EagleHead(dict(network.params, **slots),
+                         dataclasses.replace(network.config, parallel=want))
 
 
 def save_network(network, path, *, dtype=None, overwrite=True):
@@ -165,7 +189,7 @@ def train_head(target: Model, data_dir: str | os.PathLike, run_dir: str | os.Pat
       log(json.dumps(entry))
 
   network = (heads_lib.init_network(config, target, draft_ids) if start is None
-             else _initial_network(start, target, draft_ids))
+             else _initial_network(start, target, draft_ids, config))
   params, d2t, static = heads_lib.split_network(network)
   state = heads_lib.init_state(config, params)
   restored = _latest_state(run_dir, state)

@@ -336,3 +336,25 @@ def test_adaptive_length_with_a_parallel_head_equals_generate(target, batch):
   np.testing.assert_array_equal(out.tokens, expected.tokens)
   np.testing.assert_array_equal(out.num_tokens, expected.num_tokens)
   assert int(np.sum(out.stats.accepted)) > 0
+
+
+def test_a_parallel_run_starts_from_a_sequential_head(target):
+  """`specjax train head --parallel --init-from` a sequential head: its weights are kept and the
+  placeholders are the ones a fresh parallel head with the run's seed draws; a saved parallel
+  head with another slot count, or a sequential run from a parallel head, is a clear error."""
+  from specjax.training.head_run import _initial_network
+  sequential = parallel_drafter(target, "eagle3", parallel=0).head
+  ids = np.asarray(sequential.draft_ids)
+  config = heads.HeadTrainConfig(kind="eagle3", ttt_steps=PARALLEL + 2, parallel=True, seed=3)
+  started = _initial_network(sequential, target, ids, config)
+  assert started.config.parallel == PARALLEL
+  kept = {name: started.params[name] for name in sequential.params}
+  jax.tree.map(np.testing.assert_array_equal, kept, sequential.params)
+  fresh = heads.init_network(config, target, ids)
+  for name in ("parallel_embed", "parallel_feature"):
+    np.testing.assert_array_equal(started.params[name], fresh.params[name])
+  with pytest.raises(ValueError, match=f"has {PARALLEL} placeholder slots"):
+    _initial_network(started, target, ids, heads.HeadTrainConfig(
+        kind="eagle3", ttt_steps=PARALLEL + 3, parallel=True))
+  with pytest.raises(ValueError, match="a sequential head"):
+    _initial_network(started, target, ids, heads.HeadTrainConfig(kind="eagle3", ttt_steps=4))

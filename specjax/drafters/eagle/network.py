@@ -39,8 +39,8 @@ from specjax.models.config import ModelConfig
 from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, rope_inv_freq,
                                         rope_tables)
 
-__all__ = ["EagleHead", "HeadConfig", "head_config_for", "head_forward", "init_head", "load_head",
-           "project_features", "save_head", "to_target_logits"]
+__all__ = ["EagleHead", "HeadConfig", "head_config_for", "head_forward", "init_head",
+           "init_placeholders", "load_head", "project_features", "save_head", "to_target_logits"]
 
 HEAD_KIND = "eagle_head"
 
@@ -242,13 +242,17 @@ def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> E
             "final_norm": jnp.asarray(target.params["final_norm"], jnp.float32), "lm_head": lm_head,
             "d2t": jnp.asarray(ids - np.arange(ids.shape[0]), jnp.int32)}
   if c.parallel:
-    # Placeholders (`specjax.drafters.eagle.parallel`) start as unit-scale vectors (the slot's
-    # input norms rescale them either way), from their own key: the other weights are those of a
-    # sequential head with `rng`.
-    embed_key, feature_key = jax.random.split(jax.random.fold_in(rng, 1))
-    params["parallel_embed"] = jax.random.normal(embed_key, (c.parallel, e), jnp.float32)
-    params["parallel_feature"] = jax.random.normal(feature_key, (c.parallel, e), jnp.float32)
+    params.update(init_placeholders(rng, c.parallel, e))
   return EagleHead(params, config)
+
+
+def init_placeholders(rng: jax.Array, parallel: int, embed_dim: int) -> dict:
+  """A parallel head's `parallel_embed` and `parallel_feature` (`[P, E]` each), as `init_head`
+  draws them: unit-scale vectors (the slot's input norms rescale them either way) from their own
+  key, `fold_in(rng, 1)`, so the other weights are those of a sequential head with `rng`."""
+  embed_key, feature_key = jax.random.split(jax.random.fold_in(rng, 1))
+  return {"parallel_embed": jax.random.normal(embed_key, (parallel, embed_dim), jnp.float32),
+          "parallel_feature": jax.random.normal(feature_key, (parallel, embed_dim), jnp.float32)}
 
 
 def project_features(head: EagleHead, source: jax.Array) -> jax.Array:
