@@ -64,9 +64,9 @@ def load_head_drafter(target, path, *, num_draft: int) -> DrafterEntry:
     raise ValueError(f"no head checkpoint directory at {path}")
   if read_tree_metadata(path).get("kind") == MEDUSA_KIND:
     drafter = MedusaDrafter(load_medusa(path))
-    num_draft = min(num_draft, drafter.max_draft)
   else:
     drafter = EagleDrafter(load_head(path), target.params["embed"])
+  num_draft = min(num_draft, drafter.max_draft or num_draft)  # Medusa's heads, parallel slots
   return DrafterEntry(_head_name(drafter), drafter, num_draft, None, f"head from {path.name}")
 
 
@@ -235,7 +235,8 @@ def with_corpus(entry: DrafterEntry, corpus) -> DrafterEntry:
 def _head_name(drafter) -> str:
   kind = type(drafter).__name__
   if kind == "EagleDrafter":
-    return "eagle3" if tuple(drafter.taps) else "mtp"
+    name = "eagle3" if tuple(drafter.taps) else "mtp"
+    return name + "-parallel" if drafter.head.config.parallel else name
   if kind == "MedusaDrafter":
     return "medusa"
   return kind.lower()

@@ -326,6 +326,19 @@ def test_real_model_names_are_checked():
     real_models.gguf_path("llama-70b")
 
 
+def test_a_parallel_head_checkpoint_is_named_apart_and_drafts_at_most_its_slots(tmp_path):
+  """A parallel head sits beside the shipped sequential one in the suite's list (its own name),
+  and drafts at most its `parallel + 2` tokens a round whatever `--k`."""
+  from specjax.drafters.eagle import network as eagle
+  config = tiny_config(vocab_size=96, num_layers=4, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  head = eagle.init_head(eagle.head_config_for(config, draft_vocab_size=48, parallel=2), target,
+                         jax.random.key(1), np.arange(0, 96, 2))
+  eagle.save_head(head, tmp_path / "parallel")
+  entry = drafters_module.load_head_drafter(target, tmp_path / "parallel", num_draft=6)
+  assert (entry.name, entry.num_draft) == ("eagle3-parallel", 4)
+
+
 @pytest.mark.slow  # compiles decode for two heads (~1-2 min on a shared 2-core CPU)
 def test_real_suite_takes_trained_head_checkpoints(tmp_path):
   """Head checkpoints join the drafter list by kind, are timed like any drafter, and (greedy)
