@@ -81,8 +81,8 @@ def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
   if isinstance(drafter, EagleDrafter) and drafter.max_draft is not None:
     if spec.depth > drafter.max_draft:
       raise ValueError(f"a tree of depth {spec.depth} exceeds what this parallel head drafts in "
-                       f"one forward ({drafter.max_draft}: {drafter.head.config.parallel} "
-                       "placeholder slots + 2)")
+                       f"one forward ({drafter.max_draft}: from {drafter.head.config.parallel} "
+                       "placeholder slots)")
   if isinstance(drafter, MedusaDrafter):
     if spec.builder == "dynamic":
       raise ValueError("a dynamic (EAGLE-2) tree expands each node from its own token, but "

@@ -18,6 +18,13 @@ named (PyTorch `Linear` weights are `[out, in]`):
   d2t                                    [N] int   target id of draft id i is i + d2t[i]
   t2d                                    [V] bool  which target ids are in the draft vocabulary
   embed_tokens.weight                    [V, H]    optional; else the target's embedding is used
+  mask_hidden                            [1, n*H] or [1, H]  vLLM's P-EAGLE layout only (below)
+
+vLLM's P-EAGLE layout (parallel drafting, vLLM >= 0.16) is this one with `"parallel_drafting":
+true` and a `ptd_token_id` in `config.json` and the `mask_hidden` tensor: the head drafts several
+tokens in one forward, each slot after the last verified pair reading the embedding of
+`ptd_token_id` and `mask_hidden` (in the taps' format, projected by `fc`, or already at width H)
+in place of a (feature, token) pair.
 
 The layer's residual is the (projected) feature; its output, before `norm`, is the feature the
 head feeds itself when it drafts on. Taps are the residual stream *entering* the listed target
@@ -124,6 +131,18 @@ def read_eagle3(path) -> tuple[dict, dict[str, np.ndarray]]:
       raise ValueError(f"lm_head has {draft_vocab} rows but the checkpoint has no d2t map")
     d2t = np.zeros((draft_vocab,), np.int64)
     ids = np.arange(draft_vocab)
+  if config.get("parallel_drafting"):
+    ptd = config.get("ptd_token_id")
+    if not isinstance(ptd, int) or not 0 <= ptd < vocab:
+      raise ValueError(f"{config_file} asks for parallel drafting but its ptd_token_id {ptd!r} is "
+                       f"not a token id below {vocab}")
+    if "mask_hidden" not in tensors:
+      raise ValueError(f"{path} asks for parallel drafting but has no mask_hidden tensor")
+    mask = tensors["mask_hidden"].reshape(-1)
+    if mask.shape[0] not in (taps_width, hidden):
+      raise ValueError(f"mask_hidden has {mask.shape[0]} values, expected {taps_width} (the "
+                       f"taps' format) or {hidden}")
+    tensors["mask_hidden"] = mask
   t2d = np.zeros((vocab,), bool)
   t2d[ids] = True
   if "t2d" in files:

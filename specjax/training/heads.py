@@ -243,20 +243,21 @@ def eagle_unroll(head: eagle.EagleHead, embed: jax.Array, tokens: jax.Array, sou
                  num_steps: int) -> list[jax.Array]:
   """The head's draft logits of every unroll step: list of `[B, T, N]`, step `j` at chain `t`
   predicting token `t + 2 + j` (see the module docstring; a parallel head's steps `j >= 2` read
-  its placeholders)."""
+  its placeholders, `j >= 1` in vLLM's P-EAGLE layout)."""
   c = head.config
   b, t = tokens.shape
-  if c.parallel and num_steps > c.parallel + 2:
+  first = 2 if c.parallel_reads_first else 1  # the first step that reads a placeholder
+  if c.parallel and num_steps > c.parallel + first:
     raise ValueError(f"a head with {c.parallel} placeholder slots unrolls at most "
-                     f"{c.parallel + 2} steps, asked for {num_steps}")
+                     f"{c.parallel + first} steps, asked for {num_steps}")
   features = eagle.project_features(head, source)  # [B, T, E]
   base = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   scale = c.layer_config.attention_scale
   k0 = v0 = None
   diag_k, diag_v, outputs = [], [], []
   for j in range(num_steps):
-    if c.parallel and j >= 2:
-      embedded, features = placeholders(head, j - 2, features.shape, features.dtype)
+    if c.parallel and j >= first:
+      embedded, features = placeholders(head, j - first, features.shape, features.dtype)
       q, k, v = eagle.head_qkv(head, None, embedded, features, base + j)
     else:
       q, k, v = eagle.head_qkv(head, embed, _shift(tokens, 1 + j), features, base + j)

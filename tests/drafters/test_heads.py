@@ -211,8 +211,9 @@ EPS, THETA = 1e-5, 5000.0
 
 
 def write_eagle3(path, target, *, draft_ids, taps=(1, 2, 3), embed=False, overrides=None,
-                 drop=(), seed=7):
-  """A random EAGLE-3 checkpoint in the public layout (PyTorch `[out, in]` weights)."""
+                 drop=(), seed=7, extra=None):
+  """A random EAGLE-3 checkpoint in the public layout (PyTorch `[out, in]` weights); `extra`:
+  more tensors by name (e.g. P-EAGLE's `mask_hidden`)."""
   from safetensors.numpy import save_file
   rng = np.random.default_rng(seed)
   dense = lambda out, inp: (rng.standard_normal((out, inp)) / np.sqrt(inp)).astype(np.float32)
@@ -236,6 +237,7 @@ def write_eagle3(path, target, *, draft_ids, taps=(1, 2, 3), embed=False, overri
   }
   if embed:
     tensors["embed_tokens.weight"] = rng.standard_normal((vocab, H)).astype(np.float32)
+  tensors.update(extra or {})
   for name in drop:
     tensors.pop(name)
   config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",

@@ -30,6 +30,8 @@ sampled, verify given point masses at each slot's argmax) are in
 `tests/exactness/test_exactness_harness.py` (`eagle3_parallel`).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,13 +61,17 @@ def parallel_drafter(model, kind: str, parallel: int = PARALLEL, seed: int = 1):
   return EagleDrafter(head, model.params["embed"])
 
 
-@pytest.mark.parametrize("swap", [False, True])
-def test_training_unroll_equals_the_drafting_forward(target, swap):
+@pytest.mark.parametrize("swap, reads_first", [(False, True), (True, True), (False, False)])
+def test_training_unroll_equals_the_drafting_forward(target, swap, reads_first):
   """Chain t's unroll step j (j >= 1) == slot j - 1 of one drafting forward over the cache of the
-  true pairs 0..t, slot 0 fed the head's output at t with token t + 2; with the placeholders
-  swapped in the drafting forward (swap=True) the later slots differ."""
+  true pairs 0..t, slot 0 fed the head's output at t with token t + 2 (or, in vLLM's P-EAGLE
+  layout, a placeholder); with the placeholders swapped in the drafting forward (swap=True) the
+  later slots differ."""
   drafter = parallel_drafter(target, "eagle3")
   head = drafter.head
+  if not reads_first:
+    config = dataclasses.replace(head.config, parallel_reads_first=False)
+    head = eagle.EagleHead(head.params, config)
   # Far from the identity, so that a wrong slot, position or placeholder shows.
   head = eagle.EagleHead(jax.tree.map(lambda x: x * 3.0 if x.dtype == jnp.float32 and x.ndim == 2
                                       else x, head.params), head.config)
@@ -73,7 +79,8 @@ def test_training_unroll_equals_the_drafting_forward(target, swap):
   out = jax.jit(lambda m, t: m(t, jnp.zeros((2,), jnp.int32), taps=head.config.taps))(target,
                                                                                       tokens)
   embed = target.params["embed"]
-  steps = jax.jit(lambda h, t, s: heads.eagle_unroll(h, embed, t, s, PARALLEL + 2))(
+  num_steps = PARALLEL + (2 if reads_first else 1)
+  steps = jax.jit(lambda h, t, s: heads.eagle_unroll(h, embed, t, s, num_steps))(
       head, tokens, out.taps)
   features = eagle.project_features(head, out.taps)
   drafting = head
@@ -89,10 +96,10 @@ def test_training_unroll_equals_the_drafting_forward(target, swap):
                                     jnp.zeros(2, jnp.int32), cache)
     np.testing.assert_allclose(logits[:, -1], steps[0][:, chain], atol=2e-4, rtol=2e-4)
     inputs = parallel_inputs(drafting, embed, tokens[:, chain + 2], hidden[:, -1],
-                                   PARALLEL + 1)
+                             num_steps - 1)
     block, _, _ = forward(drafting, None, *inputs, cache.lengths, cache)
     np.testing.assert_allclose(block[:, 0], steps[1][:, chain], atol=2e-4, rtol=2e-4)
-    later = np.stack([np.asarray(steps[j][:, chain]) for j in range(2, PARALLEL + 2)], 1)
+    later = np.stack([np.asarray(steps[j][:, chain]) for j in range(2, num_steps)], 1)
     if swap:
       assert float(np.abs(np.asarray(block[:, 1:]) - later).max()) > 1e-2
     else:
@@ -358,3 +365,97 @@ def test_a_parallel_run_starts_from_a_sequential_head(target):
         kind="eagle3", ttt_steps=PARALLEL + 3, parallel=True))
   with pytest.raises(ValueError, match="a sequential head"):
     _initial_network(started, target, ids, heads.HeadTrainConfig(kind="eagle3", ttt_steps=4))
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM's P-EAGLE layout: an EAGLE-3 checkpoint with parallel_drafting, ptd_token_id, mask_hidden.
+
+PTD = 39  # the mask token (the import target's last id)
+
+
+def write_peagle(path, target, *, taps_format: bool = True, embed: bool = False, overrides=None):
+  from tests.drafters.test_heads import H, IMPORT_IDS, write_eagle3
+  rng = np.random.default_rng(3)
+  mask = rng.standard_normal((1, (3 if taps_format else 1) * H)).astype(np.float32)
+  config = {"parallel_drafting": True, "ptd_token_id": PTD, **(overrides or {})}
+  return write_eagle3(path, target, draft_ids=IMPORT_IDS, taps=(3, 1, 4), embed=embed,
+                      overrides=config, extra={"mask_hidden": mask})
+
+
+@pytest.mark.parametrize("taps_format, embed", [(True, False), (False, True)])
+def test_peagle_import_drafts_like_the_numpy_layout(taps_format, embed, tmp_path):
+  """Every slot after the last verified pair reads (embedding of ptd_token_id, mask_hidden through
+  fc when in the taps' format): the drafting forward's logits equal the public EAGLE-3 layer in
+  float64 NumPy over the verified pairs followed by such mask slots, at increasing positions."""
+  from tests.drafters.test_heads import H, numpy_eagle3
+  from specjax.drafters.eagle.eagle3 import load_eagle3
+  target = sj.init_params(tiny_config(vocab_size=40, num_layers=5, embed_dim=H),
+                          jax.random.key(4))
+  w = write_peagle(tmp_path / "head", target, taps_format=taps_format, embed=embed)
+  drafter = load_eagle3(tmp_path / "head", target, max_draft=5)
+  head = drafter.head
+  assert (head.config.parallel, head.config.parallel_reads_first) == (4, False)
+  assert drafter.max_draft == 5 and drafter.forwards_per_round(5) == 2
+
+  sequence = np.array([3, 17, 5, 29, 8, 8, 31, 2, 11], np.int32)
+  t = len(sequence) - 1  # verified pairs (feature_j, token_{j+1}) for j < t
+  out = target(jnp.asarray(sequence)[None], jnp.zeros((1,), jnp.int32), taps=head.config.taps)
+  taps = np.asarray(out.taps, np.float64)[:, 0]
+  fused = np.concatenate(list(taps), -1) @ w["fc.weight"].T  # [T + 1, H]
+  table = w["embed_tokens.weight"] if embed else np.asarray(target.params["embed"], np.float64)
+  mask = w["mask_hidden"].reshape(-1)
+  mask = mask @ w["fc.weight"].T if taps_format else mask
+  slots = 4
+  tokens = np.concatenate([sequence[1:], np.full(slots, PTD)])
+  features = np.concatenate([fused[:t], np.tile(mask, (slots, 1))])
+  want, _ = numpy_eagle3(w, table, tokens, features, np.arange(t + slots))
+
+  cache = head.init_cache(1, 32)
+  logits, hidden, cache = eagle.head_forward(head, drafter.target_embed,
+                                             jnp.asarray(sequence[1:])[None],
+                                             drafter.features(out)[:, :t],
+                                             jnp.zeros((1,), jnp.int32), cache)
+  np.testing.assert_allclose(logits[0, -1], want[t - 1], rtol=1e-4, atol=1e-4)  # d_1's logits
+  inputs = parallel_inputs(head, drafter.target_embed, jnp.array([21]), hidden[:, -1], slots)
+  block, _, _ = eagle.head_forward(head, None, *inputs, cache.lengths, cache)
+  np.testing.assert_allclose(block[0], want[t:], rtol=1e-4, atol=1e-4)  # d_2 .. d_5
+
+
+def test_peagle_import_decodes_greedy_like_generate_chain_and_tree(tmp_path):
+  from tests.drafters.test_heads import H
+  from specjax.drafters.eagle.eagle3 import load_eagle3
+  target = sj.init_params(tiny_config(vocab_size=40, num_layers=5, embed_dim=H),
+                          jax.random.key(4))
+  write_peagle(tmp_path / "head", target)
+  drafter = load_eagle3(tmp_path / "head", target, max_draft=4)
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3], [3, 0, 0, 0, 0, 0], [11, 4, 6, 4, 0, 0]], jnp.int32)
+  lengths = jnp.array([6, 1, 4], jnp.int32)
+  ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=16)
+  for kwargs in (dict(num_draft=4), dict(tree=TreeSpec("dynamic", depth=4, width=2,
+                                                       num_nodes=6))):
+    out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                    max_new_tokens=16, **kwargs)
+    np.testing.assert_array_equal(out.tokens, ref.tokens)
+    np.testing.assert_array_equal(out.stats.draft_calls, out.stats.rounds * 2)
+
+
+@pytest.mark.parametrize("overrides, width, message", [
+    ({"ptd_token_id": None}, 3, "ptd_token_id None is not a token id"),
+    ({"ptd_token_id": 40}, 3, "ptd_token_id 40 is not a token id below 40"),
+    ({}, None, "has no mask_hidden tensor"),
+    ({}, 2, "mask_hidden has 64 values, expected 96"),
+])
+def test_peagle_import_rejects_malformed_checkpoints(overrides, width, message, tmp_path):
+  from tests.drafters.test_heads import H, IMPORT_IDS, write_eagle3
+  from specjax.drafters.eagle.eagle3 import load_eagle3
+  target = sj.init_params(tiny_config(vocab_size=40, num_layers=5, embed_dim=H),
+                          jax.random.key(4))
+  config = {"parallel_drafting": True, "ptd_token_id": PTD, **overrides}
+  write_eagle3(tmp_path / "head", target, draft_ids=IMPORT_IDS, taps=(3, 1, 4), overrides=config,
+               extra=None if width is None else {"mask_hidden": np.ones((1, width * H),
+                                                                         np.float32)})
+  with pytest.raises(ValueError, match=message):
+    load_eagle3(tmp_path / "head", target)
+  write_peagle(tmp_path / "ok", target)
+  with pytest.raises(ValueError, match="max_draft must be an int >= 2"):
+    load_eagle3(tmp_path / "ok", target, max_draft=1)

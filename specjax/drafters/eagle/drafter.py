@@ -28,7 +28,8 @@ placeholders (`specjax.drafters.eagle.parallel`); slot `j`'s logits give `d_{j+2
 `d_{j+2}` is drawn from that slot's own distribution, which depends on `d_1` but not on the
 drafts between, and that distribution is the `q` the verify receives: exact like every proposal
 whose `q` is the law each draft was drawn from. Per round the head runs two forwards, whatever
-`k <= P + 2`.
+`k <= P + 2`. A head in vLLM's P-EAGLE layout (`parallel_reads_first=False`) drafts the same way
+with placeholders in every slot, `d_2 ..` conditioned on the verified text alone (`k <= P + 1`).
 
 Sampling: `specjax.drafters.draft_vocab`.
 """
@@ -47,7 +48,7 @@ from specjax.drafters.model import draft_chain
 from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
                                        top_probability)
 from specjax.drafters.eagle import network as eagle
-from specjax.drafters.eagle.parallel import parallel_inputs
+from specjax.drafters.eagle.parallel import max_slots, parallel_inputs
 
 __all__ = ["EagleDrafter", "EagleState"]
 
@@ -103,9 +104,9 @@ class EagleDrafter:
 
   @property
   def max_draft(self) -> int | None:
-    """The longest round a parallel head drafts (`parallel + 2`); None for a sequential head."""
-    parallel = self.head.config.parallel
-    return parallel + 2 if parallel else None
+    """The longest round a parallel head drafts (`parallel + 2`, or `parallel + 1` in vLLM's
+    P-EAGLE layout); None for a sequential head."""
+    return max_slots(self.head) + 1 if self.head.config.parallel else None
 
   def forwards_per_round(self, num_draft: int) -> int:
     if self.head.config.parallel:
@@ -168,8 +169,8 @@ class EagleDrafter:
     (see the module docstring); confidence, stop rules and limits trim it (`proposed_count`)."""
     if num_draft > self.max_draft:
       raise ValueError(f"num_draft ({num_draft}) exceeds what this parallel head drafts in one "
-                       f"forward ({self.max_draft}: {self.head.config.parallel} placeholder "
-                       "slots + 2)")
+                       f"forward ({self.max_draft}: from {self.head.config.parallel} "
+                       "placeholder slots)")
     first, first_full = draft_tokens(state.logits[:, None], self.head.draft_ids,
                                      self.full_logits, sampling, seeds[:, None], lengths[:, None])
     raw, tokens, full = state.logits[:, None], first, first_full

@@ -7,6 +7,8 @@ transposed to `[in, out]`) and wraps the head in an `EagleDrafter` for a target.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from specjax.drafters.eagle import network as eagle
@@ -16,22 +18,33 @@ from specjax.io.eagle3 import eagle3_taps, read_eagle3
 __all__ = ["load_eagle3", "load_eagle3_head"]
 
 _LAYER = "midlayer."
+DEFAULT_MAX_DRAFT = 8  # P-EAGLE checkpoints: drafts a round (the paper's K)
 
 
-def load_eagle3_head(path, num_target_layers: int, *, dtype=jnp.float32):
+def load_eagle3_head(path, num_target_layers: int, *, dtype=jnp.float32, target_embed=None,
+                     max_draft: int = DEFAULT_MAX_DRAFT):
   """An EAGLE-3 checkpoint as an `EagleHead` (plus its own embedding table, if it ships one).
+
+  A checkpoint in vLLM's P-EAGLE layout (`parallel_drafting`, `specjax.io.eagle3`) becomes a
+  parallel head with `parallel_reads_first=False` and `max_draft - 1` placeholder slots, each
+  the embedding of `ptd_token_id` (from the checkpoint's `embed_tokens`, else `target_embed`)
+  and `mask_hidden` (projected by `fc` when it is in the taps' format).
 
   Args:
     path: the checkpoint directory.
     num_target_layers: the target's layer count (for the default taps).
     dtype: floating-point dtype of the weights.
+    target_embed: `[V, H]` the target's embedding (P-EAGLE checkpoints without `embed_tokens`).
+    max_draft: P-EAGLE checkpoints: the most drafts a round (vLLM's `num_speculative_tokens`;
+      every slot is the same placeholder, so any number works).
 
   Returns:
     `(head, embed)`: the head and the checkpoint's `[V, H]` `embed_tokens` or None.
 
   Raises:
-    ValueError: see `read_eagle3`; also RoPE scaling, which the head does not implement, and a
-      target width different from the head's.
+    ValueError: see `read_eagle3`; also RoPE scaling, which the head does not implement, a
+      target width different from the head's, a P-EAGLE checkpoint without an embedding for its
+      `ptd_token_id`, or `max_draft < 2`.
   """
   config, w = read_eagle3(path)
   scaling = config.get("rope_scaling")
@@ -73,20 +86,39 @@ def load_eagle3_head(path, num_target_layers: int, *, dtype=jnp.float32):
       "d2t": jnp.asarray(w["d2t"], jnp.int32),
   }
   embed = v("embed_tokens.weight") if "embed_tokens.weight" in w else None
+  if config.get("parallel_drafting"):
+    if not isinstance(max_draft, int) or max_draft < 2:
+      raise ValueError(f"max_draft must be an int >= 2 for a parallel-drafting head, got "
+                       f"{max_draft!r}")
+    table = embed if embed is not None else target_embed
+    if table is None:
+      raise ValueError("a P-EAGLE checkpoint without embed_tokens needs the target's embedding "
+                       "(target_embed) for its ptd_token_id")
+    slots = max_draft - 1
+    mask = jnp.asarray(w["mask_hidden"], dtype)
+    if mask.shape[0] != hidden:  # the taps' format: through fc, as the target's taps are
+      mask = mask @ params["fc"]
+    row = jnp.asarray(table[int(config["ptd_token_id"])], dtype)  # [H]
+    params["parallel_embed"] = jnp.tile(row, (slots, 1))
+    params["parallel_feature"] = jnp.tile(mask, (slots, 1))
+    head_config = dataclasses.replace(head_config, parallel=slots, parallel_reads_first=False)
   return eagle.EagleHead(params, head_config), embed
 
 
-def load_eagle3(path, target, *, dtype=jnp.float32) -> EagleDrafter:
+def load_eagle3(path, target, *, dtype=jnp.float32,
+                max_draft: int = DEFAULT_MAX_DRAFT) -> EagleDrafter:
   """An EAGLE-3 checkpoint as a drafter for `target` (a `specjax.Model`).
 
   The head embeds tokens with the checkpoint's `embed_tokens` when it has one, else with the
-  target's embedding.
+  target's embedding. A checkpoint in vLLM's P-EAGLE layout drafts up to `max_draft` tokens a
+  round in one forward (`load_eagle3_head`).
 
   Raises:
     ValueError: a malformed checkpoint, or one whose vocabulary or width does not fit `target`.
   """
   tc = target.config
-  head, embed = load_eagle3_head(path, tc.num_layers, dtype=dtype)
+  head, embed = load_eagle3_head(path, tc.num_layers, dtype=dtype,
+                                 target_embed=target.params["embed"], max_draft=max_draft)
   c = head.config
   if (c.vocab_size, c.embed_dim) != (tc.vocab_size, tc.embed_dim):
     raise ValueError(f"EAGLE-3 head (vocab {c.vocab_size}, hidden {c.embed_dim}) does not fit the "

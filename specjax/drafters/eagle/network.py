@@ -64,9 +64,13 @@ class HeadConfig:
     rope_theta: RoPE base frequency of the head's attention.
     max_len: the longest sequence the head is meant for (sizes caches by default).
     parallel: `P` >= 0 placeholder slots (P-EAGLE-style parallel drafting): 0 = a sequential
-      head; `P` > 0 = the head drafts up to `P + 2` tokens with one forward per round, slots
-      after the first drafted token reading learned placeholders in place of a (feature, token)
-      pair (`specjax.drafters.eagle.parallel`).
+      head; `P` > 0 = the head drafts a round with one forward, its slots reading learned
+      placeholders in place of a (feature, token) pair (`specjax.drafters.eagle.parallel`).
+    parallel_reads_first: with `parallel`: the drafting forward's first slot is the pair
+      (stored output, first draft) and the placeholders follow it (True: specjax's own heads,
+      up to `P + 2` drafts a round, later drafts conditioned on the first), or every slot is a
+      placeholder, right after the last verified pair (False: vLLM's P-EAGLE layout, which
+      `specjax.load_eagle3` imports; up to `P + 1` drafts, none conditioned on another).
   """
 
   embed_dim: int
@@ -82,6 +86,7 @@ class HeadConfig:
   rope_theta: float = 10_000.0
   max_len: int = 2048
   parallel: int = 0
+  parallel_reads_first: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "taps", tuple(int(i) for i in self.taps))

@@ -6,7 +6,9 @@ A head with `HeadConfig.parallel = P > 0` carries two `[P, E]` parameters, `para
 (`specjax.training.heads.eagle_unroll`), slot `j >= 1` after the first drafted token reads
 `parallel_embed[j - 1]` in place of a token's embedding and `parallel_feature[j - 1]` in place of
 a feature, so every draft of a round comes out of one forward, before any of the drafts it
-follows exist.
+follows exist. A head in vLLM's P-EAGLE layout (`HeadConfig.parallel_reads_first=False`, imported
+by `specjax.load_eagle3`) has no first-draft slot: its slot `j >= 0` reads placeholder `j`, every
+row the embedding of its `ptd_token_id` and its projected `mask_hidden`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle.network import EagleHead
 
-__all__ = ["parallel_inputs", "placeholders"]
+__all__ = ["max_slots", "parallel_inputs", "placeholders"]
 
 
 def placeholders(head: EagleHead, index, shape: tuple[int, ...], dtype):
@@ -29,29 +31,42 @@ def placeholders(head: EagleHead, index, shape: tuple[int, ...], dtype):
 
 def parallel_inputs(head: EagleHead, embed: jax.Array, token: jax.Array, feature: jax.Array,
                     count: int) -> tuple[jax.Array, jax.Array]:
-  """The inputs of a parallel head's drafting forward: `count` slots per row.
+  """The inputs of a parallel head's drafting forward: `count` slots per row, the first at the
+  position after the head's last committed pair.
 
-  Slot 0 is the ordinary pair `(feature, token)` (the head's guess of the feature at the first
-  drafted token's position, that token); slots `1 .. count - 1` read the placeholders
-  `parallel_embed[j - 1]` and `parallel_feature[j - 1]`, so the forward's output at slot `j`
-  predicts the draft `j + 2` tokens ahead of the stored logits without the drafts between.
+  With `config.parallel_reads_first` (specjax's heads) slot 0 is the ordinary pair `(feature,
+  token)` (the head's guess of the feature at the first drafted token's position, that token)
+  and slots `1 .. count - 1` read the placeholders `parallel_embed[j - 1]` and
+  `parallel_feature[j - 1]`. Without it (vLLM's P-EAGLE layout) every slot `j` reads placeholder
+  `j` and `token` / `feature` are unused. Either way the forward's output at slot `j` predicts
+  the draft `j + 2` tokens ahead of the stored logits, without the drafts between.
 
   Args:
-    head: a head with `config.parallel >= count - 1`.
+    head: a parallel head with enough slots: `count <= max_slots(head)`.
     embed: `[V, E]` the target's embedding table.
     token: `[B]` int32 the first drafted token.
     feature: `[B, E]` the head's output feature that precedes it.
-    count: slots, `1 <= count <= parallel + 1`.
+    count: slots, `>= 1`.
 
   Returns:
     `(embedded [B, count, E], features [B, count, E])` for `head_forward(head, None, ...)`.
   """
   c = head.config
-  if not 1 <= count <= c.parallel + 1:
+  if not 1 <= count <= max_slots(head):
     raise ValueError(f"a head with {c.parallel} placeholder slots drafts at most "
-                     f"{c.parallel + 2} tokens a round; asked for {count + 1}")
+                     f"{max_slots(head) + 1} tokens a round; asked for {count + 1}")
   dtype = feature.dtype
+  shape = (token.shape[0], count, c.embed_dim)
+  if not c.parallel_reads_first:
+    return placeholders(head, slice(0, count), shape, dtype)
   rest_embed, rest_feature = placeholders(head, slice(0, count - 1),
                                           (token.shape[0], count - 1, c.embed_dim), dtype)
   return (jnp.concatenate([embed[token].astype(dtype)[:, None], rest_embed], axis=1),
           jnp.concatenate([feature[:, None], rest_feature], axis=1))
+
+
+def max_slots(head: EagleHead) -> int:
+  """The most slots a drafting forward of this parallel head holds: `P + 1` when the first reads
+  the first draft, else `P` (every slot a placeholder)."""
+  c = head.config
+  return c.parallel + 1 if c.parallel_reads_first else c.parallel

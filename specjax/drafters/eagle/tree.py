@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.drafter import EagleDrafter
-from specjax.drafters.eagle.parallel import parallel_inputs
+from specjax.drafters.eagle.parallel import max_slots, parallel_inputs
 from specjax.models.transformer import attention
 from specjax.trees import structure as trees
 
@@ -162,7 +162,8 @@ class ParallelTreeExpand:
   drafts after the second depend on the first but not on the drafts between, a node's draft
   distribution depends on its depth-1 ancestor and its depth, and not on the tokens between.
   The children are drawn from (or ranked by) that distribution, and it is the `q` the verify
-  receives: exact like every tree of `specjax.trees`.
+  receives: exact like every tree of `specjax.trees`. A head in vLLM's P-EAGLE layout
+  (`parallel_reads_first=False`) reads no draft at all: one group serves every depth-1 node.
 
   The builders of `specjax.trees.builders` evaluate the root, then all of depth 1 in one call
   (the root's children are the pool's first nodes): that call runs the round's one head forward,
@@ -179,9 +180,9 @@ class ParallelTreeExpand:
 
   def __init__(self, drafter: EagleDrafter, state, lengths: jax.Array, pool: int, depth: int):
     c = drafter.head.config
-    if not 1 <= depth <= c.parallel + 2:
-      raise ValueError(f"a tree of depth {depth} needs a parallel head with at least "
-                       f"{depth - 2} placeholder slots; this one has {c.parallel}")
+    if not 1 <= depth <= max_slots(drafter.head) + 1:
+      raise ValueError(f"a tree of depth {depth} is deeper than this parallel head drafts in "
+                       f"one forward ({max_slots(drafter.head) + 1})")
     self.drafter = drafter
     self.state = state
     self.lengths = lengths
@@ -199,11 +200,15 @@ class ParallelTreeExpand:
     if built.stop <= built.start:
       return self.full
     ext = slice(built.start + 1, built.stop + 1)
+    reads_first = self.drafter.head.config.parallel_reads_first
     if self.groups is None:  # the first level: the depth-1 nodes, pool nodes 0 .. G - 1
       if built.start != 0:
         raise ValueError("the depth-1 nodes must be the first nodes a builder evaluates")
+      first_drafts = ext_tokens[:, ext].astype(jnp.int32)
+      # vLLM's P-EAGLE layout: no slot reads the first draft, so one group serves every node.
       self.groups = parallel_group_logits(self.drafter, self.state, self.lengths,
-                                          ext_tokens[:, ext].astype(jnp.int32), self.slots)
+                                          first_drafts if reads_first else first_drafts[:, :1],
+                                          self.slots)
     first = jnp.broadcast_to(jnp.arange(ext.start, ext.stop, dtype=jnp.int32)[None],
                              ext_tokens[:, ext].shape)  # [B, T] extended indices
     take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
@@ -211,7 +216,8 @@ class ParallelTreeExpand:
       first = jnp.where(take(ext_depths, first) > 1, take(ext_parents, first), first)
     slot = jnp.clip(ext_depths[:, ext] - 1, 0, self.slots - 1)
     rows = jnp.arange(first.shape[0])[:, None]
-    logits = self.groups[rows, jnp.clip(first - 1, 0, self.groups.shape[1] - 1), slot]
+    group = jnp.clip(first - 1, 0, self.groups.shape[1] - 1) if reads_first else 0
+    logits = self.groups[rows, group, slot]
     self.full = self.full.at[:, ext].set(self.drafter.full_logits(logits))
     return self.full
 
