@@ -61,6 +61,14 @@ def parallel_drafter(model, kind: str, parallel: int = PARALLEL, seed: int = 1):
   return EagleDrafter(head, model.params["embed"])
 
 
+def scaled(drafter: EagleDrafter, factor: float = 3.0) -> EagleDrafter:
+  """The head with its matrices scaled: far from the identity, so a wrong slot shows."""
+  head = eagle.EagleHead(jax.tree.map(lambda x: x * factor if x.dtype == jnp.float32
+                                      and x.ndim == 2 else x, drafter.head.params),
+                         drafter.head.config)
+  return EagleDrafter(head, drafter.target_embed)
+
+
 @pytest.mark.parametrize("swap, reads_first", [(False, True), (True, True), (False, False)])
 def test_training_unroll_equals_the_drafting_forward(target, swap, reads_first):
   """Chain t's unroll step j (j >= 1) == slot j - 1 of one drafting forward over the cache of the
@@ -166,22 +174,24 @@ def test_bad_input_is_a_clear_error(target, batch):
     heads.eagle_unroll(drafter.head, target.params["embed"], tokens, None, PARALLEL + 3)
 
 
-@pytest.mark.parametrize("broken", [None, neighbour_q, argmax_point_mass])
-def test_each_slot_draws_from_the_q_it_hands_verify(target, broken):
-  """At T = 1, N = 6,000 rows of one prompt, one round of 5 drafts each (distinct row streams):
-  given the first draft `d_1` (the most frequent value's rows, about a third of them), draft `j`
-  of every slot `j >= 2` is an independent draw from the q the proposal hands verify for it.
-  Pearson's chi-square per slot (cells of expected count < 5 pooled; a draw where q is 0 fails
-  outright) at a family-wise 1e-3 (Bonferroni over the 4 slots). The broken variants (q of the
-  neighbouring slot; a point mass at the slot's argmax) must be rejected at the same level."""
+@pytest.mark.parametrize("broken, reads_first", [
+    (None, True), (neighbour_q, True), (argmax_point_mass, True), (None, False)])
+def test_each_slot_draws_from_the_q_it_hands_verify(target, broken, reads_first):
+  """At T = 1, N = 6,000 rows of one prompt, one round of 5 drafts each (4 in vLLM's P-EAGLE
+  layout; distinct row streams): given the first draft `d_1` (the most frequent value's rows,
+  about a third of them), draft `j` of every slot `j >= 2` is an independent draw from the q
+  the proposal hands verify for it. Pearson's chi-square per slot (cells of expected count < 5
+  pooled; a draw where q is 0 fails outright) at a family-wise 1e-3 (Bonferroni over the slots).
+  The broken variants (q of the neighbouring slot; a point mass at the slot's argmax) must be
+  rejected at the same level."""
   from scipy import stats as scipy_stats
   from specjax.core.sampling import row_seeds
   from specjax.exactness.stats import _pearson
-  n, num_draft = 6000, PARALLEL + 2
-  drafter = parallel_drafter(target, "eagle3")
-  head = eagle.EagleHead(jax.tree.map(lambda x: x * 3.0 if x.dtype == jnp.float32 and x.ndim == 2
-                                      else x, drafter.head.params), drafter.head.config)
-  drafter = EagleDrafter(head, drafter.target_embed)
+  n, num_draft = 6000, PARALLEL + (2 if reads_first else 1)
+  drafter = scaled(parallel_drafter(target, "eagle3"))
+  if not reads_first:
+    config = dataclasses.replace(drafter.head.config, parallel_reads_first=False)
+    drafter = EagleDrafter(eagle.EagleHead(drafter.head.params, config), drafter.target_embed)
   tokens = jnp.tile(jnp.array([[5, 9, 2, 7, 1, 3]], jnp.int32), (n, 1))
   lengths = jnp.full((n,), 6, jnp.int32)
 
@@ -224,14 +234,6 @@ TREE_SPECS = {
     "sampled": TreeSpec("sampled", branching=(3, 2, 1, 1), replacement=False),
     "static": TreeSpec("static", depth=4, width=3),
 }
-
-
-def scaled(drafter: EagleDrafter, factor: float = 3.0) -> EagleDrafter:
-  """The head with its matrices scaled: far from the identity, so a wrong slot shows."""
-  head = eagle.EagleHead(jax.tree.map(lambda x: x * factor if x.dtype == jnp.float32
-                                      and x.ndim == 2 else x, drafter.head.params),
-                         drafter.head.config)
-  return EagleDrafter(head, drafter.target_embed)
 
 
 @pytest.mark.parametrize("builder", ["dynamic", "sampled"])
