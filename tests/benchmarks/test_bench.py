@@ -371,6 +371,17 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
 
 
 @pytest.mark.costly
+def test_the_shipped_head_joins_the_suite_at_the_asked_k():
+  """With SmolLM2 as the target, `eagle3` (the shipped head alone) and `eagle3+lookup` (the
+  shipped hybrid drafter) join the list at the asked k: a sequential head has no bound on k
+  (its `max_draft` is None)."""
+  pair = sj.load_default()
+  entries = drafters_module.library_drafters(pair.target, num_draft=5,
+                                             names=("eagle3", "eagle3+lookup"))
+  assert [(e.name, e.num_draft) for e in entries] == [("eagle3", 5), ("eagle3+lookup", 5)]
+
+
+@pytest.mark.costly
 def test_real_suite_runs_a_drafter_inside_adaptive_drafter():
   """`NAME+adaptive` names build NAME and wrap it in `specjax.adaptive_drafter` (under a given
   calibration here), take the plan's K as their k, and run through the suite like any drafter:
