@@ -48,7 +48,7 @@ from specjax.drafters.model import draft_chain
 from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
                                        top_probability)
 from specjax.drafters.eagle import network as eagle
-from specjax.drafters.eagle.parallel import max_slots, parallel_inputs
+from specjax.drafters.eagle.parallel import group_logits, max_slots
 
 __all__ = ["EagleDrafter", "EagleState"]
 
@@ -175,12 +175,10 @@ class EagleDrafter:
                                      self.full_logits, sampling, seeds[:, None], lengths[:, None])
     raw, tokens, full = state.logits[:, None], first, first_full
     if num_draft > 1:
-      embedded, features = parallel_inputs(self.head, self.target_embed, first[:, 0],
-                                                 state.hidden, num_draft - 1)
-      # Slot L - 1 holds (hidden, d_1); the placeholders follow it. The cache this forward
-      # returns is dropped: `observe` writes the round's pairs from the target's features.
-      logits, _, _ = eagle.head_forward(self.head, None, embedded, features, lengths - 1,
-                                        state.cache)
+      # Slot L - 1 holds (hidden, d_1); the placeholders follow it. The head's cache is only
+      # read: `observe` writes the round's pairs from the target's features.
+      logits = group_logits(self.head, self.target_embed, state, lengths, first,
+                            num_draft - 1)[:, 0]
       positions = lengths[:, None] + jnp.arange(1, num_draft, dtype=jnp.int32)
       rest, rest_full = draft_tokens(logits, self.head.draft_ids, self.full_logits, sampling,
                                      seeds[:, None], positions)

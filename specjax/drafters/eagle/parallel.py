@@ -16,9 +16,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.network import EagleHead
+from specjax.models.transformer import attention
 
-__all__ = ["max_slots", "parallel_inputs", "placeholders"]
+__all__ = ["committed_segment", "group_logits", "max_slots", "parallel_inputs",
+           "placeholders"]
 
 
 def placeholders(head: EagleHead, index, shape: tuple[int, ...], dtype):
@@ -70,3 +73,49 @@ def max_slots(head: EagleHead) -> int:
   the first draft, else `P` (every slot a placeholder)."""
   c = head.config
   return c.parallel + 1 if c.parallel_reads_first else c.parallel
+
+
+def committed_segment(cache, base: jax.Array):
+  """The head cache's committed slots `0 .. base` (`[B]`) as an `attention` segment."""
+  batch, size = base.shape[0], cache.max_len
+  slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
+  committed = (slot_positions <= base[:, None])[:, None, :]  # [B, 1, S]
+  return cache.k[0], cache.v[0], slot_positions, committed
+
+
+def group_logits(head: EagleHead, embed: jax.Array, state, lengths: jax.Array,
+                 tokens: jax.Array, slots: int) -> jax.Array:
+  """A parallel head's drafting forward for `G` first drafts per row at once: `[B, G, S, N]`
+  draft-vocabulary logits (the chain drafts with `G = 1`, a tree with one group per depth-1
+  node).
+
+  Group `g` holds the `slots` slots of `parallel_inputs` with first draft `tokens[:, g]`, from
+  position `L - 1`; slot `j`'s logits are those of the draft `j + 2` tokens ahead of the stored
+  logits. Every slot attends to the committed slots `0 .. L - 2` of the head's cache and to the
+  slots of its own group up to itself (one attention call over a block-diagonal causal mask);
+  the cache is read, never written.
+
+  Args:
+    head: a parallel head; embed: `[V, E]` the target's embedding table.
+    state: the drafter's `EagleState` (its `cache` and `hidden`).
+    lengths: `[B]` int32 tokens per row (`L`).
+    tokens: `[B, G]` int32 first drafts (target ids).
+    slots: `S`, `1 <= S <= max_slots(head)`.
+  """
+  c = head.config
+  batch, groups = tokens.shape
+  embedded, features = parallel_inputs(head, embed, tokens.reshape(-1),
+                                       jnp.repeat(state.hidden, groups, axis=0), slots)
+  embedded = embedded.reshape(batch, groups * slots, c.embed_dim)
+  features = features.reshape(batch, groups * slots, c.embed_dim)
+  slot = jnp.tile(jnp.arange(slots, dtype=jnp.int32), groups)  # [G * S]
+  group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), slots)
+  positions = (lengths.astype(jnp.int32) - 1)[:, None] + slot[None]  # [B, G * S]
+  q, k, v = eagle.head_qkv(head, None, embedded, features, positions)
+  same_group = jnp.broadcast_to(group[:, None] == group[None, :],
+                                (batch, groups * slots, groups * slots))
+  segments = [committed_segment(state.cache, lengths.astype(jnp.int32) - 2),
+              (k.swapaxes(1, 2), v.swapaxes(1, 2), positions, same_group)]
+  attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
+  logits, _ = eagle.head_finish(head, features, attn)
+  return logits.reshape(batch, groups, slots, -1)

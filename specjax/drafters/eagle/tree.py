@@ -12,20 +12,12 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.drafter import EagleDrafter
-from specjax.drafters.eagle.parallel import max_slots, parallel_inputs
+from specjax.drafters.eagle.parallel import committed_segment, group_logits
 from specjax.models.transformer import attention
 from specjax.trees import structure as trees
 
 __all__ = ["EagleTreeExpand", "ParallelTreeExpand", "eagle_chain_candidates",
-           "parallel_chain_candidates", "parallel_group_logits"]
-
-
-def _committed_segment(cache, base):
-  """The head cache's committed slots `0 .. base` as an `attention` segment."""
-  batch, size = base.shape[0], cache.max_len
-  slot_positions = jnp.broadcast_to(jnp.arange(size, dtype=jnp.int32), (batch, size))
-  committed = (slot_positions <= base[:, None])[:, None, :]  # [B, 1, S]
-  return cache.k[0], cache.v[0], slot_positions, committed
+           "parallel_chain_candidates"]
 
 
 class EagleTreeExpand:
@@ -87,7 +79,7 @@ class EagleTreeExpand:
     self.values = self.values.at[:, :, nodes].set(v.swapaxes(1, 2).astype(self.values.dtype))
     mask = trees.ancestor_mask(ext_parents)[:, ext, 1:]  # [B, T, P] ancestors and itself
     tree_positions = self.base[:, None] + ext_depths[:, 1:].astype(jnp.int32)  # [B, P]
-    segments = [_committed_segment(self.state.cache, self.base),  # slots 0 .. L - 2
+    segments = [committed_segment(self.state.cache, self.base),  # slots 0 .. L - 2
                 (self.keys, self.values, tree_positions, mask)]
     attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
     logits, hidden = eagle.head_finish(head, features, attn)
@@ -116,48 +108,11 @@ def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: i
   return jnp.stack(ranked, axis=1)
 
 
-def parallel_group_logits(drafter: EagleDrafter, state, lengths: jax.Array, tokens: jax.Array,
-                          slots: int) -> jax.Array:
-  """A parallel head's drafting forward for `G` first drafts per row at once: `[B, G, S, N]`.
-
-  Group `g` is the chain drafting forward of `EagleDrafter._propose_parallel` with first draft
-  `tokens[:, g]`: slot 0 the pair (stored `hidden`, the token) at position `L - 1`, slots
-  `1 .. S - 1` the placeholders after it; slot `j`'s draft-vocabulary logits are those of the
-  draft `j + 2` tokens ahead of the stored logits. Every slot attends to the committed slots
-  `0 .. L - 2` of the head's cache and to the slots of its own group up to itself (one
-  attention call over a block-diagonal causal mask); the cache is read, never written.
-
-  Args:
-    drafter: an `EagleDrafter` with a parallel head; state: its `EagleState`.
-    lengths: `[B]` int32 tokens per row (`L`).
-    tokens: `[B, G]` int32 first drafts (target ids).
-    slots: `S`, `1 <= S <= parallel + 1`.
-  """
-  head = drafter.head
-  c = head.config
-  batch, groups = tokens.shape
-  embedded, features = parallel_inputs(head, drafter.target_embed, tokens.reshape(-1),
-                                       jnp.repeat(state.hidden, groups, axis=0), slots)
-  embedded = embedded.reshape(batch, groups * slots, c.embed_dim)
-  features = features.reshape(batch, groups * slots, c.embed_dim)
-  slot = jnp.tile(jnp.arange(slots, dtype=jnp.int32), groups)  # [G * S]
-  group = jnp.repeat(jnp.arange(groups, dtype=jnp.int32), slots)
-  positions = (lengths.astype(jnp.int32) - 1)[:, None] + slot[None]  # [B, G * S]
-  q, k, v = eagle.head_qkv(head, None, embedded, features, positions)
-  same_group = jnp.broadcast_to(group[:, None] == group[None, :],
-                                (batch, groups * slots, groups * slots))
-  segments = [_committed_segment(state.cache, lengths.astype(jnp.int32) - 2),
-              (k.swapaxes(1, 2), v.swapaxes(1, 2), positions, same_group)]
-  attn = attention(q, segments, positions, jnp.int32(0), c.layer_config)
-  logits, _ = eagle.head_finish(head, features, attn)
-  return logits.reshape(batch, groups, slots, -1)
-
-
 class ParallelTreeExpand:
   """A parallel head's `expand` (`specjax.trees.structure`) below each row's root, for one round.
 
   The root's children come from the stored logits. A depth-1 node `a` opens a group: the head's
-  drafting forward with `a`'s token as the first draft (`parallel_group_logits`). A depth-`d`
+  drafting forward with `a`'s token as the first draft (`parallel.group_logits`). A depth-`d`
   node below `a` gets its children from slot `d - 1` of `a`'s group: as in the chain, where the
   drafts after the second depend on the first but not on the drafts between, a node's draft
   distribution depends on its depth-1 ancestor and its depth, and not on the tokens between.
@@ -180,9 +135,9 @@ class ParallelTreeExpand:
 
   def __init__(self, drafter: EagleDrafter, state, lengths: jax.Array, pool: int, depth: int):
     c = drafter.head.config
-    if not 1 <= depth <= max_slots(drafter.head) + 1:
+    if not 1 <= depth <= drafter.max_draft:
       raise ValueError(f"a tree of depth {depth} is deeper than this parallel head drafts in "
-                       f"one forward ({max_slots(drafter.head) + 1})")
+                       f"one forward ({drafter.max_draft})")
     self.drafter = drafter
     self.state = state
     self.lengths = lengths
@@ -206,9 +161,9 @@ class ParallelTreeExpand:
         raise ValueError("the depth-1 nodes must be the first nodes a builder evaluates")
       first_drafts = ext_tokens[:, ext].astype(jnp.int32)
       # vLLM's P-EAGLE layout: no slot reads the first draft, so one group serves every node.
-      self.groups = parallel_group_logits(self.drafter, self.state, self.lengths,
-                                          first_drafts if reads_first else first_drafts[:, :1],
-                                          self.slots)
+      self.groups = group_logits(self.drafter.head, self.drafter.target_embed, self.state,
+                                 self.lengths, first_drafts if reads_first else first_drafts[:, :1],
+                                 self.slots)
     first = jnp.broadcast_to(jnp.arange(ext.start, ext.stop, dtype=jnp.int32)[None],
                              ext_tokens[:, ext].shape)  # [B, T] extended indices
     take = lambda x, i: jnp.take_along_axis(x, i, axis=1)
@@ -229,6 +184,7 @@ def parallel_chain_candidates(drafter: EagleDrafter, state, lengths, depth: int,
   ranked = [jax.lax.top_k(state.logits, k)[1]]  # [B, K] draft ids, best first
   if depth > 1:
     first = jnp.take(drafter.head.draft_ids, ranked[0][:, :1]).astype(jnp.int32)  # [B, 1]
-    groups = parallel_group_logits(drafter, state, lengths, first, depth - 1)[:, 0]
+    groups = group_logits(drafter.head, drafter.target_embed, state, lengths, first,
+                          depth - 1)[:, 0]
     ranked += list(jax.lax.top_k(groups, k)[1].swapaxes(0, 1))
   return jnp.take(drafter.head.draft_ids, jnp.stack(ranked, axis=1)).astype(jnp.int32)
