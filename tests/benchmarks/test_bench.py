@@ -326,6 +326,14 @@ def test_real_model_names_are_checked():
     real_models.gguf_path("llama-70b")
 
 
+def test_the_real_suite_refuses_two_draft_lengths_before_loading(tmp_path):
+  """Every drafter of a real-suite run drafts at one k: `--k 5,6` used to run k = 5 alone."""
+  import types
+  settings = types.SimpleNamespace(model="smollm2-135m", num_drafts=(5, 6))
+  with pytest.raises(ValueError, match="one draft length per run"):
+    real.run_real(settings, tmp_path, plots=False, log=lambda *_: None)
+
+
 def test_a_parallel_head_checkpoint_is_named_apart_and_drafts_at_most_its_slots(tmp_path):
   """A parallel head sits beside the shipped sequential one in the suite's list (its own name),
   and drafts at most its `parallel + 2` tokens a round whatever `--k`."""
