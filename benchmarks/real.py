@@ -380,14 +380,14 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
                                       load_peer, load_specjax, load_tokenizer)
 
-  start, cpu_start = time.perf_counter(), time.process_time()
-  out.mkdir(parents=True, exist_ok=True)
   model_name = settings.model
   if model_name not in REAL_MODELS:
     raise ValueError(f"--suite real takes --model {' or '.join(REAL_MODELS)}, got {model_name!r}")
   if len(settings.num_drafts) != 1:  # every drafter runs at one k: a second one would be ignored
     raise ValueError(f"--suite real runs one draft length per run (e.g. --k 6), got --k "
                      f"{','.join(map(str, settings.num_drafts))}: run it once per k")
+  start, cpu_start = time.perf_counter(), time.process_time()
+  out.mkdir(parents=True, exist_ok=True)
   path = gguf_path(model_name)
   log(f"{REAL_MODELS[model_name].description}: {path}")
   peer_model, peer_tokenizer = load_peer(path)

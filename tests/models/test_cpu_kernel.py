@@ -103,8 +103,9 @@ def test_several_rows_and_a_loop_of_products():
 
 # Output rows that are not a multiple of the kernel's tile of weight rows (4 or 3 with AVX-512;
 # 4, 3, 2 with AVX2) or of its parts' multiples of four, input sizes with a tail past the last
-# vector; 4500 columns: two and three rows of x outgrow L1 and take the tiles too.
-ROW_SHAPES = [(67, 33), (101, 96), (4100, 17), (258, 1536), (37, 4500)]
+# vector; 4500 columns: two and three rows of x outgrow L1 and take the tiles too; 8250 columns:
+# a single row of x outgrows L1 (with AVX-512 it then takes tiles of four weight rows).
+ROW_SHAPES = [(67, 33), (101, 96), (4100, 17), (258, 1536), (37, 4500), (37, 8250)]
 
 
 def _check_every_row_count(shapes):

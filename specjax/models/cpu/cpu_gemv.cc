@@ -135,9 +135,10 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 
 // Weight rows per tile for `M` rows of x (1 <= M <= 8). With one weight row at a time (M
 // accumulators) the weight is one sequential stream, but every weight load is matched by M loads
-// of x: fine for two or three rows of x while they sit in L1, slow beyond. So from four rows on,
-// or when the rows of x outgrow `kXInL1Bytes`, `R` weight rows go at a time: as many as R * M
-// accumulators plus R weight vectors and one x vector leave in the register file (32 vectors with
+// of x: fine for a few rows of x while they sit in L1, slow beyond. So past `kOneStreamRows`
+// rows (three with AVX2, six with AVX-512: see below), or when the rows of x outgrow
+// `kXInL1Bytes`, `R` weight rows go at a time: as many as R * M accumulators plus R weight
+// vectors and one x vector leave in the register file (32 vectors with
 // AVX-512: R = 4 up to six rows, 3 for seven and eight; 16 with AVX2: 4, 3, then 2 up to six,
 // then 1), and each weight row is also prefetched into L2 `kPrefetchF32L2Bytes` ahead. Measured
 // out of cache on one core of an AMD EPYC (Zen 5, AVX-512) over the Qwen2.5 1.5B layer shapes:
