@@ -66,7 +66,7 @@ def main():
   args = parser.parse_args()
 
   gguf = find_packaged_gguf(GGUF_NAME)
-  target = from_gguf(gguf).for_platform()
+  target = from_gguf(gguf, platform=jax.default_backend())
   drafter = sj.self_drafter(target, 8)
   tokenizer = load_tokenizer(gguf)
   key = jax.random.key(0)

@@ -44,7 +44,7 @@ def main():
   args = parser.parse_args()
 
   gguf = find_packaged_gguf(GGUF_NAME)
-  target = from_gguf(gguf).for_platform()
+  target = from_gguf(gguf, platform=jax.default_backend())
   tokenizer = load_tokenizer(gguf)
   prompt = tokenizer.apply_chat_template(
       [{"role": "user", "content": "What are three good habits for writing readable code?"}])

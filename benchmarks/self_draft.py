@@ -118,7 +118,7 @@ def main():
 
   if args.pair == "smollm2":
     gguf = find_packaged_gguf(GGUF_NAME)
-    target = from_gguf(gguf).for_platform()
+    target = from_gguf(gguf, platform=jax.default_backend())
     drafters = {"int8": sj.self_drafter(target, 8), "int4": sj.self_drafter(target, 4),
                 "int4a": sj.self_drafter(target, 4, asymmetric=True)}
     questions = QUESTIONS
@@ -126,8 +126,9 @@ def main():
     from specjax.io.packages import packaged_gguf
     from specjax.models.quant import quantize
     gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
-    target = from_gguf(gguf).for_platform()
-    small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct")).for_platform()
+    target = from_gguf(gguf, platform=jax.default_backend())
+    small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"),
+                      platform=jax.default_backend())
     drafters = {"0.5b-int8": sj.ModelDrafter(quantize(small, 8))}
     if args.qwen_self:
       drafters["self-int8"] = sj.self_drafter(target, 8)

@@ -65,12 +65,15 @@ def load_model(path: str, dtype: str):
   """A model from a specjax (Orbax) or Hugging Face checkpoint directory, or a GGUF file."""
   import pathlib
 
+  import jax
+
   from specjax.io import gguf, hf, orbax
 
   directory = pathlib.Path(path)
-  # for_platform: per-layer weights on CPU, the stacked lax.scan elsewhere (same numerics).
+  # The platform's layout: per-layer weights on CPU, the stacked lax.scan elsewhere (same
+  # numerics); a GGUF file's is built as the file is read.
   if is_gguf(path):
-    return gguf.from_gguf(path, dtype=dtype).for_platform()
+    return gguf.from_gguf(path, dtype=dtype, platform=jax.default_backend())
   if not directory.is_dir():
     raise CliError(f"no checkpoint directory or GGUF file at {path}")
   if (directory / orbax.CONFIG_FILE).is_file():

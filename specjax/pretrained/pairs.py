@@ -89,7 +89,8 @@ def load_default(dtype=jnp.float32) -> DefaultPair:
   if not head_path.is_dir():
     raise FileNotFoundError(f"the shipped head {head_path} is missing from this build")
   gguf = find_packaged_gguf(GGUF_NAME)
-  target = from_gguf(gguf, dtype=dtype).for_platform()  # per-layer weights on CPU (faster there)
+  # The platform's layout: per-layer weights on CPU (faster there), built as the file is read.
+  target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
   head = load_head(head_path, dtype=dtype)
   if head.config.vocab_size != target.config.vocab_size:
     raise ValueError(f"the shipped head ({head.config.vocab_size} ids) does not fit {gguf}")
@@ -184,22 +185,23 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   from specjax.models.quant import quantize
   if name.startswith("smollm2"):
     gguf = find_packaged_gguf(GGUF_NAME)
-    target = from_gguf(gguf, dtype=dtype).for_platform()
+    target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
     if name == "smollm2-q4":  # the file's own blocks: the copy's weights are the target's
       draft = self_drafter(target, **GGUF_Q4_COPY)
     else:
       draft = self_drafter(target, bits=8 if name.endswith("int8") else 4)
   elif name == "gemma3-270m":
     gguf = find_packaged_gguf("gemma3-270m")
-    target = from_gguf(gguf, dtype=dtype).for_platform()
+    target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
     ids = shipped_draft_vocab(name, target.config.vocab_size)
     draft = self_drafter(target, bits=8, vocab=ids, context=DRAFT_CONTEXT)
   else:
     from specjax.io.packages import packaged_gguf
     gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
-    target = from_gguf(gguf, dtype=dtype).for_platform()
+    target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
     if name == "qwen2.5-coder":
-      small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"), dtype=dtype).for_platform()
+      small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"), dtype=dtype,
+                        platform=jax.default_backend())
       draft = ModelDrafter(quantize(small, 8))
     else:
       draft = self_drafter(target, bits=8)

@@ -195,6 +195,9 @@ def _write_model(model, path, arch, *, permute, norm_shift, metadata=None):
   for i in range(c.num_layers):
     for key, value in p["layers"].items():
       w = value[i]
+      if key in ("bq", "bk", "bv"):  # Qwen2's query/key/value biases
+        tensors[f"blk.{i}.attn_{key[1]}.bias"] = w
+        continue
       if w.ndim == 2:
         w = w.T  # [out, in]
         if permute and key in ("wq", "wk"):
@@ -255,19 +258,60 @@ def test_skipping_the_unpermutation_would_be_caught(tmp_path):
   assert np.abs(loaded(tokens, starts).logits - model(tokens, starts).logits).max() > 1e-3
 
 
+_GEMMA3 = dataclasses.replace(
+    tiny_config(vocab_size=64, num_heads=4, num_kv_heads=1, head_dim=8, bos_id=2, eos_id=1,
+                pad_id=0, rope_theta=1e6, num_layers=7),
+    norm_offset=1.0, activation="gelu_tanh", tie_embeddings=True, scale_embeddings=True,
+    qk_norm=True, post_norms=True, rope_local_theta=10_000.0, sliding_window=4,
+    sliding_window_pattern=6, query_pre_attn_scalar=8.0, family="gemma3_text")
+
+
 def test_gemma3_file_norms_and_layout(tmp_path):
-  base = tiny_config(vocab_size=64, num_heads=4, num_kv_heads=1, head_dim=8, bos_id=2, eos_id=1,
-                     pad_id=0, rope_theta=1e6, num_layers=7)
-  config = dataclasses.replace(
-      base, norm_offset=1.0, activation="gelu_tanh", tie_embeddings=True, scale_embeddings=True,
-      qk_norm=True, post_norms=True, rope_local_theta=10_000.0, sliding_window=4,
-      sliding_window_pattern=6, query_pre_attn_scalar=8.0, family="gemma3_text")
+  config = _GEMMA3
   model = sj.init_params(config, jax.random.key(1))
   model = sj.Model(jax.tree.map(  # non-zero norm weights, so the +1 convention matters
       lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), model.params), config)
   file = _write_model(model, tmp_path / "gemma3.gguf", "gemma3", permute=False, norm_shift=1.0,
                       metadata={"gemma3.attention.sliding_window": 4})
   _assert_same_model(from_gguf(file), model, atol=1e-7)
+
+
+def _random_model(config, seed):
+  model = sj.init_params(config, jax.random.key(seed))
+  return sj.Model(jax.tree.map(  # non-zero norms and biases
+      lambda x: x + 0.1 * jax.random.normal(jax.random.key(seed + 1), x.shape), model.params),
+      config)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
+def test_cpu_layout_built_as_the_file_is_read(arch, tmp_path):
+  """`from_gguf(platform="cpu")` builds the CPU layout one layer at a time: the same model, leaf
+  for leaf and bit for bit, as `from_gguf(file).for_platform("cpu")` (Llama's permuted query/key
+  rows, Qwen2's biases and Gemma's shifted norms included), and it runs."""
+  shift, metadata = (1.0, {"gemma3.attention.sliding_window": 4}) if arch == "gemma3" else (0.0, {})
+  if arch == "gemma3":
+    config = _GEMMA3
+  else:
+    config = tiny_config(vocab_size=64, bos_id=1, eos_id=2, qkv_bias=arch == "qwen2",
+                         family="qwen2" if arch == "qwen2" else "llama")
+  model = _random_model(config, 5)
+  file = _write_model(model, tmp_path / f"{arch}.gguf", arch, permute=arch == "llama",
+                      norm_shift=shift, metadata=metadata)
+  want = from_gguf(file).for_platform("cpu")
+  got = from_gguf(file, platform="cpu")
+  assert got.config == want.config and got.cpu_kernel == want.cpu_kernel
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert "wqkv_t" in got.params["layers"][0] and ("bqkv" in got.params["layers"][0]) == (
+      arch == "qwen2")
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+  tokens, starts = jnp.asarray([[3, 9, 27, 1]], jnp.int32), jnp.zeros((1,), jnp.int32)
+  np.testing.assert_allclose(got(tokens, starts).logits, model(tokens, starts).logits,
+                             atol=1e-4)
+  stacked = from_gguf(file, platform="tpu")  # elsewhere: the stacked layout, as for_platform
+  assert stacked.is_stacked and not stacked.cpu_kernel
+  with pytest.raises(ValueError, match="platform='cpu' builds the single-device CPU layout"):
+    from_gguf(file, platform="cpu", sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
 
 
 def test_bfloat16_load(tmp_path):
