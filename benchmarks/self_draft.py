@@ -45,6 +45,9 @@ CODE_QUESTIONS = [
     "Write a Python function that checks whether a string is a palindrome, ignoring case and "
     "punctuation.",
     "Write a Python function that merges two sorted lists into one sorted list.",
+    "How do I read a CSV file and compute the average of one column in Python?",
+    "Write a function in JavaScript that removes duplicate values from an array.",
+    "Explain the difference between a list and a tuple in Python, with a short example.",
 ]
 QUESTIONS = [
     "What are some tips for getting better sleep?",

