@@ -217,6 +217,15 @@ def _write_model(model, path, arch, *, permute, norm_shift, metadata=None):
   return write_gguf(path, arch, tensors, meta)
 
 
+def _random_model(config, seed):
+  """`config`'s initial weights plus noise: every norm weight and bias non-zero, so that a
+  convention the import gets wrong (Gemma's `1 + w`, a bias) shows in the logits."""
+  model = sj.init_params(config, jax.random.key(seed))
+  return sj.Model(jax.tree.map(
+      lambda x: x + 0.1 * jax.random.normal(jax.random.key(seed + 1), x.shape), model.params),
+      config)
+
+
 def _assert_same_model(loaded, model, atol=0.0):
   assert loaded.config == model.config
   want = flatten(model.params)
@@ -241,9 +250,7 @@ def test_qwen3_file_is_not_permuted(tmp_path):
   """Qwen2/3 files are written unpermuted; Qwen3's per-head q/k norms map onto qk_norm."""
   config = tiny_config(vocab_size=64, bos_id=1, eos_id=2, qk_norm=True, rope_theta=1e6,
                        family="qwen3")
-  model = sj.init_params(config, jax.random.key(3))
-  model = sj.Model(jax.tree.map(
-      lambda x: x + 0.1 * jax.random.normal(jax.random.key(4), x.shape), model.params), config)
+  model = _random_model(config, 3)
   file = _write_model(model, tmp_path / "qwen3.gguf", "qwen3", permute=False, norm_shift=0.0)
   _assert_same_model(from_gguf(file), model)
 
@@ -268,19 +275,10 @@ _GEMMA3 = dataclasses.replace(
 
 def test_gemma3_file_norms_and_layout(tmp_path):
   config = _GEMMA3
-  model = sj.init_params(config, jax.random.key(1))
-  model = sj.Model(jax.tree.map(  # non-zero norm weights, so the +1 convention matters
-      lambda x: x + 0.1 * jax.random.normal(jax.random.key(2), x.shape), model.params), config)
+  model = _random_model(config, 1)  # non-zero norm weights: the +1 convention matters
   file = _write_model(model, tmp_path / "gemma3.gguf", "gemma3", permute=False, norm_shift=1.0,
                       metadata={"gemma3.attention.sliding_window": 4})
   _assert_same_model(from_gguf(file), model, atol=1e-7)
-
-
-def _random_model(config, seed):
-  model = sj.init_params(config, jax.random.key(seed))
-  return sj.Model(jax.tree.map(  # non-zero norms and biases
-      lambda x: x + 0.1 * jax.random.normal(jax.random.key(seed + 1), x.shape), model.params),
-      config)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
