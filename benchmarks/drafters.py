@@ -84,6 +84,7 @@ VOCAB_DRAFTS = {"self-int8+vocab": SELF_DRAFTS["self-int8"],
 # Its ids kept (at most a quarter of the vocabulary: `draft_vocab_size`) and recent tokens per row
 # also draftable are those of `sj.load_pair("gemma3-270m")`: DRAFT_VOCAB_SIZE, DRAFT_CONTEXT.
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
+DRAFT_MODEL = "draft-int8"  # a separate draft model of the target, quantized to int8
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
 
@@ -142,7 +143,7 @@ def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, cali
 
 
 def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=None,
-                     log=print) -> list[DrafterEntry]:
+                     draft_model=None, log=print) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
@@ -151,7 +152,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
   empty): a quantized copy costs memory. `self-int8+vocab` and `self-q4+vocab` (only when named,
-  with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`).
+  with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`). `draft_model`,
+  `(drafter, description)`, is a separate draft model of the target (`DRAFT_MODEL`).
   """
   import specjax as sj
   from specjax.drafters.model import default_group
@@ -184,12 +186,14 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
       entries.append(DrafterEntry(
           name, sj.self_drafter(target, **settings), num_draft, None,
           f"the target's own weights quantized to {what}, no training"))
+  if draft_model is not None and (not names or DRAFT_MODEL in names):
+    entries.append(DrafterEntry(DRAFT_MODEL, draft_model[0], num_draft, None, draft_model[1]))
   wanted = [n for n in VOCAB_DRAFTS if n in names]
   if wanted:
     ids = _draft_vocab(target, tokenizer, wanted[0], log)  # counted once for both copies
     entries += [_vocab_draft(target, name, ids, num_draft) for name in wanted]
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
-                                *VOCAB_DRAFTS}:
+                                *VOCAB_DRAFTS, DRAFT_MODEL}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)

@@ -250,6 +250,33 @@ def _rate(records, name, *, exclude_prefill: bool = False) -> float:
   return tokens / seconds if seconds > 0 else float("nan")
 
 
+def round_costs(group: list[dict], entry: DrafterEntry, costs: dict, rounds: int,
+                resolved: bool) -> dict:
+  """A round's cost, measured and broken down, in milliseconds: `round_ms` = the drafter's
+  calls without their prefills over their rounds; `draft_ms` and `verify_ms` = the round's
+  drafting and its verify block, each timed on its own (`measure_suite`'s costs); `other_ms` =
+  the rest (acceptance, cache bookkeeping, the loop). `generate_token_ms` = `generate`'s calls
+  without their prefills over their tokens, beside `target_step_ms` timed on its own: where
+  the in-loop step is the faster, parts timed on their own overstate a round too, and
+  `other_ms` can come out below zero. An adaptive drafter's draft cost is its inner drafter's
+  fixed-k chain (its rows draft fewer). NaN where the calls did not outlast their prefills."""
+  nan = float("nan")
+  step_s = costs["target_step_s"]
+  draft_s = costs.get("draft_round_s", {}).get(entry.name)
+  if draft_s is None and entry.draft_ratio is not None:
+    draft_s = entry.draft_ratio * entry.num_draft * step_s
+  loop_s = sum(r["calls"][entry.name]["seconds"] - r["prefill_s"] for r in group)
+  plain_s = sum(r["calls"]["generate"]["seconds"] - r["prefill_s"] for r in group)
+  plain_tokens = sum(r["calls"]["generate"]["new_tokens"] for r in group)
+  out = {"round_ms": 1e3 * loop_s / rounds if resolved and rounds else nan,
+         "draft_ms": nan if draft_s is None else 1e3 * draft_s,
+         "verify_ms": 1e3 * costs["verify_s"][entry.verify_k],
+         "target_step_ms": 1e3 * step_s,
+         "generate_token_ms": 1e3 * plain_s / plain_tokens if resolved and plain_tokens else nan}
+  out["other_ms"] = out["round_ms"] - out["draft_ms"] - out["verify_ms"]
+  return out
+
+
 def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
               peer_records: list[dict] | None = None) -> list[dict]:
   """Aggregates per (sampling, drafter, category) and overall ("all")."""
@@ -297,6 +324,7 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         row["prefill_share_of_generate"] = (sum(r["prefill_s"] for r in group) / sum(
             r["calls"]["generate"]["seconds"] for r in group))
         row["efficiency"] = row["speedup_excl_prefill"] / bound
+        row.update(round_costs(group, entry, costs, rounds, row["loop_resolved"]))
         # Robust to a shared machine's drift: the median of the per-prompt ratios of calls that
         # ran back to back.
         row["speedup_median_prompt"] = float(np.median([
@@ -378,7 +406,7 @@ def _samplings(temperatures) -> dict:
 def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
   """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
   from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
-                                      load_peer, load_specjax, load_tokenizer)
+                                      load_draft_model, load_peer, load_specjax, load_tokenizer)
 
   model_name = settings.model
   if model_name not in REAL_MODELS:
@@ -390,13 +418,14 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   out.mkdir(parents=True, exist_ok=True)
   path = gguf_path(model_name)
   log(f"{REAL_MODELS[model_name].description}: {path}")
-  peer_model, peer_tokenizer = load_peer(path)
+  import specjax as sj
+  # transformers' model only where it runs (or converts the weights): a 1.5B in float32 is 6 GB.
+  peer_model, peer_tokenizer = load_peer(path, model=settings.peer
+                                         or not hasattr(sj, "from_gguf"))
+  # In the layout `decode` and `generate` run fastest in on this backend, as `specjax demo` and
+  # `load_pair` load it; the drafters below (the quantized self-drafts) inherit it.
   target, how = load_specjax(path, peer_model)
-  # The layout `decode` and `generate` run fastest in on this backend (CPU: per-layer fused
-  # weights through specjax's CPU kernel), as `specjax demo` and `load_pair` load it; the drafters
-  # below (the quantized self-drafts) inherit it.
-  target = target.for_platform()
-  how += ", then for_platform()"
+  draft_model = load_draft_model(model_name)
   tokenizer = load_tokenizer(path)
   eos = tuple(int(i) for i in tokenizer.eos_ids)
   loaded_s = time.perf_counter() - start
@@ -415,7 +444,9 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
   drafters = library_drafters(target, num_draft=settings.num_drafts[0],
                               names=base_names(settings.drafters), heads=settings.heads,
-                              tokenizer=tokenizer, log=log)
+                              tokenizer=tokenizer, log=log,
+                              draft_model=None if draft_model is None else
+                              (draft_model, REAL_MODELS[model_name].draft_description))
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
                            calibration=settings.calibration, log=log)
   if any(entry.name.endswith(CORPUS) for entry in drafters):
@@ -427,7 +458,8 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                            max_new_tokens=settings.max_new_tokens, eos=eos,
                            repeats=settings.repeats, seed=settings.seed,
                            statistic=settings.statistic,
-                           peer_model=peer_model if settings.peer else None, log=log)
+                           peer_model=peer_model if settings.peer else None,
+                           log=log)
   result = {
       "suite": "real", "model": model_name, "model_description": REAL_MODELS[model_name].description,
       "gguf_file": path.name, "loaded_with": how, "dtype": "float32", "eos_ids": list(eos),

@@ -20,11 +20,25 @@ import tempfile
 
 @dataclasses.dataclass(frozen=True)
 class RealModel:
-  """A model of the suite: its `find_packaged_gguf` name and a description."""
+  """A model of the suite.
+
+  Attributes:
+    name: its `--model` name.
+    packaged: its GGUF file's name for `find_packaged_gguf`, or, when `chunked`, for
+      `specjax.io.packages.packaged_gguf` (a file that comes as chunk packages).
+    description: one line for the results.
+    chunked: where `packaged` is looked up.
+    draft: the `packaged_gguf` name of a separate draft model for it (joins the suite as the
+      `draft-int8` drafter), or None.
+    draft_description: one line on that draft model.
+  """
 
   name: str
   packaged: str
   description: str
+  chunked: bool = False
+  draft: str | None = None
+  draft_description: str = ""
 
 
 REAL_MODELS = {
@@ -32,6 +46,12 @@ REAL_MODELS = {
                               "SmolLM2-135M-Instruct (Llama; Q4_1 GGUF dequantized to float32)"),
     "gemma3-270m": RealModel("gemma3-270m", "gemma3-270m",
                              "Gemma 3 270M (Q4_K_M GGUF dequantized to float32)"),
+    "qwen2.5-coder-1.5b": RealModel(
+        "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct",
+        "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from its chunk packages, dequantized to "
+        "float32)", chunked=True, draft="qwen2.5-coder-0.5b-instruct",
+        draft_description="Qwen2.5-Coder-0.5B-Instruct (its GGUF from its chunk packages) "
+        "quantized to int8: a separate draft model, same vocabulary"),
 }
 
 
@@ -44,34 +64,62 @@ def gguf_path(name: str) -> pathlib.Path:
   """
   if name not in REAL_MODELS:
     raise ValueError(f"unknown real model {name!r}; one of {', '.join(REAL_MODELS)}")
+  model = REAL_MODELS[name]
+  if model.chunked:
+    from specjax.io.packages import packaged_gguf
+    return packaged_gguf(model.packaged)
   from specjax.io.gguf import find_packaged_gguf
-  return find_packaged_gguf(REAL_MODELS[name].packaged)
+  return find_packaged_gguf(model.packaged)
 
 
-def load_peer(path: pathlib.Path):
-  """`(transformers model, transformers tokenizer)` from a GGUF file, float32, eval mode."""
+def load_draft_model(name: str):
+  """The separate draft model of a `REAL_MODELS` entry, quantized to int8 as a `ModelDrafter`
+  in this backend's layout (as `specjax.load_pair` builds it), or None if it has none."""
+  model = REAL_MODELS[name]
+  if model.draft is None:
+    return None
+  import jax
+  import jax.numpy as jnp
+
+  import specjax as sj
+  from specjax.io.packages import packaged_gguf
+  small = sj.from_gguf(packaged_gguf(model.draft), dtype=jnp.float32,
+                       platform=jax.default_backend())
+  return sj.ModelDrafter(sj.quantize(small, 8))
+
+
+def load_peer(path: pathlib.Path, *, model: bool = True):
+  """`(transformers model, transformers tokenizer)` from a GGUF file, float32, eval mode; the
+  model is None unless `model` (the tokenizer alone checks the chat template's ids)."""
   import torch
   import transformers
 
-  model = transformers.AutoModelForCausalLM.from_pretrained(
-      path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+  if model:
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+  else:
+    model = None
   tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
   return model, tokenizer
 
 
 def load_specjax(path: pathlib.Path, peer_model=None):
-  """`(specjax model, how)`: `specjax.from_gguf` where the library has it, else via the peer.
+  """`(specjax model, how)`: `specjax.from_gguf` where the library has it, else via the peer;
+  in the layout `decode` and `generate` run fastest in on this backend (`for_platform()`; on CPU
+  built as the file is read: per-layer fused weights through specjax's CPU kernel).
 
   Args:
     path: the GGUF file.
     peer_model: the `transformers` model loaded from `path` (needed without `from_gguf`).
   """
+  import jax
   import jax.numpy as jnp
 
   import specjax as sj
 
   if hasattr(sj, "from_gguf"):
-    return sj.from_gguf(path, dtype=jnp.float32), "specjax.from_gguf"
+    return (sj.from_gguf(path, dtype=jnp.float32, platform=jax.default_backend()),
+            "specjax.from_gguf(platform=jax.default_backend())")
   if peer_model is None:
     raise ValueError("this specjax has no from_gguf: pass the transformers model to convert")
   from safetensors.torch import save_file
@@ -86,8 +134,8 @@ def load_specjax(path: pathlib.Path, peer_model=None):
     config.pop("quantization_config", None)
     with open(os.path.join(workdir, "config.json"), "w") as f:
       json.dump(config, f)
-    model = sj.from_hf(workdir, dtype=jnp.float32)
-  return model, "transformers GGUF loader -> safetensors -> specjax.from_hf"
+    model = sj.from_hf(workdir, dtype=jnp.float32).for_platform()
+  return model, "transformers GGUF loader -> safetensors -> specjax.from_hf, then for_platform()"
 
 
 def load_tokenizer(path: pathlib.Path):

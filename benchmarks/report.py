@@ -79,6 +79,25 @@ def _nodes(row: dict) -> str:
   return f" (tree, {row['tree_nodes']})" if row.get("tree_nodes") else ""
 
 
+def _round_cost_table(summary: list[dict]) -> list[str]:
+  """Markdown lines: each row's round, measured, beside its parts timed on their own (ms)."""
+  lines = ["**Per round (ms)**: round = the decode calls without their prefills over their "
+           "rounds; draft and verify = the round's drafting (k draft steps) and its (k+1)-token "
+           "verify, each timed on its own; other = round - draft - verify (acceptance, cache "
+           "bookkeeping, the loop; below zero where the parts timed on their own ran slower than "
+           "in the loop). generate per token = `generate`'s calls without their prefills over "
+           "their tokens, beside one target step timed on its own.", "",
+           "| sampling | category | drafter | tau | round | draft | verify | other | "
+           "generate per token | target step |", "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in summary:
+    lines.append(f"| {r['sampling']} | {CATEGORY_NAMES.get(r['category'], r['category'])} | "
+                 f"{r['drafter']} | {r['tokens_per_round']:.2f} | {_maybe(r['round_ms'])} | "
+                 f"{_maybe(r['draft_ms'])} | {_maybe(r['verify_ms'])} | "
+                 f"{_maybe(r['other_ms'])} | {_maybe(r['generate_token_ms'])} | "
+                 f"{_maybe(r['target_step_ms'])} |")
+  return lines + [""]
+
+
 def real_table(result: dict) -> str:
   """The markdown table of a `real` suite result (per category and overall, each drafter)."""
   env, settings, costs = result["environment"], result["settings"], result["costs"]
@@ -117,6 +136,8 @@ def real_table(result: dict) -> str:
                    f"{_maybe(r['speedup_excl_prefill'], 'x')} | {r['bound']:.2f}x | "
                    f"{_maybe(r['efficiency'])} |")
     lines.append("")
+  if all("round_ms" in r for r in summary):
+    lines += _round_cost_table(summary)
   peer_rows = [r for r in summary if "hf_generate_tokens_per_s" in r]
   if peer_rows:
     drafter = peer_rows[0]["drafter"]

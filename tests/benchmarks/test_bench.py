@@ -4,6 +4,7 @@ checked), the synthetic-acceptance rule, the bound, and the Hugging Face export 
 `benchmarks` is the package of the source checkout (outside the wheel); pytest runs from the
 repository root, which puts it on the path."""
 
+import dataclasses
 import json
 
 import jax
@@ -313,6 +314,7 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
             **measured}
   table = report.real_table(result)
   assert "| **overall** | ngram | 2 |" in table and "transformers prompt lookup" in table
+  assert "**Per round (ms)**" in table and "| greedy | **overall** | ngram |" in table
   assert (f"| **overall** | suffix-tree | {drafters[1].num_draft} (tree, {drafters[1].tree.size}) |"
           in table)
   files = plots.plot_real(result, tmp_path, "real_tiny")
@@ -324,6 +326,42 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
 def test_real_model_names_are_checked():
   with pytest.raises(ValueError, match="unknown real model"):
     real_models.gguf_path("llama-70b")
+  assert real_models.load_draft_model("smollm2-135m") is None  # a self-drafting model: none
+
+
+def test_a_separate_draft_model_joins_the_suite():
+  """A model with a draft model of its own (the Qwen2.5-Coder 1.5B's 0.5B) gets a `draft-int8`
+  entry: built only where there is one, run like any drafter, greedy output as `generate`'s."""
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  small = sj.init_params(dataclasses.replace(config, num_layers=1), jax.random.key(1))
+  draft = (sj.ModelDrafter(sj.quantize(small, 8)), "a one-layer draft model in int8")
+  everything = drafters_module.library_drafters(target, num_draft=2, draft_model=draft)
+  assert [d.name for d in everything] == ["ngram", "suffix", "self-int8", "self-int4", "self-q4",
+                                          "draft-int8"]
+  (entry,) = drafters_module.library_drafters(target, num_draft=2, names=("draft-int8",),
+                                              draft_model=draft)
+  assert entry.drafter is draft[0] and entry.description == draft[1] and entry.num_draft == 2
+  with pytest.raises(ValueError, match="not available"):
+    drafters_module.library_drafters(target, num_draft=2, names=("draft-int8",))
+  cases = [real.PromptCase("code", "code-0", (1, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6))]
+  measured = real.measure_suite(target, cases, [entry], samplings={"greedy": sj.Sampling()},
+                                max_new_tokens=6, eos=(2,), log=lambda line: None)
+  assert measured["costs"]["draft_round_s"]["draft-int8"] > 0
+  (record,) = measured["records"]
+  assert record["calls"]["draft-int8"]["first_divergence_from_generate"] is None
+  assert record["calls"]["draft-int8"]["new_tokens"] == len(record["generate_tokens"])
+  (row,) = [r for r in measured["summary"] if r["category"] == "all"]  # its round's cost, in ms
+  assert row["verify_ms"] == 1e3 * measured["costs"]["verify_s"][2]
+  assert row["draft_ms"] == 1e3 * measured["costs"]["draft_round_s"]["draft-int8"]
+  assert row["target_step_ms"] == 1e3 * measured["costs"]["target_step_s"]
+  call = record["calls"]["draft-int8"]
+  if row["loop_resolved"]:
+    assert row["round_ms"] == pytest.approx(
+        1e3 * (call["seconds"] - record["prefill_s"]) / call["rounds"])
+    assert row["other_ms"] == pytest.approx(row["round_ms"] - row["draft_ms"] - row["verify_ms"])
+  else:
+    assert np.isnan(row["round_ms"]) and np.isnan(row["other_ms"])
 
 
 def test_the_real_suite_refuses_two_draft_lengths_before_loading(tmp_path):
