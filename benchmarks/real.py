@@ -262,9 +262,9 @@ def round_costs(group: list[dict], entry: DrafterEntry, costs: dict, rounds: int
   fixed-k chain (its rows draft fewer). NaN where the calls did not outlast their prefills."""
   nan = float("nan")
   step_s = costs["target_step_s"]
-  draft_s = costs.get("draft_round_s", {}).get(entry.name)
-  if draft_s is None and entry.draft_ratio is not None:
-    draft_s = entry.draft_ratio * entry.num_draft * step_s
+  # As `summarize` prices the round: an entry's own draft ratio first, else its measured drafting.
+  draft_s = (entry.draft_ratio * entry.num_draft * step_s if entry.draft_ratio is not None
+             else costs.get("draft_round_s", {}).get(entry.name))
   loop_s = sum(r["calls"][entry.name]["seconds"] - r["prefill_s"] for r in group)
   plain_s = sum(r["calls"]["generate"]["seconds"] - r["prefill_s"] for r in group)
   plain_tokens = sum(r["calls"]["generate"]["new_tokens"] for r in group)
@@ -420,7 +420,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   log(f"{REAL_MODELS[model_name].description}: {path}")
   import specjax as sj
   # transformers' model only where it runs (or converts the weights): a 1.5B in float32 is 6 GB.
-  peer_model, peer_tokenizer = load_peer(path, model=settings.peer
+  peer_model, peer_tokenizer = load_peer(path, with_model=settings.peer
                                          or not hasattr(sj, "from_gguf"))
   # In the layout `decode` and `generate` run fastest in on this backend, as `specjax demo` and
   # `load_pair` load it; the drafters below (the quantized self-drafts) inherit it.
@@ -458,8 +458,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                            max_new_tokens=settings.max_new_tokens, eos=eos,
                            repeats=settings.repeats, seed=settings.seed,
                            statistic=settings.statistic,
-                           peer_model=peer_model if settings.peer else None,
-                           log=log)
+                           peer_model=peer_model if settings.peer else None, log=log)
   result = {
       "suite": "real", "model": model_name, "model_description": REAL_MODELS[model_name].description,
       "gguf_file": path.name, "loaded_with": how, "dtype": "float32", "eos_ids": list(eos),

@@ -74,31 +74,23 @@ def gguf_path(name: str) -> pathlib.Path:
 
 def load_draft_model(name: str):
   """The separate draft model of a `REAL_MODELS` entry, quantized to int8 as a `ModelDrafter`
-  in this backend's layout (as `specjax.load_pair` builds it), or None if it has none."""
+  in this backend's layout (`specjax.load_pair`'s `packaged_draft_model`), or None if it has
+  none."""
   model = REAL_MODELS[name]
   if model.draft is None:
     return None
-  import jax
-  import jax.numpy as jnp
-
-  import specjax as sj
-  from specjax.io.packages import packaged_gguf
-  small = sj.from_gguf(packaged_gguf(model.draft), dtype=jnp.float32,
-                       platform=jax.default_backend())
-  return sj.ModelDrafter(sj.quantize(small, 8))
+  from specjax.pretrained.pairs import packaged_draft_model
+  return packaged_draft_model(model.draft)
 
 
-def load_peer(path: pathlib.Path, *, model: bool = True):
+def load_peer(path: pathlib.Path, *, with_model: bool = True):
   """`(transformers model, transformers tokenizer)` from a GGUF file, float32, eval mode; the
-  model is None unless `model` (the tokenizer alone checks the chat template's ids)."""
+  model is None unless `with_model` (the tokenizer alone checks the chat template's ids)."""
   import torch
   import transformers
 
-  if model:
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-  else:
-    model = None
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      path.parent, gguf_file=path.name, dtype=torch.float32).eval() if with_model else None
   tokenizer = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
   return model, tokenizer
 

@@ -127,15 +127,12 @@ def main():
     questions = QUESTIONS
   else:
     from specjax.io.packages import packaged_gguf
-    from specjax.models.quant import quantize
+    from specjax.pretrained.pairs import packaged_draft_model
     gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
     target = from_gguf(gguf, platform=jax.default_backend())
-    small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"),
-                      platform=jax.default_backend())
-    drafters = {"0.5b-int8": sj.ModelDrafter(quantize(small, 8))}
+    drafters = {"0.5b-int8": packaged_draft_model("qwen2.5-coder-0.5b-instruct")}
     if args.qwen_self:
       drafters["self-int8"] = sj.self_drafter(target, 8)
-    del small
     questions = CODE_QUESTIONS
   out_path = pathlib.Path(args.out or RESULTS / f"self_draft_{args.pair}.json")
   tokenizer = load_tokenizer(gguf)

@@ -178,11 +178,10 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
   description, num_draft = PAIRS[name]
   if name == "smollm2-head":
     return dataclasses.replace(load_default(dtype), description=description)
-  from specjax.drafters.model import ModelDrafter, self_drafter
+  from specjax.drafters.model import self_drafter
   from specjax.io.chat import with_chat_template
   from specjax.io.gguf import find_packaged_gguf, from_gguf
   from specjax.io.tokenizer import load_tokenizer
-  from specjax.models.quant import quantize
   if name.startswith("smollm2"):
     gguf = find_packaged_gguf(GGUF_NAME)
     target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
@@ -200,15 +199,29 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
     gguf = packaged_gguf("qwen2.5-coder-1.5b-instruct")
     target = from_gguf(gguf, dtype=dtype, platform=jax.default_backend())
     if name == "qwen2.5-coder":
-      small = from_gguf(packaged_gguf("qwen2.5-coder-0.5b-instruct"), dtype=dtype,
-                        platform=jax.default_backend())
-      draft = ModelDrafter(quantize(small, 8))
+      draft = packaged_draft_model("qwen2.5-coder-0.5b-instruct", dtype)
     else:
       draft = self_drafter(target, bits=8)
   # A base model's file (Gemma 3 270M's) carries no chat template: the built-in one for its family.
   tokenizer = with_chat_template(load_tokenizer(gguf), target.config.family)
   return DefaultPair(target=target, draft=draft, tokenizer=tokenizer, num_draft=num_draft,
                      description=description)
+
+
+def packaged_draft_model(name: str, dtype=jnp.float32):
+  """A separate draft model from its chunk packages (`specjax.io.packages.packaged_gguf(name)`),
+  in this backend's layout, quantized to int8 per 32, as a `ModelDrafter` (the draft of the
+  "qwen2.5-coder" pair).
+
+  Raises:
+    FileNotFoundError: its packages are not installed (the message gives the pip command).
+  """
+  from specjax.drafters.model import ModelDrafter
+  from specjax.io.gguf import from_gguf
+  from specjax.io.packages import packaged_gguf
+  from specjax.models.quant import quantize
+  small = from_gguf(packaged_gguf(name), dtype=dtype, platform=jax.default_backend())
+  return ModelDrafter(quantize(small, 8))
 
 
 def shipped_draft_vocab(name: str, vocab_size: int):
