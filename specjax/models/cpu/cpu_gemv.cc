@@ -137,7 +137,7 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 // accumulators) the weight is one sequential stream, but every weight load is matched by M loads
 // of x: fine for a few rows of x while they sit in L1, slow beyond. So past `kOneStreamRows`
 // rows (three with AVX2, six with AVX-512: see below), or when the rows of x outgrow
-// `kXInL1Bytes`, `R` weight rows go at a time: as many as R * M accumulators plus R weight
+// `XInL1Bytes`, `R` weight rows go at a time: as many as R * M accumulators plus R weight
 // vectors and one x vector leave in the register file (32 vectors with
 // AVX-512: R = 4 up to six rows, 3 for seven and eight; 16 with AVX2: 4, 3, then 2 up to six,
 // then 1), and each weight row is also prefetched into L2 `kPrefetchF32L2Bytes` ahead. Measured
@@ -155,12 +155,22 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 // seven and eight rows stay on tiles of three (one row at a time: 14.2 -> 14.7). Qwen2.5-1.5B's
 // shapes, whose rows of x outgrow L1, keep their tiles (one row 25.4 -> 24.6 ms, the rest
 // within 2%).
+//
+// Several rows of x tile from 24 KB on with AVX-512 (`XInL1Bytes`): five rows of 1536 columns
+// (Qwen2.5 1.5B's verify at k = 4) went one weight row at a time under a 32 KB limit and cost more
+// than six rows tiled. Measured in one process on the 1.5B (both builds of this file registered
+// as two FFI targets, their step and verify blocks alternated in pairs, median ratio of 8-10
+// pairs; the host's bandwidth moved the step between 97 and 163 ms within a run): five rows tiled
+// took 0.83x and 0.90x the time of one weight row at a time (two runs); four rows (24 KB) 0.97x
+// and 0.99x, three 1.12x: they stay one weight row at a time; one and six rows 1.01x and 1.00x
+// (unchanged code). SmolLM2-135M's 576-column matrices keep one weight row at a time up to six
+// rows (tiling four to six rows of all its matrices took 1.09-1.14x the time).
 template <int M>
 constexpr int TileRows() {
   if (kWidth == 16) return M <= 6 ? 4 : 3;
   return M <= 2 ? 4 : M == 3 ? 3 : M <= 6 ? 2 : 1;
 }
-constexpr int64_t kXInL1Bytes = 32 * 1024;
+constexpr int64_t XInL1Bytes(int m) { return m == 1 || kWidth == 8 ? 32 * 1024 : 24 * 1024; }
 constexpr int kOneStreamRows = kWidth == 16 ? 6 : 3;
 
 // Output rows [r0, r1) of y = x w^T for `M` rows of x (1 <= M <= 8), one weight row or
@@ -172,7 +182,7 @@ void BlockRows(const float* w, const float* x, float* y, int64_t n, int64_t out,
   constexpr bool prefetch = kPrefetchF32Bytes > 0;
   int64_t r = r0;
   if (R > 1 && (M > kOneStreamRows ||
-                M * n * static_cast<int64_t>(sizeof(float)) > kXInL1Bytes)) {
+                M * n * static_cast<int64_t>(sizeof(float)) > XInL1Bytes(M))) {
     for (; r + R <= r1; r += R) Tile<M, R, prefetch, true>(w, x, y, n, out, r);
   }
   for (; r < r1; ++r) Tile<M, 1, prefetch, false>(w, x, y, n, out, r);
