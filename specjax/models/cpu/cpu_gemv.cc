@@ -119,7 +119,10 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      const Vec xv = VecLoad(x + m * n + i);
+      Vec xv = VecLoad(x + m * n + i);
+      // Kept in a register: without this GCC folds the load into each of the R FMAs, and the
+      // tile issues R * M loads of x where M suffice (see TileRows).
+      if constexpr (R > 1) asm("" : "+v"(xv));
 #pragma GCC unroll 8
       for (int k = 0; k < R; ++k) acc[k][m] = VecFma(wv[k], xv, acc[k][m]);
     }
@@ -135,36 +138,30 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 
 // Weight rows per tile for `M` rows of x (1 <= M <= 8). With one weight row at a time (M
 // accumulators) the weight is one sequential stream, but every weight load is matched by M loads
-// of x: fine for a few rows of x while they sit in L1, slow beyond. So past `kOneStreamRows`
-// rows (three with AVX2, six with AVX-512: see below), or when the rows of x outgrow
-// `XInL1Bytes`, `R` weight rows go at a time: as many as R * M accumulators plus R weight
-// vectors and one x vector leave in the register file (32 vectors with
-// AVX-512: R = 4 up to six rows, 3 for seven and eight; 16 with AVX2: 4, 3, then 2 up to six,
-// then 1), and each weight row is also prefetched into L2 `kPrefetchF32L2Bytes` ahead. Measured
-// out of cache on one core of an AMD EPYC (Zen 5, AVX-512) over the Qwen2.5 1.5B layer shapes:
-// six rows 97 -> 67 ms per 1.5 GB with four weight rows at a time, and 22 -> 26 GB/s more with
-// the L2 prefetch; two rows of 8960 columns 25 -> 35 GB/s; two rows of 1536 columns stay faster
-// one weight row at a time (36 against 30 GB/s).
+// of x: fine for a few rows of x while they sit in L1, slow beyond. So past `kOneStreamRows` rows
+// (three with AVX2, six with AVX-512), or when the rows of x outgrow `XInL1Bytes`, `R` weight
+// rows go at a time: as many as R * M accumulators plus R weight vectors and one x vector leave
+// in the register file (32 vectors with AVX-512: R = 4 up to six rows, 3 for seven and eight; 16
+// with AVX2: 4, 3, then 2 up to six, then 1), and each weight row is also prefetched into L2
+// `kPrefetchF32L2Bytes` ahead.
 //
-// With AVX-512 (measured on the 2-core AMD EPYC, Zen 5, SmolLM2's float32 shapes, 30 layers and
-// the tied output projection, 538 MB, the two versions alternated in one process): x rows that
-// fit in L1 go one weight row at a time up to six rows (`kOneStreamRows`), and a single row too
-// (in place of `Rows`' four weight rows at a time): one sequential stream with its prefetch
-// reads faster than several interleaved ones, and up to six FMAs per weight load the product
-// stays below the memory time. One row 11.5 -> 8.4 ms, five rows 12.5 -> 11.7, six 13.6 -> 11.7;
-// seven and eight rows stay on tiles of three (one row at a time: 14.2 -> 14.7). Qwen2.5-1.5B's
-// shapes, whose rows of x outgrow L1, keep their tiles (one row 25.4 -> 24.6 ms, the rest
-// within 2%).
-//
-// Several rows of x tile from 24 KB on with AVX-512 (`XInL1Bytes`): five rows of 1536 columns
-// (Qwen2.5 1.5B's verify at k = 4) went one weight row at a time under a 32 KB limit and cost more
-// than six rows tiled. Measured in one process on the 1.5B (both builds of this file registered
-// as two FFI targets, their step and verify blocks alternated in pairs, median ratio of 8-10
-// pairs; the host's bandwidth moved the step between 97 and 163 ms within a run): five rows tiled
-// took 0.83x and 0.90x the time of one weight row at a time (two runs); four rows (24 KB) 0.97x
-// and 0.99x, three 1.12x: they stay one weight row at a time; one and six rows 1.01x and 1.00x
-// (unchanged code). SmolLM2-135M's 576-column matrices keep one weight row at a time up to six
-// rows (tiling four to six rows of all its matrices took 1.09-1.14x the time).
+// Measured on the 2-core AMD EPYC (Zen 5, AVX-512):
+// * SmolLM2-135M (576 columns; the two versions alternated in one process): one weight row at a
+//   time up to six rows, a single row too (in place of `Rows`' four weight rows at a time): one
+//   row 11.5 -> 8.4 ms, five rows 12.5 -> 11.7, six 13.6 -> 11.7.
+// * Several rows tile from 24 KB (32 KB before; one row keeps 32 KB): five rows of 1536 columns
+//   (Qwen2.5 1.5B's verify at k = 4) went one weight row at a time and cost more than six rows
+//   tiled. On the 1.5B, both builds registered as two FFI targets in one process, step and
+//   verify blocks alternated in pairs (median ratio of 8-10 pairs; the host's bandwidth moved
+//   the step between 97 and 163 ms within a run): five rows 0.83x and 0.90x the time (two runs);
+//   four rows (24 KB) 0.97x and 0.99x; three rows tiled 1.12x, so they stay one weight row at a
+//   time. SmolLM2's 576-column matrices tiled at three to six rows took 1.07-1.17x the time.
+// * The x vector pinned to a register (`Tile`): a standalone build of this file over four of the
+//   1.5B's layers, both cores, seven rows 1.49 -> 1.27 times one row's time, eight 1.65 -> 1.29.
+//   In the whole model the verify block did not move (paired as above: seven rows 1.03x, eight
+//   0.98x on the 1.5B; 1.02x and 0.99x on SmolLM2): there the block is bound elsewhere.
+// This host does two 512-bit FMAs a cycle (XLA's dot reaches 444 GFLOP/s on both cores); a tile
+// of R x M is R + M loads for R * M FMAs.
 template <int M>
 constexpr int TileRows() {
   if (kWidth == 16) return M <= 6 ? 4 : 3;
