@@ -21,7 +21,7 @@ def on_huge_pages(x):
   asked to back with 2 MiB pages (transparent huge pages, `madvise(MADV_HUGEPAGE)`); anything else,
   or on a host without them, `x` itself. Same values either way.
 
-  Why: a verify block's products are compute-bound (several rows of x per weight load), so the
+  Why: a verify block's products do much arithmetic per weight load (several rows of x), so the
   weight stream must keep arriving while the cores multiply. In 4 KiB pages every page of every
   weight row is a TLB miss, and the hardware prefetchers stop at each page's end; in 2 MiB pages
   neither happens. XLA's CPU allocator takes ordinary pages (under the common `madvise` setting of
