@@ -119,10 +119,9 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      Vec xv = VecLoad(x + m * n + i);
-      // Kept in a register: without this GCC folds the load into each of the R FMAs, and the
-      // tile issues R * M loads of x where M suffice (see TileRows).
-      if constexpr (R > 1) asm("" : "+v"(xv));
+      // GCC folds this load into each of the R FMAs below (R * M loads of x where M suffice).
+      // Pinning it to a register is faster alone but not in the model: see TileRows.
+      const Vec xv = VecLoad(x + m * n + i);
 #pragma GCC unroll 8
       for (int k = 0; k < R; ++k) acc[k][m] = VecFma(wv[k], xv, acc[k][m]);
     }
@@ -156,10 +155,12 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 //   the step between 97 and 163 ms within a run): five rows 0.83x and 0.90x the time (two runs);
 //   four rows (24 KB) 0.97x and 0.99x; three rows tiled 1.12x, so they stay one weight row at a
 //   time. SmolLM2's 576-column matrices tiled at three to six rows took 1.07-1.17x the time.
-// * The x vector pinned to a register (`Tile`): a standalone build of this file over four of the
-//   1.5B's layers, both cores, seven rows 1.49 -> 1.27 times one row's time, eight 1.65 -> 1.29.
-//   In the whole model the verify block did not move (paired as above: seven rows 1.03x, eight
-//   0.98x on the 1.5B; 1.02x and 0.99x on SmolLM2): there the block is bound elsewhere.
+// * The x vector pinned to a register (`asm("" : "+v"(xv))` in `Tile`, so that GCC stops folding
+//   its load into every FMA): a standalone build of this file over four of the 1.5B's layers,
+//   both cores, seven rows 1.49 -> 1.27 times one row's time, eight 1.65 -> 1.29; in cache, one
+//   core, seven rows 94 -> 138 GFLOP/s. In the whole model (`benchmarks/kernel_ab.py`, paired as
+//   above) seven rows took 1.02-1.06x the time on SmolLM2 (four runs) and 1.03x on the 1.5B,
+//   eight 0.98-1.06x: not kept.
 // This host does two 512-bit FMAs a cycle (XLA's dot reaches 444 GFLOP/s on both cores); a tile
 // of R x M is R + M loads for R * M FMAs.
 template <int M>

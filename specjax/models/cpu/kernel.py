@@ -35,6 +35,7 @@ buffer). On CPU only, float32, head sizes that are multiples of 8; elsewhere the
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -85,17 +86,24 @@ def _cache_dir() -> pathlib.Path:
   return pathlib.Path(os.environ.get("XDG_CACHE_HOME", pathlib.Path.home() / ".cache")) / "specjax"
 
 
-def build() -> pathlib.Path:
-  """Compiles `SOURCES` (or finds them compiled) into one shared library and returns its path."""
+def build(source_dir: pathlib.Path | None = None) -> pathlib.Path:
+  """Compiles `SOURCES` (or finds them compiled) into one shared library and returns its path.
+
+  `source_dir`: a directory holding files of the same names to build instead (another version of
+  the kernel, e.g. for `benchmarks/kernel_ab.py`); cached under its own key like any source."""
   if platform.machine().lower() not in ("x86_64", "amd64"):
     raise RuntimeError(f"the kernel is written for x86-64 (AVX2 + FMA), not {platform.machine()}")
+  sources, headers = SOURCES, HEADERS
+  if source_dir is not None:
+    sources = tuple(pathlib.Path(source_dir) / f.name for f in SOURCES)
+    headers = tuple(pathlib.Path(source_dir) / f.name for f in HEADERS)
   cxx = _compiler()
   flags = ["-O3", "-march=native", "-std=c++20", "-shared", "-fPIC", "-pthread", "-w",
            f"-I{jax.ffi.include_dir()}"]
   flags += os.environ.get("SPECJAX_CPU_KERNEL_FLAGS", "").split()
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   import jaxlib
-  texts = [f.read_text() for f in SOURCES + HEADERS]
+  texts = [f.read_text() for f in sources + headers]
   key = hashlib.sha256("\0".join([*texts, cxx, version, *flags, jaxlib.__version__,
                                   _cpu_signature()]).encode()).hexdigest()[:16]
   directory = _cache_dir() / "cpu_kernels"
@@ -109,7 +117,7 @@ def build() -> pathlib.Path:
                    "rebuilding it", library)
     directory.mkdir(parents=True, exist_ok=True)
     partial = directory / f".cpu_gemv-{key}.{os.getpid()}.{threading.get_ident()}.so"
-    done = subprocess.run([cxx, *flags, *map(str, SOURCES), "-o", str(partial)],
+    done = subprocess.run([cxx, *flags, *map(str, sources), "-o", str(partial)],
                           capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
       partial.unlink(missing_ok=True)
@@ -149,19 +157,45 @@ def _status() -> tuple[bool, str]:
     return False, "disabled by SPECJAX_CPU_KERNELS"
   try:
     library = build()
-    loaded = ctypes.cdll.LoadLibrary(str(library))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_gemv), platform="cpu")
-    jax.ffi.register_ffi_target(QUANT_TARGET, jax.ffi.pycapsule(loaded.specjax_cpu_qgemv),
-                                platform="cpu")
-    jax.ffi.register_ffi_target(QUANT_OFFSETS_TARGET,
-                                jax.ffi.pycapsule(loaded.specjax_cpu_qgemv_offsets), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET,
-                                jax.ffi.pycapsule(loaded.specjax_cpu_attention), platform="cpu")
+    register(library)
   except Exception as error:  # noqa: BLE001 - any failure means "use XLA's dot"
     _log.warning("specjax: the CPU matrix-vector kernel is unavailable (%s); XLA's dot is used",
                  error)
     return False, str(error)
   return True, f"built at {library}"
+
+
+# The library's handlers, by the module attribute that names their FFI target.
+_HANDLERS = {"TARGET": "specjax_cpu_gemv", "QUANT_TARGET": "specjax_cpu_qgemv",
+             "QUANT_OFFSETS_TARGET": "specjax_cpu_qgemv_offsets",
+             "ATTENTION_TARGET": "specjax_cpu_attention"}
+
+
+def register(library: pathlib.Path, suffix: str = "") -> dict[str, str]:
+  """Loads a built library and registers its handlers as CPU FFI targets named after them plus
+  `suffix` ("" for the library `status()` uses). Returns {module attribute: target name}, what
+  `targets` takes."""
+  loaded = ctypes.cdll.LoadLibrary(str(library))
+  names = {}
+  for attribute, symbol in _HANDLERS.items():
+    names[attribute] = symbol + suffix
+    jax.ffi.register_ffi_target(names[attribute], jax.ffi.pycapsule(getattr(loaded, symbol)),
+                                platform="cpu")
+  return names
+
+
+@contextlib.contextmanager
+def targets(names: dict[str, str]):
+  """Within the block, functions traced call the FFI targets `names` (from `register` with a
+  suffix: another build of the kernel) instead of this module's. For comparing two builds in one
+  process (`benchmarks/kernel_ab.py`); clear JAX's caches first (`jax.clear_caches()`), or a
+  trace made outside the block is reused."""
+  saved = {attribute: globals()[attribute] for attribute in names}
+  globals().update(names)
+  try:
+    yield
+  finally:
+    globals().update(saved)
 
 
 def available() -> bool:

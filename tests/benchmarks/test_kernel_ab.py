@@ -1,0 +1,39 @@
+"""`benchmarks/kernel_ab.py`: two builds of the CPU kernel compared in one process."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import kernel_ab
+from specjax.models.cpu import kernel
+
+pytestmark = [pytest.mark.costly,
+              pytest.mark.skipif(not kernel.available(), reason="the CPU kernel is not built here")]
+
+
+def test_two_builds_are_compared_in_pairs(tmp_path):
+  out = tmp_path / "ab.json"
+  record = kernel_ab.main(["--model", "tiny", "--base", "HEAD", "--widths", "1,4",
+                           "--repeats", "3", "--steps", "2", "--out", str(out)])
+  saved = json.loads(out.read_text())
+  assert saved["widths"] == [1, 4] and [r["width"] for r in saved["rows"]] == [1, 4]
+  for row in record["rows"]:
+    assert len(row["ratios"]) == 3
+    assert all(np.isfinite(row["ratios"])) and min(row["ratios"]) > 0
+    assert row["ratio_min"] <= row["ratio_median"] <= row["ratio_max"]
+  assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_a_trace_that_calls_the_wrong_build_is_refused():
+  """Names without the base suffix: the base side's forward would run this build's kernel (as a
+  trace reused from JAX's caches would), and the lowered text shows it."""
+  same = {attribute: getattr(kernel, attribute) for attribute in kernel._HANDLERS}
+  with pytest.raises(RuntimeError, match="does not call its kernel"):
+    kernel_ab.compare(kernel_ab.tiny_model(), same, [1], repeats=1, steps=1)
+
+
+def test_an_unknown_revision_is_a_clear_error(tmp_path):
+  with pytest.raises(ValueError, match="git cannot show"):
+    kernel_ab.base_sources("no-such-revision-here", tmp_path)
