@@ -72,12 +72,12 @@ def compare(model, base_names: dict[str, str], widths, *, repeats: int, steps: i
   """The paired timing of `model`'s forwards of each width under the base build (`base_names`,
   from `kernel.register`) and this module's build."""
   calls, states = {}, {}
+  step = jax.jit(timing._forward_steps.__wrapped__, static_argnames=("steps",),
+                 donate_argnames=("cache",))
   for build, names in (("base", base_names), ("new", None)):
     jax.clear_caches()  # a trace of the other build would be reused
     for width in widths:
       key = f"{build}_{width}"
-      step = jax.jit(timing._forward_steps.__wrapped__, static_argnames=("steps",),
-                     donate_argnames=("cache",))
       tokens = jnp.ones((1, width), jnp.int32)
       starts = jnp.full((1,), position, jnp.int32)
       states[key] = model.init_cache(1, buffer_len)

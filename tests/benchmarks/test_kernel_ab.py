@@ -2,7 +2,6 @@
 
 import json
 
-import jax
 import numpy as np
 import pytest
 
