@@ -32,6 +32,7 @@ import numpy as np
 
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
+from specjax.models.cpu import panels
 
 __all__ = ["BITS", "QuantizedWeight", "abstract_quantized", "dequantize_model", "is_quantized",
            "linear", "linear_t", "quantization_of", "quantize", "quantize_weight", "take_rows"]
@@ -190,7 +191,9 @@ def _quantize_layers(layers, bits, group, stacked: bool, asymmetric: bool):
     out = dict(lp)
     if "wqkv_t" in lp:  # the CPU layout
       for name in _CPU_FUSED:
-        out[name + "_t"] = quantize_weight(lp[name + "_t"], bits, group, asymmetric=asymmetric)
+        w = lp[name + "_t"]
+        w = w.dense() if isinstance(w, panels.PanelWeight) else w
+        out[name + "_t"] = quantize_weight(w, bits, group, asymmetric=asymmetric)
         out.pop(name + "_halves", None)
     else:
       for name in _CANONICAL:

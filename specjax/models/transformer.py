@@ -75,9 +75,10 @@ class Model:
       leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
-    cpu_kernel: whether the CPU layout's blocks of up to `cpu_layout.KERNEL_ROWS` rows (a decode
-      step, a verify block) and a tied output projection go through the hand-written kernel
-      `specjax.models.cpu.kernel` rather than XLA's dot (same products up to float32 summation
+    cpu_kernel: whether the CPU layout's projections (in panels, every block size) and, for blocks
+      of up to `cpu_layout.KERNEL_ROWS` rows (a decode step, a verify block), a tied output
+      projection go through the hand-written kernel `specjax.models.cpu.kernel` rather than XLA's
+      dot (same products up to float32 summation
       order). Static, so a model with and one without it compile apart;
       `with_fused_projections` turns it on where the kernel builds.
   """
@@ -161,19 +162,20 @@ class Model:
 
   def with_fused_projections(self, cpu_kernel: bool | None = None) -> "Model":
     """An unstacked model in the CPU layout (`specjax.models.cpu.layout`): per layer, the
-    query/key/value projections fused into one matrix and gate/up into one, each kept once,
-    row-major `[out, in]`. Same math; `stacked()` and `without_fused_projections()` restore the
-    canonical weights.
+    query/key/value projections fused into one matrix and gate/up into one, each kept once. Same
+    math; `stacked()` and `without_fused_projections()` restore the canonical weights.
 
-    `cpu_kernel` (default: whether `specjax.models.cpu.kernel` builds on this machine) sends blocks
-    of up to `cpu_layout.KERNEL_ROWS` rows, and a tied model's output projection, through that
-    hand-written kernel; False keeps XLA's dot. Weights in 2 MiB pages
+    `cpu_kernel` (default: whether `specjax.models.cpu.kernel` builds on this machine) keeps the
+    projections in the kernel's panels (`specjax.models.cpu.panels`), read by the kernel at every
+    block size, and sends a tied model's output projection for blocks of up to
+    `cpu_layout.KERNEL_ROWS` rows through it; False keeps row-major `[out, in]` copies for XLA's
+    dot. Weights in 2 MiB pages
     (`cpu_layout.fuse_params`)."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
     if cpu_kernel is None:
       cpu_kernel = cpu_gemv.available()
-    return dataclasses.replace(self, params=cpu_layout.fuse_params(self.params),
+    return dataclasses.replace(self, params=cpu_layout.fuse_params(self.params, bool(cpu_kernel)),
                                cpu_kernel=bool(cpu_kernel))
 
   def without_fused_projections(self) -> "Model":

@@ -171,7 +171,8 @@ def test_the_avx2_builds_equal_the_references(tmp_path, flags):
   # the build without VNNI checks the quantized products alone.
   checks = ("t._check_quantized_products(); " if "avxvnni" in flags else
             "t._check_every_row_count(t.ROW_SHAPES); t._check_quantized_products(); "
-            "[t._check_attention(*shape) for shape in t.ATTENTION_SHAPES]; ")
+            "[t._check_attention(*shape) for shape in t.ATTENTION_SHAPES]; "
+            "import test_cpu_panels as p; p._check_panel_products(); ")
   code = ("import sys; sys.path.insert(0, %r); import test_cpu_kernel as t; "
           "from specjax.models.cpu import kernel; assert kernel.status()[0], kernel.status(); "
           "%sprint('ok')" % (str(pathlib.Path(__file__).parent), checks))
@@ -261,7 +262,8 @@ def test_a_failed_build_falls_back_to_xla(tmp_path):
 
 def test_the_model_with_the_kernel_gives_the_same_steps_and_tokens():
   """A batch-1 decode in the CPU layout, kernel on and off, against the stacked scan: logits within
-  float32 summation noise, greedy tokens identical; the step's HLO holds the kernel's calls."""
+  float32 summation noise, greedy tokens identical; the step's HLO holds the kernel's calls (the
+  projections' panel products and the attention)."""
   config = tiny_config(vocab_size=97, embed_dim=64, mlp_dim=128, num_heads=4, num_kv_heads=2)
   stacked = sj.init_params(config, jax.random.key(1))
   on = stacked.for_platform("cpu")
@@ -277,7 +279,7 @@ def test_the_model_with_the_kernel_gives_the_same_steps_and_tokens():
   cache = stacked.init_cache(1, 16)
   starts = jnp.full((1,), 0, jnp.int32)
   one = prompt[:, :1]
-  for target in ("specjax_cpu_gemv", "specjax_cpu_attention"):
+  for target in ("specjax_cpu_panel_gemv", "specjax_cpu_attention"):
     assert target in step.lower(on, one, starts, on.init_cache(1, 16)).as_text()
     assert target not in step.lower(off, one, starts, off.init_cache(1, 16)).as_text()
   np.testing.assert_allclose(step(on, one, starts, on.init_cache(1, 16)),

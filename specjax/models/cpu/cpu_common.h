@@ -42,6 +42,7 @@ inline Vec VecLoad(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec VecZero() { return _mm512_setzero_ps(); }
 inline Vec VecFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float VecSum(Vec v) { return _mm512_reduce_add_ps(v); }
+inline Vec VecAdd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 #else
 using Vec = __m256;
 constexpr int64_t kWidth = 8;
@@ -49,6 +50,7 @@ inline Vec VecLoad(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec VecZero() { return _mm256_setzero_ps(); }
 inline Vec VecFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float VecSum(Vec v) { return HorizontalSum(v); }
+inline Vec VecAdd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 #endif
 
 inline Vec VecSet1(float v) {

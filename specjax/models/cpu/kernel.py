@@ -57,6 +57,7 @@ SOURCES = (SOURCE, SOURCE.with_name("cpu_attention.cc"))
 HEADERS = tuple(SOURCE.with_name(name) for name in ("cpu_common.h", "cpu_quant.h",
                                                      "cpu_attention.h"))
 TARGET = "specjax_cpu_gemv"
+PANEL_TARGET = "specjax_cpu_panel_gemv"
 QUANT_TARGET = "specjax_cpu_qgemv"
 QUANT_OFFSETS_TARGET = "specjax_cpu_qgemv_offsets"
 ATTENTION_TARGET = "specjax_cpu_attention"
@@ -166,7 +167,8 @@ def _status() -> tuple[bool, str]:
 
 
 # The library's handlers, by the module attribute that names their FFI target.
-_HANDLERS = {"TARGET": "specjax_cpu_gemv", "QUANT_TARGET": "specjax_cpu_qgemv",
+_HANDLERS = {"TARGET": "specjax_cpu_gemv", "PANEL_TARGET": "specjax_cpu_panel_gemv",
+             "QUANT_TARGET": "specjax_cpu_qgemv",
              "QUANT_OFFSETS_TARGET": "specjax_cpu_qgemv_offsets",
              "ATTENTION_TARGET": "specjax_cpu_attention"}
 

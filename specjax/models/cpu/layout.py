@@ -2,14 +2,14 @@
 
 At batch 1 a decode step is a chain of matrix-vector products that should stream every weight once
 at memory bandwidth, and a verify block of 2-9 rows should cost little more. The CPU layout keeps
-each projection once, row-major `[out, in]` (`<name>_t`), fused where that saves products
-(query/key/value as one matrix, gate/up as one). Blocks of up to `KERNEL_ROWS` rows (a decode step,
-a verify block, a draft model's catch-up) go through `specjax.models.cpu.kernel` when the model
-uses it (`Model.cpu_kernel`): a hand-written XLA FFI kernel that reads each weight once for all
-rows. Larger blocks (prefill, big batches), and every block where the kernel is not built, use
-XLA's dot on the same matrix. A quantized projection (`specjax.models.quant.QuantizedWeight`)
-takes the same place and computes its own product. `split_layer` restores the canonical weights.
-`fuse_params` builds the layout with its weights in 2 MiB pages where Linux offers them.
+each projection once (`<name>_t`), fused where that saves products (query/key/value as one matrix,
+gate/up as one). Where the kernel is built (`specjax.models.cpu.kernel`, `Model.cpu_kernel`) the
+copy is a `specjax.models.cpu.panels.PanelWeight`: panels of 48 output columns that the kernel
+reads at every block size, a verify block's rows for about the time of one and a prompt's in
+cache-sized steps. Elsewhere it is a row-major `[out, in]` array for XLA's dot. A quantized
+projection (`specjax.models.quant.QuantizedWeight`) takes the same place and computes its own
+product. `split_layer` restores the canonical weights. `fuse_params` builds the layout with its
+weights in 2 MiB pages where Linux offers them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
+from specjax.models.cpu import panels as panel_layout
 from specjax.models import quant
 from specjax.models.config import ModelConfig
 
@@ -35,10 +36,14 @@ def is_cpu_layer(lp: dict) -> bool:
   return "wqkv_t" in lp
 
 
-def fuse_layer(lp: dict) -> dict:
-  """Canonical per-layer weights -> the CPU layout (one fused `[out, in]` copy per projection)."""
+def fuse_layer(lp: dict, panels: bool | None = None) -> dict:
+  """Canonical per-layer weights -> the CPU layout: one fused copy per projection, in panels
+  (`specjax.models.cpu.panels.PanelWeight`) when `panels` (default: where the kernel is built),
+  else a row-major `[out, in]` array for XLA's dot."""
   if is_cpu_layer(lp):
     return lp
+  if panels is None:
+    panels = cpu_gemv.available()
   out = dict(lp)
   for fused, parts in _PROJECTIONS:
     if quant.is_quantized(lp[parts[0]]):  # quantized: `[out, in]` already, one copy, no halves
@@ -50,7 +55,7 @@ def fuse_layer(lp: dict) -> dict:
     w = jnp.concatenate([jnp.asarray(lp[name]) for name in parts], axis=-1)  # [in, out]
     for name in parts:
       del out[name]
-    out[fused + "_t"] = w.T.copy()
+    out[fused + "_t"] = panel_layout.pack(w.T) if panels else w.T.copy()
   if all(name in lp for name in ("bq", "bk", "bv")):
     out["bqkv"] = jnp.concatenate([lp[name] for name in ("bq", "bk", "bv")], axis=-1)
     for name in ("bq", "bk", "bv"):
@@ -58,14 +63,15 @@ def fuse_layer(lp: dict) -> dict:
   return out
 
 
-def fuse_params(params: dict) -> dict:
+def fuse_params(params: dict, panels: bool | None = None) -> dict:
   """An unstacked model's parameters -> the CPU layout (`fuse_layer` per layer), its new matrices
   and the embedding (also a tied output projection, which the kernel reads) in 2 MiB pages where
   Linux offers them (`specjax.models.cpu.host_memory`). Parameters already in the layout are kept as
   they are (no second copy)."""
   if all(is_cpu_layer(lp) for lp in params["layers"]):
     return params
-  layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp)) for lp in params["layers"])
+  layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp, panels))
+                 for lp in params["layers"])
   return dict(params, layers=layers, embed=host_memory.on_huge_pages(params["embed"]))
 
 
@@ -84,7 +90,7 @@ def split_layer(lp: dict, c: ModelConfig) -> dict:
       out.update((name, step.map_rows(lambda a, i=i: jnp.split(a, offsets, axis=-2)[i]))
                  for i, name in enumerate(parts))
       continue
-    w = step.T
+    w = step.dense().T if panel_layout.is_panels(step) else step.T
     out.update((name, part.copy()) for name, part in zip(parts, jnp.split(w, offsets, axis=-1)))
   if "bqkv" in out:
     out.update(zip(("bq", "bk", "bv"), jnp.split(out.pop("bqkv"), [q, q + kv], axis=-1)))
@@ -97,6 +103,8 @@ def project(h: jax.Array, lp: dict, fused: str, kernel: bool = False) -> jax.Arr
   step = lp[fused + "_t"]
   if quant.is_quantized(step):  # one quantized copy, read by the kernel at every block size
     return step.matmul(h)
+  if panel_layout.is_panels(step):  # the kernel at every block size (a prompt included)
+    return step.matmul(h, kernel)
   if kernel and h.shape[0] * h.shape[1] <= KERNEL_ROWS:
     return cpu_gemv.matvec(h, step)
   return jnp.einsum("bti,oi->bto", h, step)

@@ -1,0 +1,132 @@
+"""The panel layout of CPU float32 weights (`specjax.models.cpu.panels`) and the kernel that reads
+it (`specjax_cpu_panel_gemv`): packing is exact, the product equals float64 numpy for every block
+size (1..8 rows, a prompt of many blocks), output sizes that leave a partial panel or vector, and
+input sizes of any length; it composes with vmap / grad; bad shapes fail before compiling; a model
+in panels gives the row-major layout's tokens."""
+
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import specjax as sj
+from specjax.models.cpu import kernel
+from specjax.models.cpu import layout as cpu_layout
+from specjax.models.cpu import panels
+from specjax.testing.models import tiny_config
+
+pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                                reason="the kernel is written for x86-64 (AVX2 + FMA)")
+
+# (out, in): a partial last panel (out % 48), a partial vector within it (out % 16), fewer outputs
+# than one panel, input sizes with no multiple of 16 and one past the kernel's 256-column chunk.
+PANEL_SHAPES = [(100, 64), (48, 32), (17, 40), (5, 16), (2048, 1536), (97, 200), (250, 8960),
+                (1, 1), (49, 300)]
+
+
+def _check(y, x, w):
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  ref = x64 @ w64.T
+  # float32 products summed in another order: error ~ eps * sqrt(n) * |x| |w|
+  scale = np.abs(x64) @ np.abs(w64).T
+  np.testing.assert_array_less(np.abs(np.asarray(y, np.float64) - ref), 1e-6 * scale + 1e-30)
+
+
+def test_packing_is_exact_and_pads_with_zeros():
+  rng = np.random.default_rng(0)
+  for out, n in PANEL_SHAPES:
+    w = rng.standard_normal((out, n)).astype(np.float32)
+    p = panels.pack(w)
+    assert p.panels.shape == (-(-out // 48), n, 48) and p.shape == (out, n) and p.out == out
+    np.testing.assert_array_equal(np.asarray(p.dense()), w)
+    # panels[g, i, j] = w[48 g + j, i], and zero past `out`
+    g, j = divmod(out - 1, 48)
+    np.testing.assert_array_equal(np.asarray(p.panels[g, :, j]), w[out - 1])
+    assert not np.asarray(p.panels[g, :, j + 1:]).any()
+  # a transposed view packs like its copy (the CPU layout packs `[in, out].T`)
+  w = rng.standard_normal((64, 100)).astype(np.float32)
+  np.testing.assert_array_equal(np.asarray(panels.pack(w.T).panels),
+                                np.asarray(panels.pack(w.T.copy()).panels))
+
+
+def _check_panel_products():
+  """Every block size (1..9 rows: eight and one; 20 and 67: several blocks of a prompt) against
+  float64 numpy, and the jnp reference against the same."""
+  rng = np.random.default_rng(1)
+  product = jax.jit(lambda x, p: p.matmul(x))
+  for out, n in PANEL_SHAPES:
+    w = rng.standard_normal((out, n)).astype(np.float32)
+    p = panels.pack(w)
+    for rows in (*range(1, 10), 20, 67):
+      x = rng.standard_normal((1, rows, n)).astype(np.float32)
+      _check(product(jnp.asarray(x), p), x, w)
+    _check(panels.reference(jnp.asarray(x), p.panels, out), x, w)
+
+
+def test_every_block_size_equals_the_float64_product():
+  _check_panel_products()
+
+
+def test_the_product_lowers_to_the_kernel_on_cpu_only():
+  p = panels.pack(np.ones((100, 64), np.float32))
+  x = jnp.ones((3, 64), jnp.float32)
+  lowered = jax.jit(lambda x, p: p.matmul(x)).lower(x, p)
+  assert kernel.PANEL_TARGET in lowered.as_text()
+  exported = jax.export.export(jax.jit(lambda x, p: p.matmul(x)), platforms=["tpu"])(x, p)
+  assert kernel.PANEL_TARGET not in exported.mlir_module()
+  assert kernel.PANEL_TARGET not in jax.jit(lambda x, p: p.matmul(x, kernel=False)).lower(
+      x, p).as_text()
+
+
+def test_vmap_and_grad_agree_with_the_reference():
+  rng = np.random.default_rng(2)
+  w = rng.standard_normal((80, 48)).astype(np.float32)
+  p = panels.pack(w)
+  xs = jnp.asarray(rng.standard_normal((5, 2, 48)).astype(np.float32))
+  np.testing.assert_allclose(jax.vmap(lambda x: p.matmul(x))(xs), xs @ w.T, rtol=1e-5,
+                             atol=1e-5)
+  loss = lambda x, q: jnp.sum(jnp.sin(q.matmul(x)))
+  dense = lambda x, w: jnp.sum(jnp.sin(x @ w.T))
+  np.testing.assert_allclose(jax.grad(loss)(xs[0], p), jax.grad(dense)(xs[0], w), rtol=1e-4,
+                             atol=1e-5)
+  grad_panels = jax.grad(loss, 1)(xs[0], p)
+  np.testing.assert_allclose(grad_panels.dense(), jax.grad(dense, 1)(xs[0], jnp.asarray(w)),
+                             rtol=1e-4, atol=1e-5)
+
+
+def test_bad_shapes_fail_with_a_clear_error():
+  with pytest.raises(ValueError, match="2-D"):
+    panels.pack(np.ones((2, 3, 4), np.float32))
+  p = panels.pack(np.ones((100, 64), np.float32))
+  with pytest.raises(ValueError, match="input size 64"):
+    p.matmul(jnp.ones((1, 63)))
+  # the kernel's own check: panels that do not match `out`
+  bad = jax.ffi.ffi_call(kernel.PANEL_TARGET, jax.ShapeDtypeStruct((1, 200), jnp.float32))
+  with pytest.raises(Exception, match="ceil"):
+    jax.block_until_ready(bad(jnp.ones((1, 64)), p.panels, out=np.int64(200)))
+
+
+def test_a_model_in_panels_gives_the_row_major_layouts_tokens():
+  """Greedy tokens of plain and speculative decoding: canonical, row-major CPU layout, panels;
+  `split_layer` gives back the canonical weights exactly."""
+  config = tiny_config(vocab_size=97, embed_dim=64, mlp_dim=160, num_heads=4, num_kv_heads=2)
+  stacked = sj.init_params(config, jax.random.key(3))
+  unstacked = stacked.unstacked()
+  in_panels = unstacked.with_fused_projections(cpu_kernel=True)
+  rows = unstacked.with_fused_projections(cpu_kernel=False)
+  assert panels.is_panels(in_panels.params["layers"][0]["w_gate_up_t"])
+  assert not panels.is_panels(rows.params["layers"][0]["w_gate_up_t"])
+  for lp, canonical in zip(in_panels.params["layers"], unstacked.params["layers"]):
+    for name, value in cpu_layout.split_layer(lp, config).items():
+      np.testing.assert_array_equal(np.asarray(value), np.asarray(canonical[name]))
+  prompts = jnp.asarray(np.random.default_rng(4).integers(1, 97, (2, 7)), jnp.int32)
+  key = jax.random.key(0)
+  want = sj.generate(stacked, prompts, key, max_new_tokens=12).tokens
+  for model in (in_panels, rows):
+    np.testing.assert_array_equal(sj.generate(model, prompts, key, max_new_tokens=12).tokens,
+                                  want)
+  spec = sj.decode(in_panels, sj.self_drafter(in_panels, 8, 32), prompts, key,
+                   max_new_tokens=12, num_draft=3)
+  np.testing.assert_array_equal(spec.tokens, want)
