@@ -194,7 +194,8 @@ def step_breakdown(model, reps, context=128):
       "attention over the cache": (jax.jit(attention), (cache.k, cache.v, q)),
       **({"output head ([E, V] copy)": (jax.jit(head), (x[None], model.params["lm_head"]))}
          if "lm_head" in model.params else  # the kernel reads the tied embedding as it lies
-         {"output head (kernel, [V, E])": (jax.jit(cpu_gemv.matvec), (x[None], model.params["embed"]))}),
+         {"output head (kernel, [V, E] or panels)": (jax.jit(_tied_head),
+                                                     (x[None], model.params["embed"]))}),
       "cache writes (2 per layer)": (jax.jit(writes), (cache.k, cache.v, block, starts)),
       "whole step": (full, (model, jnp.ones((1, 1), jnp.int32), starts, cache)),
   }
@@ -207,6 +208,13 @@ def step_breakdown(model, reps, context=128):
 
 def weight_bytes(model) -> int:
   return sum(x.nbytes for x in jax.tree.leaves(model.params))
+
+
+def _tied_head(x, embed):
+  """A tied model's output product as the forward runs it: panels or the row-major kernel."""
+  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.models.cpu import panels as panel_layout
+  return embed.matmul(x) if panel_layout.is_panels(embed) else cpu_gemv.matvec(x, embed)
 
 
 def main():

@@ -1,7 +1,7 @@
 """The CPU layout's two float32 weight layouts on one model in one process: row-major `[out, in]`
 (the kernel's dot-product tiles for up to 8 rows, XLA's dot beyond) against panels
-(`specjax.models.cpu.panels`, the kernel at every block size), on the step, the verify blocks and
-a prompt.
+(`specjax.models.cpu.panels`, the kernel at every block size; a tied embedding too), on the step,
+the verify blocks and a prompt.
 
     python -m benchmarks.layout_ab --model qwen2.5-coder-1.5b --widths 1,2,3,4,5,6,7,8,64 \\
         --repeats 8 --steps 2 --out benchmarks/results/layout_ab_qwen.json
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import kernel_ab, timing
+from specjax.models.cpu import host_memory
 from specjax.models.cpu import kernel
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
@@ -38,13 +39,16 @@ from specjax.models.cpu import panels as panel_layout
 LAYOUTS = ("rows", "panels")
 
 
-def row_major(model):
-  """The same model with its projections row-major `[out, in]` (kernel on), built layer by layer
-  so that only one layer's extra copy is alive at a time."""
-  layers = []
-  for lp in model.params["layers"]:
-    layers.append(cpu_layout.fuse_layer(cpu_layout.split_layer(lp, model.config), panels=False))
-  return dataclasses.replace(model, params=dict(model.params, layers=tuple(layers)))
+def row_major(model, layers: bool = True):
+  """The same model with a tied embedding `[V, E]` (kernel on: the row-major kernel up to 8 rows)
+  and, with `layers`, its projections row-major `[out, in]`, built layer by layer so that only one
+  layer's extra copy is alive at a time."""
+  layers = [cpu_layout.fuse_layer(cpu_layout.split_layer(lp, model.config), panels=False)
+            if layers else lp for lp in model.params["layers"]]
+  embed = model.params["embed"]
+  if panel_layout.is_panels(embed):
+    embed = host_memory.on_huge_pages(embed.dense())
+  return dataclasses.replace(model, params=dict(model.params, layers=tuple(layers), embed=embed))
 
 
 def compare(models: dict, widths, *, repeats: int, steps: int, position: int = 64,
@@ -93,7 +97,9 @@ def plot(record: dict, path: pathlib.Path) -> None:
   rows = [r for r in record["rows"] if r["width"] <= 8]
   widths = [r["width"] for r in rows]
   fig, ax = plt.subplots(figsize=(6, 3.5))
-  for name, label in (("rows", "row-major (dot tiles)"), ("panels", "panels")):
+  base = ("row-major (dot tiles)" if record.get("base", "rows") == "rows" else
+          "panels, embedding row-major")
+  for name, label in (("rows", base), ("panels", "panels")):
     ax.plot(widths, [r[f"{name}_steps_median"] for r in rows], "o-", label=label)
   ax.axhline(1.25, color="gray", lw=0.8, ls="--", label="1.25 steps")
   ax.set_xlabel("rows in the forward (k + 1 = verify block)")
@@ -113,6 +119,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--out", type=pathlib.Path, required=True)
+  parser.add_argument("--base", choices=("rows", "embedding"), default="rows",
+                      help="the other side: every weight row-major (rows), or only the tied "
+                      "embedding (embedding: its layers in panels too)")
   parser.add_argument("--no-plot", action="store_true")
   args = parser.parse_args(argv)
   widths = [int(w) for w in args.widths.split(",")]
@@ -123,8 +132,9 @@ def main(argv=None) -> dict:
   panels = kernel_ab.load(args.model)
   if not panel_layout.is_panels(panels.params["layers"][0]["wqkv_t"]):
     raise SystemExit("the model did not load in panels")
-  models = {"rows": row_major(panels), "panels": panels}
-  record = {"model": args.model, "widths": widths, "repeats": args.repeats, "steps": args.steps,
+  models = {"rows": row_major(panels, layers=args.base == "rows"), "panels": panels}
+  record = {"model": args.model, "base": args.base, "widths": widths, "repeats": args.repeats,
+            "steps": args.steps,
             "machine": os.uname().machine}
   record.update(compare(models, widths, repeats=args.repeats, steps=args.steps))
   args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -370,7 +370,7 @@ def restrict_output(model, ids):
       raise ValueError("the model's output projection is already restricted")
     head = head.map_rows(lambda a: a[rows])
   elif tied:  # a float table [V, E] -> the untied [E, N] the forward contracts
-    head = jnp.asarray(head)[rows].T.copy()
+    head = jnp.asarray(head[rows]).T.copy()  # a float array or panels (`PanelWeight`)
   else:  # float [E, V]
     if head.shape[1] != vocab:
       raise ValueError("the model's output projection is already restricted")

@@ -347,7 +347,7 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
     layers.append(host_memory.weights_on_huge_pages(cpu_layout.fuse_layer(lp)))
     del lp
   params = nest_params(flat)
-  params.update(layers=tuple(layers), embed=host_memory.on_huge_pages(params["embed"]))
+  params.update(layers=tuple(layers))  # the embedding: `for_platform` packs or places it
   return Model(params, config).for_platform("cpu")
 
 

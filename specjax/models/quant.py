@@ -256,7 +256,9 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
   p["layers"] = _quantize_layers(p["layers"], bits, group, model.is_stacked, asymmetric)
   if embeddings:
     # [V, E]: out = V, in = E
-    p["embed"] = quantize_weight(p["embed"], embed_bits, group, asymmetric=embed_asymmetric)
+    embed = p["embed"]
+    embed = embed.dense() if isinstance(embed, panels.PanelWeight) else embed
+    p["embed"] = quantize_weight(embed, embed_bits, group, asymmetric=embed_asymmetric)
     if "lm_head" in p:
       if c.tie_embeddings:
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept

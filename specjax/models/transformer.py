@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.core.cache import KVBlock, KVCache, write_block, write_stacked_block
 from specjax.models.cpu import layout as cpu_layout
+from specjax.models.cpu import panels as panel_layout
 from specjax.models import quant
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
@@ -142,10 +143,11 @@ class Model:
     `lax.scan` over layers: one compiled layer body, and a `layers` axis to shard)."""
     if self.is_stacked:
       return self
-    layers = self.without_fused_projections().params["layers"]
+    params = self.without_fused_projections().params
+    layers = params["layers"]
     stacked = {name: jax.tree.map(lambda *ws: jnp.stack(ws), *[lp[name] for lp in layers])
                for name in layers[0]}
-    return dataclasses.replace(self, params=dict(self.params, layers=stacked), cpu_kernel=False)
+    return dataclasses.replace(self, params=dict(params, layers=stacked), cpu_kernel=False)
 
   def for_platform(self, platform: str | None = None) -> "Model":
     """The layout that runs fastest on `platform` (default: JAX's default backend): on CPU
@@ -182,8 +184,8 @@ class Model:
     """Splits fused projections (see `with_fused_projections`) back into their named parts."""
     if self.is_stacked:
       return self
-    layers = tuple(cpu_layout.split_layer(lp, self.config) for lp in self.params["layers"])
-    return dataclasses.replace(self, params=dict(self.params, layers=layers), cpu_kernel=False)
+    return dataclasses.replace(self, params=cpu_layout.split_params(self.params, self.config),
+                               cpu_kernel=False)
 
   def with_output_copy(self) -> "Model":
     """A tied model with `params["lm_head"] = embed.T` materialised (same logits up to float32
@@ -192,7 +194,8 @@ class Model:
     if (not self.config.tie_embeddings or "lm_head" in self.params
         or quant.is_quantized(self.params["embed"])):  # a quantized table is read as it lies
       return self
-    lm_head = jnp.asarray(self.params["embed"]).T.copy()
+    embed = self.params["embed"]
+    lm_head = (embed.dense() if panel_layout.is_panels(embed) else jnp.asarray(embed)).T.copy()
     return dataclasses.replace(self, params=dict(self.params, lm_head=lm_head))
 
   def without_output_copy(self) -> "Model":
@@ -438,7 +441,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   if logits_at is not None:
     x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
   if c.tie_embeddings and "lm_head" not in p:  # `embed.T` inside jit would copy [E, V] per call
-    if kernel and not quant.is_quantized(p["embed"]):
+    if panel_layout.is_panels(p["embed"]):  # the CPU layout's panels, at every block size
+      logits = p["embed"].matmul(x, kernel)
+    elif kernel and not quant.is_quantized(p["embed"]):
       logits = cpu_gemv.matvec(x, p["embed"])  # the CPU kernel reads `[V, E]` as it lies
     else:
       logits = quant.linear_t(x, p["embed"])  # [V, E], float or quantized

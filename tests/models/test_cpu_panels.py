@@ -108,25 +108,44 @@ def test_bad_shapes_fail_with_a_clear_error():
     jax.block_until_ready(bad(jnp.ones((1, 64)), p.panels, out=np.int64(200)))
 
 
-def test_a_model_in_panels_gives_the_row_major_layouts_tokens():
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_in_panels_gives_the_row_major_layouts_tokens(tied):
   """Greedy tokens of plain and speculative decoding: canonical, row-major CPU layout, panels;
-  `split_layer` gives back the canonical weights exactly."""
-  config = tiny_config(vocab_size=97, embed_dim=64, mlp_dim=160, num_heads=4, num_kv_heads=2)
+  splitting gives back the canonical weights exactly. A tied model's embedding goes into panels
+  too (lookups and the output projection); an untied one's stays `[V, E]`."""
+  config = tiny_config(vocab_size=97, embed_dim=64, mlp_dim=160, num_heads=4, num_kv_heads=2,
+                       tie_embeddings=tied)
   stacked = sj.init_params(config, jax.random.key(3))
   unstacked = stacked.unstacked()
   in_panels = unstacked.with_fused_projections(cpu_kernel=True)
   rows = unstacked.with_fused_projections(cpu_kernel=False)
   assert panels.is_panels(in_panels.params["layers"][0]["w_gate_up_t"])
   assert not panels.is_panels(rows.params["layers"][0]["w_gate_up_t"])
-  for lp, canonical in zip(in_panels.params["layers"], unstacked.params["layers"]):
-    for name, value in cpu_layout.split_layer(lp, config).items():
-      np.testing.assert_array_equal(np.asarray(value), np.asarray(canonical[name]))
+  assert panels.is_panels(in_panels.params["embed"]) == tied
+  assert not panels.is_panels(rows.params["embed"])
+  for model in (in_panels, in_panels.stacked().unstacked()):
+    canonical = model.without_fused_projections().params
+    np.testing.assert_array_equal(np.asarray(canonical["embed"]),
+                                  np.asarray(unstacked.params["embed"]))
+    for lp, want in zip(canonical["layers"], unstacked.params["layers"]):
+      for name, value in lp.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(want[name]))
+  ids = jnp.asarray([[0, 47, 48, 96], [95, 1, 49, 3]])
+  np.testing.assert_array_equal(in_panels.params["embed"][ids],
+                                np.asarray(unstacked.params["embed"])[np.asarray(ids)])
   prompts = jnp.asarray(np.random.default_rng(4).integers(1, 97, (2, 7)), jnp.int32)
   key = jax.random.key(0)
   want = sj.generate(stacked, prompts, key, max_new_tokens=12).tokens
-  for model in (in_panels, rows):
+  for model in (in_panels, rows, in_panels.with_output_copy()):
     np.testing.assert_array_equal(sj.generate(model, prompts, key, max_new_tokens=12).tokens,
                                   want)
-  spec = sj.decode(in_panels, sj.self_drafter(in_panels, 8, 32), prompts, key,
-                   max_new_tokens=12, num_draft=3)
-  np.testing.assert_array_equal(spec.tokens, want)
+  drafters = [sj.self_drafter(in_panels, 8, 32)]
+  if tied:  # a draft vocabulary: rows of the tied table (`restrict_vocab`)
+    drafters.append(sj.self_drafter(in_panels, 8, 32, vocab=np.arange(0, 97, 2)))
+  for drafter in drafters:
+    spec = sj.decode(in_panels, drafter, prompts, key, max_new_tokens=12, num_draft=3)
+    np.testing.assert_array_equal(spec.tokens, want)
+  # layers quantized, the embedding kept: still panels, read by the same kernel
+  layers_only = sj.quantize(in_panels, 8, 32, embeddings=False)
+  assert panels.is_panels(layers_only.params["embed"]) == tied
+  assert sj.generate(layers_only, prompts, key, max_new_tokens=4).tokens.shape == (2, 4)

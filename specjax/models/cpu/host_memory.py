@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -37,16 +38,40 @@ def on_huge_pages(x):
       or not hasattr(mmap, "MADV_HUGEPAGE") or len(x.devices()) != 1
       or next(iter(x.devices())).platform != "cpu" or x.is_deleted()):
     return x
+  if _PLACED.get(id(x)) is x:  # already placed here: no second copy
+    return x
   host = np.asarray(x)
-  size = -(-host.nbytes // HUGE_PAGE) * HUGE_PAGE
+  copy = empty(host.shape, host.dtype)
+  if copy is None:
+    return x
+  copy[...] = host
+  return place(copy, x.sharding)
+
+
+def empty(shape, dtype) -> np.ndarray | None:
+  """An uninitialised numpy array in memory Linux is asked to back with 2 MiB pages, or None where
+  that cannot be had (fill it, then `place` it)."""
+  if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+    return None
+  count = int(np.prod(shape))
+  size = -(-max(count * np.dtype(dtype).itemsize, 1) // HUGE_PAGE) * HUGE_PAGE
   try:
     buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
   except (OSError, ValueError):
-    return x
-  copy = np.frombuffer(buffer, host.dtype, count=host.size).reshape(host.shape)
-  copy[...] = host
-  return jax.device_put(copy, x.sharding, may_alias=True)
+    return None
+  return np.frombuffer(buffer, dtype, count=count).reshape(shape)
+
+
+def place(host: np.ndarray, sharding=None) -> jax.Array:
+  """A filled array from `empty` handed to JAX without a copy (remembered, so that
+  `on_huge_pages` does not copy it again)."""
+  out = jax.device_put(host, sharding, may_alias=True)
+  _PLACED[id(out)] = out
+  return out
+
+
+_PLACED: "weakref.WeakValueDictionary[int, jax.Array]" = weakref.WeakValueDictionary()
 
 
 def weights_on_huge_pages(params):

@@ -9,7 +9,10 @@ time on every small one (thread hand-offs per op): on SmolLM2-135M's shapes the 
 took 17.5 ms (24 GB/s) where the machine reads 32.8 GB/s; the kernel takes 15.4 ms
 (`benchmarks/cpu_forward.py`). `cpu_gemv.cc` splits each product's output rows between the caller
 and the threads of XLA's own intra-op pool; a block of up to eight input rows (a verify block)
-reads each weight once for all of them.
+reads each weight once for all of them. The CPU layout's float32 weights are in panels
+(`specjax.models.cpu.panels`, target `PANEL_TARGET`): eight rows then cost about what one does,
+and any number of rows (a prompt) goes through the same kernel. `matvec` (target `TARGET`) is the
+product of a row-major `[out, in]` weight, up to eight rows at a time.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ / clang++),
 `-O3 -march=native` (plus the flags in `$SPECJAX_CPU_KERNEL_FLAGS`, e.g. `-mno-avx512f` to build the

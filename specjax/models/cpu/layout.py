@@ -8,8 +8,9 @@ copy is a `specjax.models.cpu.panels.PanelWeight`: panels of 48 output columns t
 reads at every block size, a verify block's rows for about the time of one and a prompt's in
 cache-sized steps. Elsewhere it is a row-major `[out, in]` array for XLA's dot. A quantized
 projection (`specjax.models.quant.QuantizedWeight`) takes the same place and computes its own
-product. `split_layer` restores the canonical weights. `fuse_params` builds the layout with its
-weights in 2 MiB pages where Linux offers them.
+product. A tied embedding goes into panels as well (its lookups take rows from them). `split_params`
+restores the canonical weights. `fuse_params` builds the layout with its weights in 2 MiB pages
+where Linux offers them.
 """
 
 from __future__ import annotations
@@ -65,14 +66,34 @@ def fuse_layer(lp: dict, panels: bool | None = None) -> dict:
 
 def fuse_params(params: dict, panels: bool | None = None) -> dict:
   """An unstacked model's parameters -> the CPU layout (`fuse_layer` per layer), its new matrices
-  and the embedding (also a tied output projection, which the kernel reads) in 2 MiB pages where
-  Linux offers them (`specjax.models.cpu.host_memory`). Parameters already in the layout are kept as
-  they are (no second copy)."""
-  if all(is_cpu_layer(lp) for lp in params["layers"]):
+  in 2 MiB pages where Linux offers them (`specjax.models.cpu.host_memory`). With `panels`
+  (default: where the kernel is built) the embedding of a model without an `lm_head` (a tied
+  one: the embedding is its output projection) goes into panels too, else it stays `[V, E]` (in
+  2 MiB pages). Parts already in the layout are kept as they are (no second copy)."""
+  if panels is None:
+    panels = cpu_gemv.available()
+  layers = params["layers"]
+  if not all(is_cpu_layer(lp) for lp in layers):
+    layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp, panels)) for lp in layers)
+  embed = params["embed"]
+  if (panels and "lm_head" not in params and not quant.is_quantized(embed)
+      and not panel_layout.is_panels(embed)):
+    embed = host_memory.weights_on_huge_pages(panel_layout.pack(embed))
+  elif not panel_layout.is_panels(embed):
+    embed = host_memory.on_huge_pages(embed)
+  if layers is params["layers"] and embed is params["embed"]:
     return params
-  layers = tuple(host_memory.weights_on_huge_pages(fuse_layer(lp, panels))
-                 for lp in params["layers"])
-  return dict(params, layers=layers, embed=host_memory.on_huge_pages(params["embed"]))
+  return dict(params, layers=layers, embed=embed)
+
+
+def split_params(params: dict, c: ModelConfig) -> dict:
+  """The CPU layout's parameters -> canonical ones (`split_layer` per layer, the embedding
+  `[V, E]` again)."""
+  layers = tuple(split_layer(lp, c) for lp in params["layers"])
+  embed = params["embed"]
+  if panel_layout.is_panels(embed):
+    embed = embed.dense()
+  return dict(params, layers=layers, embed=embed)
 
 
 def split_layer(lp: dict, c: ModelConfig) -> dict:

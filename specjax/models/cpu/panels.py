@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.cpu import host_memory
 from specjax.models.cpu import kernel
 
 PANEL = 48  # output columns per panel: `kPanel` in cpu_gemv.cc
@@ -33,6 +34,9 @@ PANEL = 48  # output columns per panel: `kPanel` in cpu_gemv.cc
 @dataclasses.dataclass(frozen=True)
 class PanelWeight:
   """A float32 `[out, in]` matrix in the panel layout (a pytree: `panels` is its one leaf).
+
+  Also a table of rows (`w[ids]`): a tied embedding in the CPU layout is one `PanelWeight`,
+  looked up by token and read by the kernel as the output projection.
 
   Attributes:
     panels: `[ceil(out / PANEL), in, PANEL]`, `panels[g, i, p] = W[g * PANEL + p, i]`, zero past
@@ -65,6 +69,28 @@ class PanelWeight:
     w = jnp.swapaxes(self.panels, 1, 2).reshape(-1, self.in_features)
     return w[:self.out]
 
+  def __getitem__(self, ids) -> jax.Array:
+    """Rows `ids` (integer ids, any shape) of the `[out, in]` matrix, `ids.shape + (in,)`: a tied
+    embedding in panels is also the lookup table."""
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise TypeError(f"PanelWeight rows are taken by integer ids, got {ids.dtype}")
+    return self.panels[ids // PANEL, :, ids % PANEL]
+
+  @property
+  def T(self) -> jax.Array:  # noqa: N802 - the array attribute it stands in for
+    """`[in, out]`, a new array (the layout has no transposed copy)."""
+    return self.dense().T
+
+  def __array__(self, dtype=None, copy=None):
+    """numpy's view: the dense `[out, in]` matrix (a new array)."""
+    w = np.asarray(self.dense())
+    return w if dtype is None else w.astype(dtype)
+
+  def astype(self, dtype):
+    """Itself for float32; else the dense matrix in `dtype`."""
+    return self if jnp.dtype(dtype) == self.dtype else self.dense().astype(dtype)
+
   def matmul(self, x: jax.Array, kernel: bool = True) -> jax.Array:
     """`x [..., in] -> [..., out]`: the kernel on CPU where it is built (and `kernel`), else
     `einsum` over the panels."""
@@ -78,18 +104,23 @@ class PanelWeight:
 
 def pack(w) -> PanelWeight:
   """A float `[out, in]` matrix (a numpy or JAX array, or a transposed view of one) -> its panels
-  (float32, computed in numpy: one new buffer)."""
+  (float32, computed in numpy into one new buffer, in 2 MiB pages where Linux offers them:
+  `specjax.models.cpu.host_memory`)."""
   w = np.asarray(w, dtype=np.float32)
   if w.ndim != 2:
     raise ValueError(f"pack needs a 2-D [out, in] matrix, got shape {w.shape}")
   out, n = w.shape
   groups = -(-out // PANEL)
-  panels = np.zeros((groups, n, PANEL), np.float32)
+  shape = (groups, n, PANEL)
+  huge = (host_memory.empty(shape, np.float32)
+          if groups * n * PANEL * 4 >= host_memory.HUGE_PAGE else None)
+  panels = np.empty(shape, np.float32) if huge is None else huge
   full = out // PANEL
   panels[:full] = w[:full * PANEL].reshape(full, PANEL, n).transpose(0, 2, 1)
   if full < groups:
+    panels[full] = 0.0
     panels[full, :, :out - full * PANEL] = w[full * PANEL:].T
-  return PanelWeight(jnp.asarray(panels), out)
+  return PanelWeight(jnp.asarray(panels) if huge is None else host_memory.place(panels), out)
 
 
 def is_panels(w) -> bool:
