@@ -76,12 +76,11 @@ class Model:
       leading `num_layers` axis (a dict of arrays, run by `lax.scan`) or a tuple of per-layer
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
-    cpu_kernel: whether the CPU layout's projections (in panels, every block size) and, for blocks
-      of up to `cpu_layout.KERNEL_ROWS` rows (a decode step, a verify block), a tied output
-      projection go through the hand-written kernel `specjax.models.cpu.kernel` rather than XLA's
-      dot (same products up to float32 summation
-      order). Static, so a model with and one without it compile apart;
-      `with_fused_projections` turns it on where the kernel builds.
+    cpu_kernel: whether the CPU layout's products go through the hand-written kernel
+      `specjax.models.cpu.kernel` rather than XLA's dot (same products up to float32 summation
+      order): weights in panels (`specjax.models.cpu.panels`) at every block size, row-major ones
+      in blocks of up to `cpu_layout.KERNEL_ROWS` rows. Static, so a model with and one without
+      it compile apart; `with_fused_projections` turns it on where the kernel builds.
   """
 
   params: dict
@@ -157,8 +156,8 @@ class Model:
     platform = platform or jax.default_backend()
     if platform == "cpu":
       fused = self.unstacked().with_fused_projections()
-      # The kernel reads a tied embedding `[V, E]` as the output projection as it lies; XLA's dot
-      # wants the `[E, V]` copy.
+      # The kernel reads a tied embedding's panels as the output projection; XLA's dot wants the
+      # `[E, V]` copy.
       return fused if fused.cpu_kernel else fused.with_output_copy()
     return self.stacked().without_output_copy()
 
@@ -168,11 +167,9 @@ class Model:
     math; `stacked()` and `without_fused_projections()` restore the canonical weights.
 
     `cpu_kernel` (default: whether `specjax.models.cpu.kernel` builds on this machine) keeps the
-    projections in the kernel's panels (`specjax.models.cpu.panels`), read by the kernel at every
-    block size, and sends a tied model's output projection for blocks of up to
-    `cpu_layout.KERNEL_ROWS` rows through it; False keeps row-major `[out, in]` copies for XLA's
-    dot. Weights in 2 MiB pages
-    (`cpu_layout.fuse_params`)."""
+    projections, and a tied model's embedding (its output projection), in the kernel's panels
+    (`specjax.models.cpu.panels`), read by the kernel at every block size; False keeps row-major
+    `[out, in]` copies for XLA's dot. Weights in 2 MiB pages (`cpu_layout.fuse_params`)."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
     if cpu_kernel is None:
