@@ -191,9 +191,8 @@ def _quantize_layers(layers, bits, group, stacked: bool, asymmetric: bool):
     out = dict(lp)
     if "wqkv_t" in lp:  # the CPU layout
       for name in _CPU_FUSED:
-        w = lp[name + "_t"]
-        w = w.dense() if isinstance(w, panels.PanelWeight) else w
-        out[name + "_t"] = quantize_weight(w, bits, group, asymmetric=asymmetric)
+        out[name + "_t"] = quantize_weight(panels.dense(lp[name + "_t"]), bits, group,
+                                           asymmetric=asymmetric)
         out.pop(name + "_halves", None)
     else:
       for name in _CANONICAL:
@@ -256,9 +255,8 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
   p["layers"] = _quantize_layers(p["layers"], bits, group, model.is_stacked, asymmetric)
   if embeddings:
     # [V, E]: out = V, in = E
-    embed = p["embed"]
-    embed = embed.dense() if isinstance(embed, panels.PanelWeight) else embed
-    p["embed"] = quantize_weight(embed, embed_bits, group, asymmetric=embed_asymmetric)
+    p["embed"] = quantize_weight(panels.dense(p["embed"]), embed_bits, group,
+                                 asymmetric=embed_asymmetric)
     if "lm_head" in p:
       if c.tie_embeddings:
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept

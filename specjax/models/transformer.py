@@ -191,8 +191,7 @@ class Model:
     if (not self.config.tie_embeddings or "lm_head" in self.params
         or quant.is_quantized(self.params["embed"])):  # a quantized table is read as it lies
       return self
-    embed = self.params["embed"]
-    lm_head = (embed.dense() if panel_layout.is_panels(embed) else jnp.asarray(embed)).T.copy()
+    lm_head = jnp.asarray(panel_layout.dense(self.params["embed"])).T.copy()
     return dataclasses.replace(self, params=dict(self.params, lm_head=lm_head))
 
   def without_output_copy(self) -> "Model":

@@ -78,7 +78,7 @@ def fuse_params(params: dict, panels: bool | None = None) -> dict:
   embed = params["embed"]
   if (panels and "lm_head" not in params and not quant.is_quantized(embed)
       and not panel_layout.is_panels(embed)):
-    embed = host_memory.weights_on_huge_pages(panel_layout.pack(embed))
+    embed = panel_layout.pack(embed)  # written into 2 MiB pages
   elif not panel_layout.is_panels(embed):
     embed = host_memory.on_huge_pages(embed)
   if layers is params["layers"] and embed is params["embed"]:
@@ -90,10 +90,7 @@ def split_params(params: dict, c: ModelConfig) -> dict:
   """The CPU layout's parameters -> canonical ones (`split_layer` per layer, the embedding
   `[V, E]` again)."""
   layers = tuple(split_layer(lp, c) for lp in params["layers"])
-  embed = params["embed"]
-  if panel_layout.is_panels(embed):
-    embed = embed.dense()
-  return dict(params, layers=layers, embed=embed)
+  return dict(params, layers=layers, embed=panel_layout.dense(params["embed"]))
 
 
 def split_layer(lp: dict, c: ModelConfig) -> dict:
@@ -111,7 +108,7 @@ def split_layer(lp: dict, c: ModelConfig) -> dict:
       out.update((name, step.map_rows(lambda a, i=i: jnp.split(a, offsets, axis=-2)[i]))
                  for i, name in enumerate(parts))
       continue
-    w = step.dense().T if panel_layout.is_panels(step) else step.T
+    w = panel_layout.dense(step).T
     out.update((name, part.copy()) for name, part in zip(parts, jnp.split(w, offsets, axis=-1)))
   if "bqkv" in out:
     out.update(zip(("bq", "bk", "bv"), jnp.split(out.pop("bqkv"), [q, q + kv], axis=-1)))

@@ -127,6 +127,11 @@ def is_panels(w) -> bool:
   return isinstance(w, PanelWeight)
 
 
+def dense(w):
+  """The `[out, in]` matrix of a `PanelWeight`; any other weight as it is."""
+  return w.dense() if is_panels(w) else w
+
+
 def reference(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
   """The product in jnp (the kernel's oracle)."""
   y = jnp.einsum("...i,gip->...gp", x, panels, preferred_element_type=jnp.float32)
