@@ -85,6 +85,9 @@ VOCAB_DRAFTS = {"self-int8+vocab": SELF_DRAFTS["self-int8"],
 # also draftable are those of `sj.load_pair("gemma3-270m")`: DRAFT_VOCAB_SIZE, DRAFT_CONTEXT.
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
 DRAFT_MODEL = "draft-int8"  # a separate draft model of the target, quantized to int8
+# That draft model over the draft vocabulary (`specjax.with_draft_vocab`): its output projection
+# (Qwen2.5-Coder-0.5B: 136M of its 494M weights) read for those ids only.
+DRAFT_MODEL_VOCAB = DRAFT_MODEL + "+vocab"
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
 
@@ -143,7 +146,7 @@ def with_adaptive(target, tokenizer, entries: list[DrafterEntry], names, *, cali
 
 
 def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=None,
-                     draft_model=None, log=print) -> list[DrafterEntry]:
+                     draft_model=None, vocab_ids=None, log=print) -> list[DrafterEntry]:
   """Every drafter the library has for `target` (or the `names` asked for).
 
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
@@ -153,7 +156,9 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
   empty): a quantized copy costs memory. `self-int8+vocab` and `self-q4+vocab` (only when named,
   with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`). `draft_model`,
-  `(drafter, description)`, is a separate draft model of the target (`DRAFT_MODEL`).
+  `(drafter, description)`, is a separate draft model of the target (`DRAFT_MODEL`; over the
+  draft vocabulary: `DRAFT_MODEL_VOCAB`). `vocab_ids`: the draft vocabulary, if not to be counted
+  here (the shipped one, made by the same recipe).
   """
   import specjax as sj
   from specjax.drafters.model import default_group
@@ -189,15 +194,25 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   if draft_model is not None and (not names or DRAFT_MODEL in names):
     entries.append(DrafterEntry(DRAFT_MODEL, draft_model[0], num_draft, None, draft_model[1]))
   wanted = [n for n in VOCAB_DRAFTS if n in names]
-  if wanted:
-    ids = _draft_vocab(target, tokenizer, wanted[0], log)  # counted once for both copies
+  with_model = draft_model is not None and DRAFT_MODEL_VOCAB in names
+  if wanted or with_model:
+    ids = vocab_ids  # counted once for every drafter over it
+    if ids is None:
+      ids = _draft_vocab(target, tokenizer, (wanted or [DRAFT_MODEL_VOCAB])[0], log)
     entries += [_vocab_draft(target, name, ids, num_draft) for name in wanted]
+    if with_model:
+      entries.append(DrafterEntry(
+          DRAFT_MODEL_VOCAB, sj.with_draft_vocab(draft_model[0], ids, context=DRAFT_CONTEXT),
+          num_draft, None, f"{draft_model[1]}, drafting over the {len(ids)} ids the target uses "
+          f"most and each row's last {DRAFT_CONTEXT} tokens"))
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
-                                *VOCAB_DRAFTS, DRAFT_MODEL}:
+                                *VOCAB_DRAFTS, DRAFT_MODEL, DRAFT_MODEL_VOCAB}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)
            | {"suffix+corpus", *VOCAB_DRAFTS})
+  if draft_model is not None:
+    known |= {DRAFT_MODEL, DRAFT_MODEL_VOCAB}
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")

@@ -17,7 +17,11 @@ of those ratios and each side's min and median time. The logits of both builds a
 (float32 summation order may differ, nothing else).
 
 `--model` is a real model (`benchmarks.real_models.REAL_MODELS`) or `tiny` (a random 2-layer
-model, for the tests). Writes the JSON (and a `.png` of the ratios beside it unless `--no-plot`).
+model, for the tests). `--copy` times the model's quantized copy instead, as a self-drafter runs
+it (`benchmarks.drafters.SELF_DRAFTS`: `self-int8`, `self-int4`, `self-q4`), with `--vocab N` its
+output projection restricted to N ids (the draft vocabulary's size; which ids does not change
+the cost, so the first N are kept). Writes the JSON (and a `.png` of the ratios beside it
+unless `--no-plot`).
 """
 
 from __future__ import annotations
@@ -67,6 +71,21 @@ def load(name: str):
   return model
 
 
+def quantized_copy(model, name: str, vocab: int | None = None):
+  """`model`'s quantized copy `name` (`SELF_DRAFTS`), over `vocab` ids if given."""
+  import numpy as np
+
+  from benchmarks.drafters import SELF_DRAFTS
+  from specjax.drafters.model import default_group, restrict_output
+  from specjax.models.quant import quantize
+  if name not in SELF_DRAFTS:
+    raise ValueError(f"unknown copy {name!r}; known: {', '.join(SELF_DRAFTS)}")
+  settings = dict(SELF_DRAFTS[name])
+  settings.setdefault("group", default_group(model, settings["bits"]))
+  copy = quantize(model, settings.pop("bits"), settings.pop("group"), **settings)
+  return copy if vocab is None else restrict_output(copy, np.arange(vocab))[0]
+
+
 def compare(model, base_names: dict[str, str], widths, *, repeats: int, steps: int,
             position: int = 64, buffer_len: int = 256) -> dict:
   """The paired timing of `model`'s forwards of each width under the base build (`base_names`,
@@ -87,7 +106,8 @@ def compare(model, base_names: dict[str, str], widths, *, repeats: int, steps: i
         with kernel.targets(names):
           lowered = step.lower(model, tokens, starts, states[key], steps=steps)
       text = lowered.as_text()
-      calls_kernel = kernel.TARGET in text or kernel.PANEL_TARGET in text
+      calls_kernel = any(target in text for target in (
+          kernel.TARGET, kernel.PANEL_TARGET, kernel.QUANT_TARGET, kernel.QUANT_OFFSETS_TARGET))
       if not calls_kernel or ((SUFFIX in text) != (build == "base")):
         raise RuntimeError(f"the {build} build's forward of {width} rows does not call its kernel")
       compiled = lowered.compile()
@@ -129,7 +149,8 @@ def plot(record: dict, path: pathlib.Path) -> None:
   ax.axhline(1.0, color="gray", lw=0.8)
   ax.set_xlabel("rows in the forward (1 = step, k + 1 = verify block)")
   ax.set_ylabel("time: working tree / base")
-  ax.set_title(f"{record['model']}: kernel at {record['base']} vs working tree\n"
+  what = record["model"] + (f" ({record['copy']} copy)" if record.get("copy") else "")
+  ax.set_title(f"{what}: kernel at {record['base']} vs working tree\n"
                f"median of {record['repeats']} adjacent pairs (bars: min-max)", fontsize=9)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -143,6 +164,10 @@ def main(argv=None) -> dict:
   parser.add_argument("--widths", default="1,3,4,5,6,7,8")
   parser.add_argument("--repeats", type=int, default=15)
   parser.add_argument("--steps", type=int, default=8)
+  parser.add_argument("--copy", default=None,
+                      help="time the model's quantized copy (self-int8, self-int4, self-q4)")
+  parser.add_argument("--vocab", type=int, default=None,
+                      help="with --copy: its output projection restricted to this many ids")
   parser.add_argument("--out", type=pathlib.Path, required=True)
   parser.add_argument("--no-plot", action="store_true")
   args = parser.parse_args(argv)
@@ -154,9 +179,14 @@ def main(argv=None) -> dict:
   with tempfile.TemporaryDirectory(prefix="specjax_kernel_ab_") as directory:
     library = kernel.build(base_sources(args.base, pathlib.Path(directory)))
     names = kernel.register(library, SUFFIX)
+  if args.vocab is not None and args.copy is None:
+    parser.error("--vocab needs --copy")
   model = load(args.model)
-  record = {"model": args.model, "base": args.base, "widths": widths, "repeats": args.repeats,
-            "steps": args.steps, "machine": os.uname().machine}
+  if args.copy is not None:
+    model = quantized_copy(model, args.copy, args.vocab)
+  record = {"model": args.model, "copy": args.copy, "vocab": args.vocab, "base": args.base,
+            "widths": widths, "repeats": args.repeats, "steps": args.steps,
+            "machine": os.uname().machine}
   record.update(compare(model, names, widths, repeats=args.repeats, steps=args.steps))
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps(record, indent=1) + "\n")

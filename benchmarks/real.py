@@ -295,6 +295,21 @@ def _samplings(temperatures) -> dict:
   return out
 
 
+def shipped_vocab(model, target, names, log):
+  """The draft vocabulary shipped for `model` (a `RealModel`) where a `+vocab` drafter is asked
+  for and its file has the suite's size (`draft_vocab_size`), else None (the suite counts it)."""
+  from benchmarks.drafters import draft_vocab_size
+  if model.draft_vocab is None or not any(n.endswith("+vocab") for n in base_names(names)):
+    return None
+  from specjax.pretrained.pairs import shipped_draft_vocab
+  ids = shipped_draft_vocab(model.draft_vocab, target.config.vocab_size)
+  if len(ids) != draft_vocab_size(target.config.vocab_size):
+    return None
+  log(f"draft vocabulary: the shipped draft_vocab/{model.draft_vocab}.json ({len(ids)} ids, made "
+      "by frequent_vocab as the suite counts it)")
+  return ids
+
+
 def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
   """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
   from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
@@ -334,9 +349,10 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
                        if list(case.ids) != chat_ids(peer_tokenizer, messages, template)]
   if template_mismatch:
     log(f"WARNING: transformers' chat template gives other ids for {template_mismatch}")
+  vocab_ids = shipped_vocab(REAL_MODELS[model_name], target, settings.drafters, log)
   drafters = library_drafters(target, num_draft=settings.num_drafts[0],
                               names=base_names(settings.drafters), heads=settings.heads,
-                              tokenizer=tokenizer, log=log,
+                              tokenizer=tokenizer, log=log, vocab_ids=vocab_ids,
                               draft_model=None if draft_model is None else
                               (draft_model, REAL_MODELS[model_name].draft_description))
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,

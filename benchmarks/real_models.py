@@ -31,6 +31,9 @@ class RealModel:
     draft: the `packaged_gguf` name of a separate draft model for it (joins the suite as the
       `draft-int8` drafter), or None.
     draft_description: one line on that draft model.
+    draft_vocab: the name of its draft vocabulary shipped with specjax
+      (`specjax.pretrained.pairs.shipped_draft_vocab`), made by the recipe the suite's `+vocab`
+      drafters count with (`frequent_vocab`, 16,384 ids), or None (the suite counts it).
   """
 
   name: str
@@ -39,19 +42,22 @@ class RealModel:
   chunked: bool = False
   draft: str | None = None
   draft_description: str = ""
+  draft_vocab: str | None = None
 
 
 REAL_MODELS = {
     "smollm2-135m": RealModel("smollm2-135m", "smollm2",
                               "SmolLM2-135M-Instruct (Llama; Q4_1 GGUF dequantized to float32)"),
     "gemma3-270m": RealModel("gemma3-270m", "gemma3-270m",
-                             "Gemma 3 270M (Q4_K_M GGUF dequantized to float32)"),
+                             "Gemma 3 270M (Q4_K_M GGUF dequantized to float32)",
+                             draft_vocab="gemma3-270m"),
     "qwen2.5-coder-1.5b": RealModel(
         "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct",
         "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from its chunk packages, dequantized to "
         "float32)", chunked=True, draft="qwen2.5-coder-0.5b-instruct",
         draft_description="Qwen2.5-Coder-0.5B-Instruct (its GGUF from its chunk packages) "
-        "quantized to int8: a separate draft model, same vocabulary"),
+        "quantized to int8: a separate draft model, same vocabulary",
+        draft_vocab="qwen2.5-coder"),
 }
 
 

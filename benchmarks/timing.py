@@ -67,8 +67,10 @@ def _forward_steps(model, tokens, starts, cache, *, steps: int):
     out = model(tokens + (logits[:, :1, 0] > 1e30).astype(jnp.int32), starts, cache)
     return out.logits, out.cache
 
-  width = tokens.shape[1]
-  logits = jnp.zeros((tokens.shape[0], width, model.vocab_size), jnp.float32)
+  # The logits' shape from the forward itself: a restricted output projection (a draft vocabulary)
+  # has fewer columns than `model.vocab_size`.
+  shape = jax.eval_shape(lambda: model(tokens, starts, cache).logits)
+  logits = jnp.zeros(shape.shape, jnp.float32)
   return jax.lax.fori_loop(0, steps, body, (logits, cache))
 
 

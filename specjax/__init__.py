@@ -3,7 +3,8 @@
 from specjax.core.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
 from specjax.loop.decode import DecodeState, decode, draft_step, init_state
-from specjax.drafters import Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter
+from specjax.drafters import (Drafter, ModelDrafter, NGramDrafter, Proposal, self_drafter,
+                              with_draft_vocab)
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
@@ -31,7 +32,7 @@ __all__ = [
     "generate", "init_params",
     "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
     "init_state", "round_step", "row_seeds", "verify_block", "decode_stream",
-    "self_drafter", "QuantizedWeight", "quantize", "dequantize_model",
+    "self_drafter", "with_draft_vocab", "QuantizedWeight", "quantize", "dequantize_model",
     "EagleDrafter", "MedusaDrafter", "HybridDrafter", "load_eagle3", "TreeSpec",
     "from_gguf", "from_hf", "load", "save",
     "Tokenizer", "load_tokenizer",

@@ -4,13 +4,14 @@ Feature heads live in `specjax.drafters.eagle.drafter`; `specjax.drafters.hybrid
 front of one."""
 
 from specjax.drafters.base import Drafter
-from specjax.drafters.model import ModelDrafter, self_drafter
+from specjax.drafters.model import ModelDrafter, self_drafter, with_draft_vocab
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 from specjax.drafters.proposal import Proposal
 
 __all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixCorpus", "SuffixDrafter",
-           "as_drafter", "self_drafter"]
+           "as_drafter", "self_drafter",
+           "with_draft_vocab"]
 
 
 def as_drafter(draft) -> Drafter:

@@ -32,7 +32,8 @@ from specjax.models.layers import _softcap
 from specjax.drafters.proposal import Proposal, check_confidence, top_probability
 from specjax.core.sequence import gather_tokens
 
-__all__ = ["ModelDrafter", "draft_chain", "restrict_output", "self_drafter"]
+__all__ = ["ModelDrafter", "draft_chain", "restrict_output", "self_drafter",
+           "with_draft_vocab"]
 
 
 def draft_chain(step: Callable, carry: Any, first: tuple, num_draft: int, *,
@@ -148,9 +149,12 @@ class ModelDrafter(OwnModelDrafter):
       outside `draft_ids`), which go to the verify as `q`.
     context_vocab: `M` >= 0, with `draft_ids`: each row also scores its last `M` tokens (the
       prompt and output it may copy from: names, rare words, code identifiers outside
-      `draft_ids`) through the tied embedding's rows, so a draft can be any of `N + M` ids.
-      Needs a model whose `embed` table is its output projection (a tied model restricted by
-      `restrict_output`). Static.
+      `draft_ids`) through their rows of the model's whole output projection, so a draft can be
+      any of `N + M` ids. Those rows come from `context_head`, or, where it is None, from the
+      `embed` table (a tied model restricted by `restrict_output`). Static.
+    context_head: None, or the model's whole output projection as a `[V, E]` table (float or
+      quantized) for `context_vocab`: an untied model's rows, kept when `restrict_output`
+      replaced its `lm_head` (`with_draft_vocab`).
   """
 
   model: Any
@@ -158,6 +162,7 @@ class ModelDrafter(OwnModelDrafter):
   share_prompt: bool = dataclasses.field(default=False, metadata=dict(static=True))
   draft_ids: jax.Array | None = None
   context_vocab: int = dataclasses.field(default=0, metadata=dict(static=True))
+  context_head: Any = None
 
   def __post_init__(self):
     object.__setattr__(self, "confidence", check_confidence(self.confidence))
@@ -255,7 +260,8 @@ class ModelDrafter(OwnModelDrafter):
     recent = gather_tokens(sequence, lengths - width, width)  # clipped at 0 for short rows
     valid = jnp.arange(width, dtype=jnp.int32)[None] >= (width - lengths)[:, None]
     recent = jnp.where(valid, recent, 0)
-    rows = quant.take_rows(self.model.params["embed"], recent)  # [B, M, E]
+    table = self.model.params["embed"] if self.context_head is None else self.context_head
+    rows = quant.take_rows(table, recent)  # [B, M, E]
     return recent, rows, valid
 
   def _scores(self, logits, hidden, context):
@@ -330,11 +336,34 @@ def self_drafter(target, bits: int = 8, group: int | None = None, *,
   if group is None:
     group = default_group(target, bits)
   model = quantize(target, bits, group, asymmetric=asymmetric, embed_bits=embed_bits)
-  if vocab is None:
-    return ModelDrafter(model, confidence=confidence, share_prompt=True)
-  model, ids = restrict_output(model, vocab)
-  return ModelDrafter(model, confidence=confidence, share_prompt=True, draft_ids=ids,
-                      context_vocab=context)
+  drafter = ModelDrafter(model, confidence=confidence, share_prompt=True)
+  return drafter if vocab is None else with_draft_vocab(drafter, vocab, context=context)
+
+
+def with_draft_vocab(drafter: ModelDrafter, vocab, *, context: int = 0) -> ModelDrafter:
+  """`drafter` (a `ModelDrafter`: a separate draft model or a self-drafter) drafting over the target
+  ids `vocab` only: its model's output projection keeps those rows (`restrict_output`), so a draft
+  step reads `len(vocab)` of its `V` rows. With `context`, each row also scores its last `context`
+  tokens through their rows of the whole output projection (`ModelDrafter.context_vocab`): a
+  tied model's embedding table, or an untied model's own `lm_head`, kept as
+  `ModelDrafter.context_head` (a quantized head as it is; a float `[E, V]` one as a `[V, E]`
+  copy). Exact like any drafter: a target token outside what the drafter can propose is still
+  emitted, by the verify's residual or bonus sample.
+
+  Raises:
+    ValueError: `vocab` not distinct ids in `[0, V)`, an output projection already restricted,
+      or `context` not an int >= 0.
+  """
+  if not isinstance(context, int) or context < 0:
+    raise ValueError(f"context must be an int >= 0, got {context!r}")
+  head = None
+  params = drafter.model.params
+  if context and not (drafter.model.config.tie_embeddings and "lm_head" not in params):
+    head = params["lm_head"]
+    head = head if quant.is_quantized(head) else jnp.asarray(head).T.copy()  # [V, E]
+  model, ids = restrict_output(drafter.model, vocab)
+  return dataclasses.replace(drafter, model=model, draft_ids=ids, context_vocab=context,
+                             context_head=head)
 
 
 def restrict_output(model, ids):

@@ -36,3 +36,17 @@ def test_a_trace_that_calls_the_wrong_build_is_refused():
 def test_an_unknown_revision_is_a_clear_error(tmp_path):
   with pytest.raises(ValueError, match="git cannot show"):
     kernel_ab.base_sources("no-such-revision-here", tmp_path)
+
+
+def test_a_quantized_copy_is_compared(tmp_path):
+  """`--copy self-q4 --vocab N`: the model's asymmetric 4-bit copy over N output ids, as a
+  self-drafter runs it; both sides call their build's quantized product."""
+  out = tmp_path / "ab.json"
+  record = kernel_ab.main(["--model", "tiny", "--copy", "self-q4", "--vocab", "64", "--base",
+                           "HEAD", "--widths", "1", "--repeats", "2", "--steps", "2",
+                           "--out", str(out), "--no-plot"])
+  assert record["copy"] == "self-q4" and record["vocab"] == 64
+  copy = kernel_ab.quantized_copy(kernel_ab.tiny_model(), "self-q4", 64)
+  assert copy.params["lm_head"].values.shape[0] == 64 and copy.params["lm_head"].offsets is None
+  with pytest.raises(ValueError, match="unknown copy"):
+    kernel_ab.quantized_copy(kernel_ab.tiny_model(), "self-int3")

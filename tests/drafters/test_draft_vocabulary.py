@@ -111,6 +111,69 @@ def test_greedy_decode_over_a_draft_vocabulary_equals_generate(target, context, 
   assert 0 < out.stats.summary()["accepted"] < 3 * 24
 
 
+@pytest.mark.parametrize("context", [0, 4])
+def test_a_separate_draft_model_over_a_draft_vocabulary_equals_generate(target, context):
+  """`with_draft_vocab` on a separate draft model (another random model of the same vocabulary,
+  int8, its own prefill): greedy tokens equal `generate`'s on a ragged batch, and it drafts only
+  ids of the vocabulary or of each row's last `context` tokens."""
+  draft = sj.quantize(sj.init_params(tiny_config(vocab_size=96, tie_embeddings=True,
+                                                 num_layers=1), jax.random.key(9)), 8, 32)
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0], [1, 2, 0, 0, 0, 0, 0]],
+                     jnp.int32)
+  lengths = jnp.array([7, 3, 2], jnp.int32)
+  key = jax.random.key(0)
+  want = sj.generate(target, tokens, key, lengths=lengths, max_new_tokens=24)
+  vocab = np.arange(0, 96, 3)
+  drafter = sj.with_draft_vocab(sj.ModelDrafter(draft), vocab, context=context)
+  assert drafter.model.params["lm_head"].values.shape[0] == len(vocab)
+  assert not drafter.share_prompt and drafter.context_vocab == context
+  out = sj.decode(target, drafter, tokens, key, lengths=lengths, max_new_tokens=24, num_draft=4)
+  np.testing.assert_array_equal(out.tokens, want.tokens)
+  rows = [list(np.asarray(tokens)[b, :n]) + list(np.asarray(out.tokens)[b, :m])
+          for b, (n, m) in enumerate(zip(np.asarray(lengths), np.asarray(out.num_tokens)))]
+  sequence = np.zeros((3, 48), np.int32)
+  for b, row in enumerate(rows):
+    sequence[b, :len(row)] = row
+  _, proposal = drafter.propose(drafter.init(tokens, lengths, 48), jnp.asarray(sequence),
+                                jnp.asarray([len(r) for r in rows], jnp.int32), num_draft=3,
+                                sampling=sj.Sampling(), seeds=jnp.zeros((3,), jnp.uint32))
+  recent = {int(t) for row in rows for t in row[-context:]} if context else set()
+  assert set(np.asarray(proposal.tokens).ravel()) <= set(vocab.tolist()) | recent
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_an_untied_draft_model_scores_its_context_through_its_own_head(target, quantized):
+  """An untied draft model keeps its whole `lm_head` for the context rows (`context_head`): the
+  first draft's logits over the context are the full model's logits of those ids (a quantized
+  head: up to the kernel's int8 rounding of the hidden state, far from what the embedding's rows
+  would give), and greedy `decode` still equals `generate`."""
+  untied = sj.init_params(tiny_config(vocab_size=96, tie_embeddings=False, num_layers=1),
+                          jax.random.key(9))
+  untied = sj.quantize(untied, 8, 32) if quantized else untied
+  drafter = sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=3)
+  assert drafter.context_head is not None and drafter.context_vocab == 3
+  tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
+  lengths = jnp.array([7, 3], jnp.int32)
+  full = _logits(untied, tokens)  # [B, T, V]
+  context = drafter._context(tokens, lengths)
+  out = drafter.model(tokens, jnp.zeros((2,), jnp.int32), return_hidden=True)
+  hidden = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  scores = np.asarray(drafter._scores(jnp.zeros((2, len(SUBSET))), hidden, context))[:, -3:]
+  tolerance = 3e-2 if quantized else 1e-4
+  embed = np.asarray(quant.take_rows(untied.params["embed"], jnp.arange(96)))
+  for b, n in enumerate([7, 3]):
+    recent = np.asarray(tokens)[b, n - 3:n]
+    np.testing.assert_allclose(scores[b], full[b, n - 1, recent], atol=tolerance)
+    assert np.abs(np.asarray(hidden)[b] @ embed[recent].T - scores[b]).max() > 10 * tolerance
+  key = jax.random.key(0)
+  want = sj.generate(target, tokens, key, lengths=lengths, max_new_tokens=16)
+  got = sj.decode(target, drafter, tokens, key, lengths=lengths, max_new_tokens=16, num_draft=3)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  with pytest.raises(ValueError, match="context must be an int"):
+    sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=-1)
+  assert sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET).context_head is None
+
+
 @pytest.fixture(scope="module")
 def small_target():
   return sj.init_params(tiny_config(vocab_size=VOCAB, tie_embeddings=True), jax.random.key(10))

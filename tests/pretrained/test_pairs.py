@@ -126,3 +126,22 @@ def test_the_gemma_pair_drafts_over_its_shipped_draft_vocabulary():
                   num_draft=pair.num_draft)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
   assert out.stats.summary()["tokens_per_round"] > 2.0
+
+
+def test_the_qwen_pairs_shipped_draft_vocabulary_fits_its_vocabulary():
+  """`draft_vocab/qwen2.5-coder.json` (the 0.5B draft's ids, counted by `frequent_vocab` on the
+  1.5B's own answers): 16,384 distinct ids of the 151,936-id vocabulary, the end-of-turn id
+  among them; it loads as the pair loads it and is refused for another vocabulary size."""
+  import json
+
+  from specjax.pretrained import pairs
+  path = default_dir() / pairs.DRAFT_VOCAB_DIR / "qwen2.5-coder.json"
+  shipped = json.loads(path.read_text())
+  ids = pairs.shipped_draft_vocab("qwen2.5-coder", 151936)
+  assert ids.shape == (pairs.DRAFT_VOCAB_SIZE,) == (shipped["size"],)
+  assert len(set(ids.tolist())) == ids.size and ids.min() >= 0 and ids.max() < 151936
+  assert 151645 in set(ids.tolist())  # <|im_end|>, the chat turn's end
+  assert shipped["gguf"] == "qwen2.5-coder-1.5b-instruct.gguf" and "frequent_vocab" in (
+      shipped["made_by"])
+  with pytest.raises(ValueError, match="does not fit a vocabulary of 49152"):
+    pairs.shipped_draft_vocab("qwen2.5-coder", 49152)
