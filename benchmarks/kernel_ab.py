@@ -72,18 +72,16 @@ def load(name: str):
 
 
 def quantized_copy(model, name: str, vocab: int | None = None):
-  """`model`'s quantized copy `name` (`SELF_DRAFTS`), over `vocab` ids if given."""
+  """`model`'s quantized copy `name` (`SELF_DRAFTS`), over `vocab` ids if given: the model of
+  the `specjax.self_drafter` the suite builds under that name."""
   import numpy as np
 
+  import specjax as sj
   from benchmarks.drafters import SELF_DRAFTS
-  from specjax.drafters.model import default_group, restrict_output
-  from specjax.models.quant import quantize
   if name not in SELF_DRAFTS:
     raise ValueError(f"unknown copy {name!r}; known: {', '.join(SELF_DRAFTS)}")
-  settings = dict(SELF_DRAFTS[name])
-  settings.setdefault("group", default_group(model, settings["bits"]))
-  copy = quantize(model, settings.pop("bits"), settings.pop("group"), **settings)
-  return copy if vocab is None else restrict_output(copy, np.arange(vocab))[0]
+  ids = None if vocab is None else np.arange(vocab)
+  return sj.self_drafter(model, **SELF_DRAFTS[name], vocab=ids).model
 
 
 def compare(model, base_names: dict[str, str], widths, *, repeats: int, steps: int,
