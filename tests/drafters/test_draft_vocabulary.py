@@ -187,6 +187,18 @@ def _small_drafter(target):
   return sj.self_drafter(target, bits=4, group=32, vocab=SMALL_SUBSET, context=2)
 
 
+def _untied_model_drafter(target):
+  """A separate untied int8 draft model (1 layer, its own weights) over the same subset and its
+  last 2 tokens, scored through its own output projection (`context_head`)."""
+  del target
+  small = sj.init_params(tiny_config(vocab_size=VOCAB, tie_embeddings=False, num_layers=1),
+                         jax.random.key(11))
+  return sj.with_draft_vocab(sj.ModelDrafter(sj.quantize(small, 8, 32)), SMALL_SUBSET, context=2)
+
+
+DRAFTERS = {"self": _small_drafter, "untied_model": _untied_model_drafter}
+
+
 def _told_mass_outside(target_logits, draft_logits, draft_tokens, **kwargs):
   """The broken variant: drafts come from the draft vocabulary, but the verify is told a q whose
   ids outside it carry the row's largest finite logit instead of -inf (so they survive top-k /
@@ -199,20 +211,23 @@ def _told_mass_outside(target_logits, draft_logits, draft_tokens, **kwargs):
 
 
 @pytest.mark.costly
-@pytest.mark.parametrize("name", ["t1", "t0.7_topk3",
-                                  pytest.param("t0.9_topp0.8", marks=pytest.mark.slow)])
-def test_sampled_decode_over_a_draft_vocabulary_matches_the_target(small_target, name):
+@pytest.mark.parametrize("name,kind", [("t1", "self"), ("t0.7_topk3", "self"),
+                                       ("t1", "untied_model"),
+                                       pytest.param("t0.9_topp0.8", "self",
+                                                    marks=pytest.mark.slow)])
+def test_sampled_decode_over_a_draft_vocabulary_matches_the_target(small_target, name, kind):
   sampling = SETTINGS[name]
-  tokens, stats = run_decode(small_target, _small_drafter(small_target), sampling)
+  tokens, stats = run_decode(small_target, DRAFTERS[kind](small_target), sampling)
   assert 0.05 < stats.summary()["acceptance_rate"] < 0.999
   assert chi_square_pvalue(tokens, exact_joint(small_target, sampling)) > ALPHA
 
 
 @pytest.mark.slow  # the power checks: CI's slow step
-@pytest.mark.parametrize("name", ["t1", "t0.7_topk3"])
-def test_a_q_with_mass_outside_the_draft_vocabulary_is_rejected(small_target, name):
+@pytest.mark.parametrize("name,kind", [("t1", "self"), ("t0.7_topk3", "self"),
+                                       ("t1", "untied_model")])
+def test_a_q_with_mass_outside_the_draft_vocabulary_is_rejected(small_target, name, kind):
   sampling = SETTINGS[name]
-  tokens, _ = run_decode(small_target, _small_drafter(small_target), sampling,
+  tokens, _ = run_decode(small_target, DRAFTERS[kind](small_target), sampling,
                          verify_impl=_told_mass_outside)
   assert chi_square_pvalue(tokens, exact_joint(small_target, sampling)) < POWER_ALPHA
 
