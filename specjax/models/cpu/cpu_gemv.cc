@@ -327,18 +327,25 @@ void PanelBlock(const float* w, int64_t n, int64_t g, const float* xt, float* y,
 }
 
 // AVX2 (16 vector registers; measured on a 2-core Zen 3 with about 20 GB/s to memory): panel g
-// against every block of rows, one chunk of kPanelChunk input columns at a time, each chunk's
-// sum added to `acc` [blocks * kMaxRows, kPanel] (zeroed here). A chunk of the panel (48 KiB)
-// is read from memory once and stays in L2 while every block goes through it, two rows of x
-// against the panel's 48 columns per pass (one pass for one row). Against 16 columns and four
-// rows per pass over the whole panel (three passes for one row, each from L3 or memory once a
-// panel outgrows L2): SmolLM2-135M's step 45 -> 26 ms, its 8-row block 75 -> 49 ms.
+// against every block of rows, one chunk of kChunkAvx2 input columns at a time, each chunk's sum
+// added to the row's total. A chunk of the panel (6 KiB) is read from memory once and stays in
+// L1 while every block goes through it, two rows of x against the panel's 48 columns per pass
+// (one pass for one row). Against 16 columns and four rows per pass over the whole panel (three
+// passes for one row, each from L3 or memory once a panel outgrows L2): SmolLM2-135M's step
+// 38-45 -> 26 ms, its 8-row block 83 -> 45 ms with chunks of 256 columns, 38 with 32 (64: 3.8
+// against 3.3 ms for 8 rows of a 1536 x 8960 matrix; 128 and 256: 4.3-5.0).
+#ifndef SPECJAX_CHUNK_AVX2
+#define SPECJAX_CHUNK_AVX2 32
+#endif
+constexpr int64_t kChunkAvx2 = SPECJAX_CHUNK_AVX2;
+constexpr int kPanelVecs = kPanel / kWidth;
+
+// The sum over input columns [start, end) of panel p against M transposed rows of x (from zero).
 template <int M>
-inline void PanelChunkRows(const float* p, int64_t start, int64_t end, const float* xt,
-                           float* acc) {
-  constexpr int C = kPanel / kWidth;
-  Vec sum[C][M];
-  for (int k = 0; k < C; ++k)
+__attribute__((always_inline)) inline void PanelChunkSum(const float* p, int64_t start,
+                                                         int64_t end, const float* xt,
+                                                         Vec (&sum)[kPanelVecs][M]) {
+  for (int k = 0; k < kPanelVecs; ++k)
     for (int m = 0; m < M; ++m) sum[k][m] = VecZero();
   for (int64_t i = start; i < end; ++i) {
     const float* row = p + i * kPanel;
@@ -349,27 +356,51 @@ inline void PanelChunkRows(const float* p, int64_t start, int64_t end, const flo
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) xv[m] = VecSet1(xt[i * kMaxRows + m]);
 #pragma GCC unroll 8
-    for (int k = 0; k < C; ++k) {
+    for (int k = 0; k < kPanelVecs; ++k) {
       const Vec wv = VecLoad(row + k * kWidth);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) sum[k][m] = VecFma(wv, xv[m], sum[k][m]);
     }
   }
+}
+
+// Adds the chunk's sum for M rows to their totals in `acc` (rows kPanel apart).
+template <int M>
+inline void PanelChunkRows(const float* p, int64_t start, int64_t end, const float* xt,
+                           float* acc) {
+  Vec sum[kPanelVecs][M];
+  PanelChunkSum<M>(p, start, end, xt, sum);
   for (int m = 0; m < M; ++m)
-    for (int k = 0; k < C; ++k) {
+    for (int k = 0; k < kPanelVecs; ++k) {
       float* a = acc + m * kPanel + k * kWidth;
       VecStore(a, VecAdd(VecLoad(a), sum[k][m]));
     }
 }
 
+// Every row of x against panel g into y; the totals of a call with one row stay in registers
+// (the same additions, in the same order, as through `acc`: a row's result does not depend on
+// how many rows the call has).
 void PanelAllRows(const float* w, int64_t n, int64_t g, const float* xt, int64_t rows, float* y,
                   int64_t out, std::vector<float>& acc) {
   const float* p = w + g * n * kPanel;
   const int64_t o = g * kPanel;
+  const int64_t width = std::min(kPanel, out - o);
   const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
   acc.assign(blocks * kMaxRows * kPanel, 0.0f);
-  for (int64_t start = 0; start < n; start += kPanelChunk) {
-    const int64_t end = std::min(n, start + kPanelChunk);
+  if (rows == 1) {
+    Vec total[kPanelVecs];
+    for (int k = 0; k < kPanelVecs; ++k) total[k] = VecZero();
+    for (int64_t start = 0; start < n; start += kChunkAvx2) {
+      Vec sum[kPanelVecs][1];
+      PanelChunkSum<1>(p, start, std::min(n, start + kChunkAvx2), xt, sum);
+      for (int k = 0; k < kPanelVecs; ++k) total[k] = VecAdd(total[k], sum[k][0]);
+    }
+    for (int k = 0; k < kPanelVecs; ++k) VecStore(acc.data() + k * kWidth, total[k]);
+    std::copy(acc.data(), acc.data() + width, y + o);
+    return;
+  }
+  for (int64_t start = 0; start < n; start += kChunkAvx2) {
+    const int64_t end = std::min(n, start + kChunkAvx2);
     for (int64_t b = 0; b < blocks; ++b) {
       const float* xb = xt + b * n * kMaxRows;
       float* ab = acc.data() + b * kMaxRows * kPanel;
@@ -383,7 +414,6 @@ void PanelAllRows(const float* w, int64_t n, int64_t g, const float* xt, int64_t
       }
     }
   }
-  const int64_t width = std::min(kPanel, out - o);
   for (int64_t r = 0; r < rows; ++r) {
     std::copy(acc.data() + r * kPanel, acc.data() + r * kPanel + width, y + r * out + o);
   }
