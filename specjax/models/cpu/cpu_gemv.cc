@@ -332,8 +332,8 @@ void PanelBlock(const float* w, int64_t n, int64_t g, const float* xt, float* y,
 // L1 while every block goes through it, two rows of x against the panel's 48 columns per pass
 // (one pass for one row). Against 16 columns and four rows per pass over the whole panel (three
 // passes for one row, each from L3 or memory once a panel outgrows L2): SmolLM2-135M's step
-// 38-45 -> 26 ms, its 8-row block 83 -> 45 ms with chunks of 256 columns, 38 with 32 (64: 3.8
-// against 3.3 ms for 8 rows of a 1536 x 8960 matrix; 128 and 256: 4.3-5.0).
+// 38-45 -> 26 ms, its 8-row block 83 -> 45 ms with chunks of 256 columns, 37 with 32 (paired
+// runs of benchmarks/kernel_ab.py; chunks of 64 to 256 columns were slower for several rows).
 #ifndef SPECJAX_CHUNK_AVX2
 #define SPECJAX_CHUNK_AVX2 32
 #endif
