@@ -385,8 +385,6 @@ void PanelAllRows(const float* w, int64_t n, int64_t g, const float* xt, int64_t
   const float* p = w + g * n * kPanel;
   const int64_t o = g * kPanel;
   const int64_t width = std::min(kPanel, out - o);
-  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
-  acc.assign(blocks * kMaxRows * kPanel, 0.0f);
   if (rows == 1) {
     Vec total[kPanelVecs];
     for (int k = 0; k < kPanelVecs; ++k) total[k] = VecZero();
@@ -395,10 +393,17 @@ void PanelAllRows(const float* w, int64_t n, int64_t g, const float* xt, int64_t
       PanelChunkSum<1>(p, start, std::min(n, start + kChunkAvx2), xt, sum);
       for (int k = 0; k < kPanelVecs; ++k) total[k] = VecAdd(total[k], sum[k][0]);
     }
-    for (int k = 0; k < kPanelVecs; ++k) VecStore(acc.data() + k * kWidth, total[k]);
-    std::copy(acc.data(), acc.data() + width, y + o);
+    for (int64_t k = 0; k < kPanelVecs && k * kWidth < width; ++k) {
+      if ((k + 1) * kWidth <= width) {
+        VecStore(y + o + k * kWidth, total[k]);
+      } else {
+        VecStorePart(y + o + k * kWidth, total[k], width - k * kWidth);
+      }
+    }
     return;
   }
+  const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
+  acc.assign(blocks * kMaxRows * kPanel, 0.0f);
   for (int64_t start = 0; start < n; start += kChunkAvx2) {
     const int64_t end = std::min(n, start + kChunkAvx2);
     for (int64_t b = 0; b < blocks; ++b) {
