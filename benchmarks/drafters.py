@@ -85,6 +85,9 @@ VOCAB_DRAFTS = {"self-int8+vocab": SELF_DRAFTS["self-int8"],
 # also draftable are those of `sj.load_pair("gemma3-270m")`: DRAFT_VOCAB_SIZE, DRAFT_CONTEXT.
 CORPUS = "+corpus"  # a suffix drafter whose corpus the suite sets (`with_corpus`)
 DRAFT_MODEL = "draft-int8"  # a separate draft model of the target, quantized to int8
+# The separate draft model's widths by name: `bits` of `specjax.pretrained.pairs.
+# packaged_draft_model` (int8 per 128; asymmetric int4 per 32, output projection included).
+DRAFT_MODELS = {DRAFT_MODEL: 8, "draft-q4": 4}
 # That draft model over the draft vocabulary (`specjax.with_draft_vocab`): its output projection
 # (Qwen2.5-Coder-0.5B: 136M of its 494M weights) read for those ids only.
 DRAFT_MODEL_VOCAB = DRAFT_MODEL + "+vocab"
@@ -157,8 +160,9 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   empty): a quantized copy costs memory. `self-int8+vocab` and `self-q4+vocab` (only when named,
   with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`). `draft_model`,
   `(drafter, description)`, is a separate draft model of the target (`DRAFT_MODEL`; over the
-  draft vocabulary: `DRAFT_MODEL_VOCAB`). `vocab_ids`: the draft vocabulary, if not to be counted
-  here (the shipped one, made by the same recipe).
+  draft vocabulary: `DRAFT_MODEL_VOCAB`), or a dict of such pairs by name (`DRAFT_MODELS`: the
+  same model at other widths). `vocab_ids`: the draft vocabulary, if not to be counted here (the
+  shipped one, made by the same recipe).
   """
   import specjax as sj
   from specjax.drafters.model import default_group
@@ -191,8 +195,12 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
       entries.append(DrafterEntry(
           name, sj.self_drafter(target, **settings), num_draft, None,
           f"the target's own weights quantized to {what}, no training"))
-  if draft_model is not None and (not names or DRAFT_MODEL in names):
-    entries.append(DrafterEntry(DRAFT_MODEL, draft_model[0], num_draft, None, draft_model[1]))
+  models = ({} if draft_model is None else draft_model if isinstance(draft_model, dict)
+            else {DRAFT_MODEL: draft_model})
+  for name, (drafter, description) in models.items():
+    if not names or name in names:
+      entries.append(DrafterEntry(name, drafter, num_draft, None, description))
+  draft_model = models.get(DRAFT_MODEL)
   wanted = [n for n in VOCAB_DRAFTS if n in names]
   with_model = draft_model is not None and DRAFT_MODEL_VOCAB in names
   if wanted or with_model:
@@ -206,13 +214,14 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
           num_draft, None, f"{draft_model[1]}, drafting over the {len(ids)} ids the target uses "
           f"most and each row's last {DRAFT_CONTEXT} tokens"))
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
-                                *VOCAB_DRAFTS, DRAFT_MODEL, DRAFT_MODEL_VOCAB}:
+                                *VOCAB_DRAFTS, *DRAFT_MODELS, DRAFT_MODEL_VOCAB}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)
            | {"suffix+corpus", *VOCAB_DRAFTS})
+  known |= set(models)
   if draft_model is not None:
-    known |= {DRAFT_MODEL, DRAFT_MODEL_VOCAB}
+    known |= {DRAFT_MODEL_VOCAB}
   missing = [n for n in names if n not in known]
   if missing:
     raise ValueError(f"drafters {missing} are not available; available: {', '.join(known)}")

@@ -310,10 +310,29 @@ def shipped_vocab(model, target, names, log):
   return ids
 
 
+def _draft_models(model_name: str, names) -> dict:
+  """`{name: (ModelDrafter, description)}`: the model's separate draft model at each width of
+  `DRAFT_MODELS` that `names` asks for (every width where `names` is empty; `+vocab` needs
+  int8's), or {} where the model has none."""
+  from benchmarks.drafters import DRAFT_MODELS
+  from benchmarks.real_models import REAL_MODELS, load_draft_model
+  model = REAL_MODELS[model_name]
+  if model.draft is None:
+    return {}
+  asked = set(base_names(names))
+  widths = {8: "int8 per 128", 4: "asymmetric int4 per 32 (output projection included)"}
+  built = {}
+  for name, bits in DRAFT_MODELS.items():
+    if not asked or name in asked or (bits == 8 and name + "+vocab" in asked):
+      built[name] = (load_draft_model(model_name, bits),
+                     f"{model.draft_description}, quantized to {widths[bits]}")
+  return built
+
+
 def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> dict:
   """Loads the model, runs `measure_suite` on the prompt file, writes JSON, PNGs and the table."""
   from benchmarks.real_models import (REAL_MODELS, chat_ids, chat_template, gguf_path,
-                                      load_draft_model, load_peer, load_specjax, load_tokenizer)
+                                      load_peer, load_specjax, load_tokenizer)
 
   model_name = settings.model
   if model_name not in REAL_MODELS:
@@ -332,7 +351,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   # In the layout `decode` and `generate` run fastest in on this backend, as `specjax demo` and
   # `load_pair` load it; the drafters below (the quantized self-drafts) inherit it.
   target, how = load_specjax(path, peer_model)
-  draft_model = load_draft_model(model_name)
+  draft_models = _draft_models(model_name, settings.drafters)
   tokenizer = load_tokenizer(path)
   eos = tuple(int(i) for i in tokenizer.eos_ids)
   loaded_s = time.perf_counter() - start
@@ -353,8 +372,7 @@ def run_real(settings, out: pathlib.Path, *, plots: bool = True, log=print) -> d
   drafters = library_drafters(target, num_draft=settings.num_drafts[0],
                               names=base_names(settings.drafters), heads=settings.heads,
                               tokenizer=tokenizer, log=log, vocab_ids=vocab_ids,
-                              draft_model=None if draft_model is None else
-                              (draft_model, REAL_MODELS[model_name].draft_description))
+                              draft_model=draft_models)
   drafters = with_adaptive(target, tokenizer, drafters, settings.drafters,
                            calibration=settings.calibration, log=log)
   if any(entry.name.endswith(CORPUS) for entry in drafters):

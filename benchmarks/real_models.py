@@ -29,7 +29,7 @@ class RealModel:
     description: one line for the results.
     chunked: where `packaged` is looked up.
     draft: the `packaged_gguf` name of a separate draft model for it (joins the suite as the
-      `draft-int8` drafter), or None.
+      `draft-int8` and `draft-q4` drafters), or None.
     draft_description: one line on that draft model.
     draft_vocab: the name of its draft vocabulary shipped with specjax
       (`specjax.pretrained.pairs.shipped_draft_vocab`), made by the recipe the suite's `+vocab`
@@ -55,8 +55,8 @@ REAL_MODELS = {
         "qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct",
         "Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from its chunk packages, dequantized to "
         "float32)", chunked=True, draft="qwen2.5-coder-0.5b-instruct",
-        draft_description="Qwen2.5-Coder-0.5B-Instruct (its GGUF from its chunk packages) "
-        "quantized to int8: a separate draft model, same vocabulary",
+        draft_description="Qwen2.5-Coder-0.5B-Instruct (its GGUF from its chunk packages): a "
+        "separate draft model, same vocabulary",
         draft_vocab="qwen2.5-coder"),
 }
 
@@ -78,15 +78,15 @@ def gguf_path(name: str) -> pathlib.Path:
   return find_packaged_gguf(model.packaged)
 
 
-def load_draft_model(name: str):
-  """The separate draft model of a `REAL_MODELS` entry, quantized to int8 as a `ModelDrafter`
-  in this backend's layout (`specjax.load_pair`'s `packaged_draft_model`), or None if it has
-  none."""
+def load_draft_model(name: str, bits: int = 8):
+  """The separate draft model of a `REAL_MODELS` entry, quantized to `bits` (8: int8 per 128;
+  4: asymmetric int4 per 32) as a `ModelDrafter` in this backend's layout (`specjax.load_pair`'s
+  `packaged_draft_model`), or None if it has none."""
   model = REAL_MODELS[name]
   if model.draft is None:
     return None
   from specjax.pretrained.pairs import packaged_draft_model
-  return packaged_draft_model(model.draft)
+  return packaged_draft_model(model.draft, bits=bits)
 
 
 def load_peer(path: pathlib.Path, *, with_model: bool = True):

@@ -215,22 +215,30 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
 # chat): tau 4.27 at 32 and 4.24 at 128, decode 63.3 s against 58.8 s in all, every output
 # identical.
 DRAFT_MODEL_GROUP = 128
+# A separate draft model's widths, by its `bits`: int8 per 128 (the 0.5B's file is mostly Q5_0,
+# which int8 holds to within rounding), or 4-bit: asymmetric int4 per 32 (a scale and an offset per
+# group, about 6 bits a weight), output projection and embedding included.
+DRAFT_MODEL_WIDTHS = {8: dict(bits=8, group=DRAFT_MODEL_GROUP),
+                      4: dict(bits=4, group=32, asymmetric=True)}
 
 
-def packaged_draft_model(name: str, dtype=jnp.float32):
+def packaged_draft_model(name: str, dtype=jnp.float32, bits: int = 8):
   """A separate draft model from its chunk packages (`specjax.io.packages.packaged_gguf(name)`),
-  in this backend's layout, quantized to int8 per 128 (`DRAFT_MODEL_GROUP`), as a `ModelDrafter`
-  (the draft of the "qwen2.5-coder" pair).
+  in this backend's layout, quantized (`DRAFT_MODEL_WIDTHS[bits]`: int8 per 128, or asymmetric
+  int4 per 32), as a `ModelDrafter` (the draft of the "qwen2.5-coder" pairs).
 
   Raises:
-    FileNotFoundError: its packages are not installed (the message gives the pip command).
+    ValueError: `bits` other than 8 or 4. FileNotFoundError: its packages are not installed (the
+      message gives the pip command).
   """
   from specjax.drafters.model import ModelDrafter
   from specjax.io.gguf import from_gguf
   from specjax.io.packages import packaged_gguf
   from specjax.models.quant import quantize
+  if bits not in DRAFT_MODEL_WIDTHS:
+    raise ValueError(f"a draft model is quantized to bits 8 or 4, got {bits!r}")
   small = from_gguf(packaged_gguf(name), dtype=dtype, platform=jax.default_backend())
-  return ModelDrafter(quantize(small, 8, group=DRAFT_MODEL_GROUP))
+  return ModelDrafter(quantize(small, **DRAFT_MODEL_WIDTHS[bits]))
 
 
 def shipped_draft_vocab(name: str, vocab_size: int):

@@ -329,6 +329,25 @@ def test_real_model_names_are_checked():
   assert real_models.load_draft_model("smollm2-135m") is None  # a self-drafting model: none
 
 
+def test_the_draft_model_at_each_width_is_its_own_drafter():
+  """`draft_model` as a dict (the suite's `DRAFT_MODELS`: int8 and 4-bit) gives one entry per
+  width, each with its own drafter, and only the ones asked for; a model without a separate
+  draft model builds none."""
+  config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, pad_id=0, max_len=128)
+  target = sj.init_params(config, jax.random.key(0))
+  small = sj.init_params(dataclasses.replace(config, num_layers=1), jax.random.key(1))
+  models = {"draft-int8": (sj.ModelDrafter(sj.quantize(small, 8)), "int8"),
+            "draft-q4": (sj.ModelDrafter(sj.quantize(small, 4, asymmetric=True)), "q4")}
+  names = [e.name for e in drafters_module.library_drafters(target, num_draft=2,
+                                                              draft_model=models)]
+  assert names[-2:] == ["draft-int8", "draft-q4"]
+  (entry,) = drafters_module.library_drafters(target, num_draft=2, names=("draft-q4",),
+                                              draft_model=models)
+  assert entry.drafter is models["draft-q4"][0] and entry.description == "q4"
+  assert set(drafters_module.DRAFT_MODELS) == {"draft-int8", "draft-q4"}
+  assert real._draft_models("smollm2-135m", ("draft-q4",)) == {}
+
+
 def test_a_separate_draft_model_joins_the_suite():
   """A model with a draft model of its own (the Qwen2.5-Coder 1.5B's 0.5B) gets a `draft-int8`
   entry: built only where there is one, run like any drafter, greedy output as `generate`'s."""

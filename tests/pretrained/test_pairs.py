@@ -145,3 +145,9 @@ def test_the_qwen_pairs_shipped_draft_vocabulary_fits_its_vocabulary():
       shipped["made_by"])
   with pytest.raises(ValueError, match="does not fit a vocabulary of 49152"):
     pairs.shipped_draft_vocab("qwen2.5-coder", 49152)
+
+
+def test_a_draft_model_width_other_than_8_or_4_is_refused_before_loading():
+  from specjax.pretrained.pairs import packaged_draft_model
+  with pytest.raises(ValueError, match="bits 8 or 4, got 3"):
+    packaged_draft_model("no-such-model", bits=3)
