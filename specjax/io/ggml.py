@@ -89,7 +89,10 @@ def _k_quant(raw, q):
   scales, mins = _k_scales(raw[:, 4:16])
   d = (_f16(raw[:, :2]) * scales.astype(np.float32))[:, :, None]
   dm = (_f16(raw[:, 2:4]) * mins.astype(np.float32))[:, :, None]
-  return (d * q.astype(np.float32) - dm).reshape(n, 256)
+  out = q.astype(np.float32)  # the same two float32 operations, in place: one buffer, not three
+  np.multiply(out, d, out=out)
+  np.subtract(out, dm, out=out)
+  return out.reshape(n, 256)
 
 
 def _k_nibbles(qs: np.ndarray) -> np.ndarray:
@@ -121,7 +124,9 @@ def q6_k(raw):
   q = ((low | (high << np.uint8(4))).astype(np.int8) - np.int8(32)).reshape(n, 16, 16)
   scales = raw[:, 192:208].view(np.int8).astype(np.float32)  # [n, 16]: one per 16 values
   d = (_f16(raw[:, 208:210]) * scales)[:, :, None]
-  return (d * q.astype(np.float32)).reshape(n, 256)
+  out = q.astype(np.float32)
+  np.multiply(out, d, out=out)
+  return out.reshape(n, 256)
 
 
 _BLOCK_FUNCTIONS = {"Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1,
