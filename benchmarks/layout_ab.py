@@ -1,7 +1,7 @@
 """The CPU layout's two float32 weight layouts on one model in one process: row-major `[out, in]`
 (the kernel's dot-product tiles for up to 8 rows, XLA's dot beyond) against panels
-(`specjax.models.cpu.panels`, the kernel at every block size; a tied embedding too), on the step,
-the verify blocks and a prompt.
+(`specjax.models.cpu.panels`, the kernel at every block size; a tied embedding and an untied output
+projection too), on the step, the verify blocks and a prompt.
 
     python -m benchmarks.layout_ab --model qwen2.5-coder-1.5b --widths 1,2,3,4,5,6,7,8,64 \\
         --repeats 8 --steps 2 --out benchmarks/results/layout_ab_qwen.json
@@ -40,15 +40,18 @@ LAYOUTS = ("rows", "panels")
 
 
 def row_major(model, layers: bool = True):
-  """The same model with a tied embedding `[V, E]` (kernel on: the row-major kernel up to 8 rows)
-  and, with `layers`, its projections row-major `[out, in]`, built layer by layer so that only one
-  layer's extra copy is alive at a time."""
+  """The same model with a tied embedding `[V, E]` (kernel on: the row-major kernel up to 8 rows),
+  an untied output projection `[E, V]` (XLA's dot) and, with `layers`, its projections row-major
+  `[out, in]`, built layer by layer so that only one layer's extra copy is alive at a time."""
   layers = [cpu_layout.fuse_layer(cpu_layout.split_layer(lp, model.config), panels=False)
             if layers else lp for lp in model.params["layers"]]
   embed = model.params["embed"]
   if panel_layout.is_panels(embed):
     embed = host_memory.on_huge_pages(embed.dense())
-  return dataclasses.replace(model, params=dict(model.params, layers=tuple(layers), embed=embed))
+  params = dict(model.params, layers=tuple(layers), embed=embed)
+  if panel_layout.is_panels(params.get("lm_head")):
+    params["lm_head"] = host_memory.on_huge_pages(params["lm_head"].T)
+  return dataclasses.replace(model, params=params)
 
 
 def compare(models: dict, widths, *, repeats: int, steps: int, position: int = 64,
@@ -98,7 +101,7 @@ def plot(record: dict, path: pathlib.Path) -> None:
   widths = [r["width"] for r in rows]
   fig, ax = plt.subplots(figsize=(6, 3.5))
   base = ("row-major (dot tiles)" if record.get("base", "rows") == "rows" else
-          "panels, embedding row-major")
+          "panels, embedding / output head row-major")
   for name, label in (("rows", base), ("panels", "panels")):
     ax.plot(widths, [r[f"{name}_steps_median"] for r in rows], "o-", label=label)
   ax.axhline(1.25, color="gray", lw=0.8, ls="--", label="1.25 steps")
@@ -120,8 +123,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--steps", type=int, default=4)
   parser.add_argument("--out", type=pathlib.Path, required=True)
   parser.add_argument("--base", choices=("rows", "embedding"), default="rows",
-                      help="the other side: every weight row-major (rows), or only the tied "
-                      "embedding (embedding: its layers in panels too)")
+                      help="the other side: every weight row-major (rows), or only the "
+                      "embedding and output projection (embedding: a tied embedding `[V, E]`, an "
+                      "untied head `[E, V]` for XLA's dot; the layers in panels too)")
   parser.add_argument("--no-plot", action="store_true")
   args = parser.parse_args(argv)
   widths = [int(w) for w in args.widths.split(",")]

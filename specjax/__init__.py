@@ -11,6 +11,7 @@ from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 from specjax.drafters.eagle.eagle3 import load_eagle3
 from specjax.loop.generate import generate
+from specjax.loop.precompile import precompile
 from specjax.models import Model, ModelConfig, RopeScaling, init_params
 from specjax.models.quant import QuantizedWeight, dequantize_model, quantize
 from specjax.core.outputs import DecodeOutput, DecodeStats
@@ -29,7 +30,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "DecodeOutput", "DecodeStats", "KVCache", "Model", "ModelConfig", "RopeScaling", "Sampling",
-    "generate", "init_params",
+    "generate", "init_params", "precompile",
     "DecodeState", "Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "decode", "draft_step",
     "init_state", "round_step", "row_seeds", "verify_block", "decode_stream",
     "self_drafter", "with_draft_vocab", "QuantizedWeight", "quantize", "dequantize_model",

@@ -28,6 +28,7 @@ from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
 from specjax.core.sampling import PURPOSE_DRAFT, first_argmax, sample_token
 from specjax.models import quant
+from specjax.models.cpu import panels as panel_layout
 from specjax.models.layers import _softcap
 from specjax.drafters.proposal import Proposal, check_confidence, top_probability
 from specjax.core.sequence import gather_tokens
@@ -359,8 +360,9 @@ def with_draft_vocab(drafter: ModelDrafter, vocab, *, context: int = 0) -> Model
   head = None
   params = drafter.model.params
   if context and not (drafter.model.config.tie_embeddings and "lm_head" not in params):
-    head = params["lm_head"]
-    head = head if quant.is_quantized(head) else jnp.asarray(head).T.copy()  # [V, E]
+    head = params["lm_head"]  # kept `[V, E]`: quantized or panels as it is, a float copy else
+    if not (quant.is_quantized(head) or panel_layout.is_panels(head)):
+      head = jnp.asarray(head).T.copy()
   model, ids = restrict_output(drafter.model, vocab)
   return dataclasses.replace(drafter, model=model, draft_ids=ids, context_vocab=context,
                              context_head=head)
@@ -398,7 +400,9 @@ def restrict_output(model, ids):
     if head.values.shape[0] != vocab:
       raise ValueError("the model's output projection is already restricted")
     head = head.map_rows(lambda a: a[rows])
-  elif tied:  # a float table [V, E] -> the untied [E, N] the forward contracts
+  elif tied or panel_layout.is_panels(head):  # a float [V, E] -> the untied [E, N] to contract
+    if head.shape[0] != vocab:
+      raise ValueError("the model's output projection is already restricted")
     head = jnp.asarray(head[rows]).T.copy()  # a float array or panels (`PanelWeight`)
   else:  # float [E, V]
     if head.shape[1] != vocab:

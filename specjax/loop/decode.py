@@ -25,7 +25,8 @@ from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.drafters.tree import tree_drafter
 from specjax.loop.generate import generate
-from specjax.parallel.mesh import call_context, under_auto_axes
+from specjax.loop.precompile import run_jitted
+from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
 from specjax.loop.round import check_verify_widths, draft_step, round_step, verify_block
 from specjax.core.sampling import GREEDY, Sampling, row_seeds
@@ -213,12 +214,12 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs
-    run = under_auto_axes(functools.partial(
-        _decode, sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
-        pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-        widths=args.widths, rules=call.rules,
-        classes=validation.pytree_classes(target, drafter)))
-    out = run(target, drafter, tokens, lengths, rng, jnp.int32(args.max_new_tokens), eos_ids)
+    static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
+                  pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
+                  widths=args.widths, rules=call.rules,
+                  classes=validation.pytree_classes(target, drafter))
+    out = run_jitted(_decode, static, target, drafter, tokens, lengths, rng,
+                     jnp.int32(args.max_new_tokens), eos_ids)
     out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 
 from specjax.core import validation
 from specjax.core.outputs import DecodeOutput, DecodeStats
-from specjax.parallel.mesh import call_context, under_auto_axes
+from specjax.loop.precompile import run_jitted
+from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
 from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
 from specjax.core.sequence import clear_padding
@@ -54,10 +55,10 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
   with call_context(inputs) as call:
     model, tokens, lengths, rng, eos_ids = call.inputs
-    run = under_auto_axes(functools.partial(_generate, sampling=sampling, capacity=capacity,
-                                            pad_id=int(pad), rules=call.rules,
-                                            classes=validation.pytree_classes(model)))
-    out = run(model, tokens, lengths, rng, jnp.int32(max_new_tokens), eos_ids)
+    static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad), rules=call.rules,
+                  classes=validation.pytree_classes(model))
+    out = run_jitted(_generate, static, model, tokens, lengths, rng, jnp.int32(max_new_tokens),
+                     eos_ids)
     out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
     return call.output(out)
 

@@ -260,9 +260,10 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
     if "lm_head" in p:
       if c.tie_embeddings:
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept
-      else:  # [E, V] -> [V, E]
-        p["lm_head"] = quantize_weight(np.asarray(p["lm_head"]).T, embed_bits, group,
-                                       asymmetric=embed_asymmetric)
+      else:  # [E, V] -> [V, E] (the CPU layout's panels hold [V, E] already)
+        head = p["lm_head"]
+        head = panels.dense(head) if panels.is_panels(head) else np.asarray(head).T
+        p["lm_head"] = quantize_weight(head, embed_bits, group, asymmetric=embed_asymmetric)
   if not model.is_stacked:  # the CPU layout: quantized weights in 2 MiB pages, as float ones are
     p = jax.tree.map(
         lambda w: host_memory.weights_on_huge_pages(w) if isinstance(w, QuantizedWeight) else w,

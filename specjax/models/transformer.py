@@ -445,6 +445,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       logits = quant.linear_t(x, p["embed"])  # [V, E], float or quantized
   elif quant.is_quantized(p["lm_head"]):  # quantized untied head (stored [V, E])
     logits = p["lm_head"].matmul(x)
+  elif panel_layout.is_panels(p["lm_head"]):  # the CPU layout's untied head, `[V, E]` in panels
+    logits = p["lm_head"].matmul(x, kernel)
   else:  # untied, or a tied model carrying its `[E, V]` copy (`with_output_copy`)
     logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
   logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)

@@ -114,7 +114,10 @@ def test_bad_shapes_fail_with_a_clear_error():
 def test_a_model_in_panels_gives_the_row_major_layouts_tokens(tied):
   """Greedy tokens of plain and speculative decoding: canonical, row-major CPU layout, panels;
   splitting gives back the canonical weights exactly. A tied model's embedding goes into panels
-  too (lookups and the output projection); an untied one's stays `[V, E]`."""
+  too (lookups and the output projection); an untied one's embedding stays `[V, E]` and its
+  output projection (`[E, V]`) goes into panels of `[V, E]`; the quantized copy, a draft vocabulary
+  (with the recent tokens' rows) and a head's view of the output projection see the same
+  matrix."""
   config = tiny_config(vocab_size=97, embed_dim=64, mlp_dim=160, num_heads=4, num_kv_heads=2,
                        tie_embeddings=tied)
   stacked = sj.init_params(config, jax.random.key(3))
@@ -125,10 +128,16 @@ def test_a_model_in_panels_gives_the_row_major_layouts_tokens(tied):
   assert not panels.is_panels(rows.params["layers"][0]["w_gate_up_t"])
   assert panels.is_panels(in_panels.params["embed"]) == tied
   assert not panels.is_panels(rows.params["embed"])
+  assert panels.is_panels(in_panels.params.get("lm_head")) == (not tied)
+  assert not panels.is_panels(rows.params.get("lm_head"))
   for model in (in_panels, in_panels.stacked().unstacked()):
     canonical = model.without_fused_projections().params
     np.testing.assert_array_equal(np.asarray(canonical["embed"]),
                                   np.asarray(unstacked.params["embed"]))
+    assert ("lm_head" in canonical) == (not tied)
+    if not tied:  # back to `[E, V]`, exactly
+      np.testing.assert_array_equal(np.asarray(canonical["lm_head"]),
+                                    np.asarray(unstacked.params["lm_head"]))
     for lp, want in zip(canonical["layers"], unstacked.params["layers"]):
       for name, value in lp.items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(want[name]))
@@ -141,9 +150,27 @@ def test_a_model_in_panels_gives_the_row_major_layouts_tokens(tied):
   for model in (in_panels, rows, in_panels.with_output_copy()):
     np.testing.assert_array_equal(sj.generate(model, prompts, key, max_new_tokens=12).tokens,
                                   want)
-  drafters = [sj.self_drafter(in_panels, 8, 32)]
-  if tied:  # a draft vocabulary: rows of the tied table (`restrict_vocab`)
-    drafters.append(sj.self_drafter(in_panels, 8, 32, vocab=np.arange(0, 97, 2)))
+  from specjax.drafters.eagle.network import target_output_head
+  from specjax.drafters.model import ModelDrafter, restrict_output, with_draft_vocab
+  np.testing.assert_array_equal(np.asarray(target_output_head(in_panels)),
+                                np.asarray(target_output_head(unstacked)))  # `[E, V]` both
+  vocab = np.arange(0, 97, 2)
+  restricted, _ = restrict_output(in_panels, vocab)
+  canonical_restricted, _ = restrict_output(unstacked, vocab)
+  np.testing.assert_array_equal(np.asarray(restricted.params["lm_head"]),
+                                np.asarray(canonical_restricted.params["lm_head"]))  # [E, N]
+  with pytest.raises(ValueError, match="already restricted"):
+    restrict_output(restricted, vocab[:4])
+  # The quantized copy quantizes the same `[V, E]` matrix from panels as from `[E, V]`.
+  for name in ("embed", "lm_head"):
+    if name in unstacked.params:
+      a = sj.quantize(in_panels, 8, 32).params[name]
+      b = sj.quantize(unstacked, 8, 32).params[name]
+      np.testing.assert_array_equal(np.asarray(a.values), np.asarray(b.values))
+      np.testing.assert_array_equal(np.asarray(a.scales), np.asarray(b.scales))
+  drafters = [sj.self_drafter(in_panels, 8, 32),  # a draft vocabulary: rows of the output head
+              sj.self_drafter(in_panels, 8, 32, vocab=vocab),
+              with_draft_vocab(ModelDrafter(in_panels), vocab, context=5)]
   for drafter in drafters:
     spec = sj.decode(in_panels, drafter, prompts, key, max_new_tokens=12, num_draft=3)
     np.testing.assert_array_equal(spec.tokens, want)

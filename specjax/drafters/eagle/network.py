@@ -36,6 +36,7 @@ import numpy as np
 from specjax.core.cache import KVCache, write_stacked_block
 from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
 from specjax.models.config import ModelConfig
+from specjax.models.cpu import panels as panel_layout
 from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, rope_inv_freq,
                                         rope_tables)
 
@@ -199,7 +200,10 @@ def _check_draft_ids(draft_ids, vocab_size: int, size: int) -> np.ndarray:
 def target_output_head(target: Model) -> jax.Array:
   """`[E, V]` the target's output projection (the transposed embedding when tied)."""
   p = target.params
-  return p["embed"].T if target.config.tie_embeddings else p["lm_head"]
+  if target.config.tie_embeddings and "lm_head" not in p:
+    return p["embed"].T
+  head = p["lm_head"]  # `[E, V]`, or the CPU layout's panels of `[V, E]` (`.T`: `[E, V]`)
+  return head.T if panel_layout.is_panels(head) else head
 
 
 def init_head(config: HeadConfig, target: Model, rng: jax.Array, draft_ids) -> EagleHead:

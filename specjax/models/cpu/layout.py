@@ -69,7 +69,10 @@ def fuse_params(params: dict, panels: bool | None = None) -> dict:
   in 2 MiB pages where Linux offers them (`specjax.models.cpu.host_memory`). With `panels`
   (default: where the kernel is built) the embedding of a model without an `lm_head` (a tied
   one: the embedding is its output projection) goes into panels too, else it stays `[V, E]` (in
-  2 MiB pages). Parts already in the layout are kept as they are (no second copy)."""
+  2 MiB pages), and a float `lm_head` (`[E, V]`, an untied model's) becomes panels of `[V, E]`:
+  XLA's dot over `[E, V]` took 85 ms for a 7-row verify block of Qwen2.5-Coder-1.5B's head on a
+  2-core Intel Xeon against 28 ms for one row, the kernel 32 ms for either. Parts already in the
+  layout are kept as they are (no second copy)."""
   if panels is None:
     panels = cpu_gemv.available()
   layers = params["layers"]
@@ -81,16 +84,24 @@ def fuse_params(params: dict, panels: bool | None = None) -> dict:
     embed = panel_layout.pack(embed)  # written into 2 MiB pages
   elif not panel_layout.is_panels(embed):
     embed = host_memory.on_huge_pages(embed)
-  if layers is params["layers"] and embed is params["embed"]:
+  out = dict(params, layers=layers, embed=embed)
+  head = params.get("lm_head")
+  if panels and head is not None and not quant.is_quantized(head) and not panel_layout.is_panels(
+      head):
+    out["lm_head"] = panel_layout.pack(jnp.asarray(head).T)  # `[E, V]` -> panels of `[V, E]`
+  if all(out[name] is params[name] for name in out):
     return params
-  return dict(params, layers=layers, embed=embed)
+  return out
 
 
 def split_params(params: dict, c: ModelConfig) -> dict:
   """The CPU layout's parameters -> canonical ones (`split_layer` per layer, the embedding
   `[V, E]` again)."""
   layers = tuple(split_layer(lp, c) for lp in params["layers"])
-  return dict(params, layers=layers, embed=panel_layout.dense(params["embed"]))
+  out = dict(params, layers=layers, embed=panel_layout.dense(params["embed"]))
+  if panel_layout.is_panels(params.get("lm_head")):
+    out["lm_head"] = params["lm_head"].T  # panels of `[V, E]` -> `[E, V]` (a new array)
+  return out
 
 
 def split_layer(lp: dict, c: ModelConfig) -> dict:
