@@ -25,7 +25,7 @@ from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.drafters.tree import tree_drafter
 from specjax.loop.generate import generate
-from specjax.loop.precompile import run_jitted
+from specjax.loop.precompile import precompilable, run_jitted
 from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
 from specjax.loop.round import check_verify_widths, draft_step, round_step, verify_block
@@ -145,6 +145,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                          capacity, widths)
 
 
+@precompilable
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
            num_draft: int | None = None, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from specjax.core import validation
 from specjax.core.outputs import DecodeOutput, DecodeStats
-from specjax.loop.precompile import run_jitted
+from specjax.loop.precompile import precompilable, run_jitted
 from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
 from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
@@ -23,6 +23,7 @@ from specjax.core.sequence import clear_padding
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
 
+@precompilable
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int | None = None) -> DecodeOutput:

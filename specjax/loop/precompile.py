@@ -22,6 +22,14 @@ from specjax.parallel.mesh import under_auto_axes
 
 _COMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_precompile",
                                                                   default=False)
+_PRECOMPILABLE: set = set()  # `specjax.decode` and `specjax.generate` (`precompilable`)
+
+
+def precompilable(fn):
+  """Marks `fn` (an entry point whose program runs through `run_jitted`) as one `precompile`
+  takes."""
+  _PRECOMPILABLE.add(fn)
+  return fn
 
 
 class _Compiled(Exception):
@@ -61,9 +69,7 @@ def precompile(fn, *args, **kwargs) -> jax.stages.Compiled:
     ValueError: called inside a trace (the caller's `jax.jit` compiles the program there), or
       what the call itself raises for its arguments.
   """
-  from specjax.loop.decode import decode
-  from specjax.loop.generate import generate
-  if fn not in (decode, generate):
+  if fn not in _PRECOMPILABLE:
     raise TypeError(f"precompile takes specjax.decode or specjax.generate, got {fn!r}")
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
     raise ValueError("specjax.precompile is called outside jax.jit: inside a trace the caller's "
