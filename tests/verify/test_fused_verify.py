@@ -7,8 +7,9 @@ reruns a subset under `pltpu.InterpretParams()` (TPU memory semantics);
 need a TPU or a GPU; on CPU the compiled paths are checked by exporting them for TPU and for CUDA
 (the Mosaic / Triton custom call must be in the module). `TestFusedVerifyCompiled` (marker `tpu`)
 and `TestFusedVerifyGpuCompiled` (marker `gpu`) rerun the interpret-mode cases compiled;
-tests/conftest.py selects them only where jax has such a device. No GPU or TPU was available while
-writing them: they have not run yet.
+tests/conftest.py selects them only where jax has such a device. The GPU class has run on an H100
+and an H200; the TPU class has not run on a TPU. Whether the Mosaic kernel compiles for each TPU
+generation within its VMEM is checked by the TPU compiler itself in tests/tpu/.
 
 The default selection keeps one shape per sampling setting and mode, the hand-worked cases, every
 vocabulary size at small B and k, and the exports; `-m slow` adds every shape in every mode.
@@ -179,6 +180,24 @@ class TestFusedVerify:
     # Not vacuous: the cases had rejections and accepted drafts.
     assert accepted.min() < 1 and accepted.max() > 0
 
+  @pytest.mark.parametrize("sampling", [SAMPLINGS[0], SAMPLINGS[4]], ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_chunks_inside_a_tile(self, sampling, with_draft_logits):
+    # The body walks each resident tile in chunks of block_c lanes (`over_chunks`), as it does on
+    # TPU: several tiles of 1280 in chunks of 512 + 512 + 256 (the last tile ragged, 3000 = 2 x
+    # 1280 + 440), then one whole-axis tile of 1000 in chunks 256 x 3 + 232 (a remainder that is
+    # not lane-aligned). Tokens equal the reference's.
+    rng = np.random.default_rng(7 + with_draft_logits)
+    accepted = []
+    for vocab, block_sizes in ((3000, BlockSizes(1280, 2, block_c=512)),
+                               (1000, BlockSizes(4096, 4, block_c=256))):
+      case = _case(rng, 5, 3, vocab, sampling=sampling, with_draft_logits=with_draft_logits)
+      assert block_sizes.chunk(vocab) is not None  # really chunked
+      want = self._check(case, sampling, block_sizes)
+      accepted += [np.asarray(want.num_accepted) / 3]
+    accepted = np.concatenate(accepted)
+    assert accepted.min() < 1 and accepted.max() > 0  # not vacuous
+
   @pytest.mark.slow
   @pytest.mark.parametrize("sampling", SAMPLINGS[1:5], ids=str)
   def test_bfloat16_logits(self, sampling):
@@ -249,6 +268,12 @@ class TestFusedVerifyTpuInterpret(TestFusedVerify):
   test_vocab_sizes = None
   test_vocab_sizes_with_thresholds = None
 
+  @pytest.mark.slow
+  @pytest.mark.parametrize("sampling", [SAMPLINGS[0], SAMPLINGS[4]], ids=str)
+  @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
+  def test_chunks_inside_a_tile(self, sampling, with_draft_logits):
+    super().test_chunks_inside_a_tile(sampling, with_draft_logits)
+
 
 class TestFusedVerifyGpuInterpret(TestFusedVerify):
   """The GPU (Triton) kernel's body in interpret mode, on the same cases. `BlockSizes(block_v,
@@ -279,6 +304,7 @@ class TestFusedVerifyGpuInterpret(TestFusedVerify):
     super().test_bfloat16_logits(sampling)
 
   test_vocab_sizes_with_thresholds = None
+  test_chunks_inside_a_tile = None  # the Triton kernel has no chunk loop (BlockSizes.block_c)
 
 
 # ---- compiled on a device (T6): the same cases, selected where the device exists -----------

@@ -221,6 +221,26 @@ def test_kernel_equals_reference(mode, rule, setting, shape):
   assert accepted.min() == 0 and accepted.max() >= (1 if shape == WIDE else 2)
 
 
+@pytest.mark.parametrize("rule,setting", [("match", "greedy"),
+                                          ("without_replacement", "t0.9_topk40_topp0.95")])
+def test_chunks_inside_a_tile_equal_the_reference(rule, setting):
+  # The body walks each resident tile in chunks of block_c lanes, as on TPU: tiles of 640 in
+  # chunks of 256 + 256 + 128 over V = 1000 (the last tile ragged), then one whole-axis tile of
+  # 700 in chunks 256 x 2 + 188 (a remainder that is not lane-aligned).
+  accepted = []
+  for index, (vocab, sizes) in enumerate(((1000, BlockSizes(640, 2, block_c=256)),
+                                          (700, BlockSizes(1024, 4, block_c=256)))):
+    assert sizes.chunk(vocab) is not None  # really chunked
+    target, tree, kwargs = random_case(77 + index, 4, 9, vocab, max_children=3, rule=rule,
+                                       sampling=SAMPLINGS[setting])
+    verify = lambda impl: jax.jit(functools.partial(tree_rule.verify_tree, impl=impl, **kwargs))
+    want = verify("reference")(target, tree)
+    assert_same(verify(functools.partial(tree_node_results, interpret=True,
+                                         block_sizes=sizes))(target, tree), want)
+    accepted.append(np.asarray(want.num_accepted))
+  assert np.concatenate(accepted).max() > 0  # not vacuous: walks went below the root
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", sorted(SAMPLINGS))
 @pytest.mark.parametrize("rule", RULES)

@@ -23,11 +23,14 @@ so greedy is 1 pass, plain temperature 2, temperature with top-k and/or top-p 3 
 When the whole vocabulary fits one tile (`num_vocab_tiles == 1`) the block index never changes and
 Pallas fetches the logits from HBM once; later passes re-read VMEM. With several tiles each pass
 streams the logits again, so `BlockSizes.get_default` first makes the tile hold the whole
-vocabulary, and only then batches rows (up to 8) while that still fits the VMEM budget, sized per
-TPU generation (`TPU_VMEM_BYTES`: a v5e / v6e keeps a 128k float32 vocabulary resident). In
-interpret mode, which has no VMEM and pays per grid step, the default blocks are far larger (up to
-1024 rows): a 20,000-row verify at V = 8 takes about 1 s interpreted instead of about 50 s with
-8-row blocks.
+vocabulary, and only then batches rows (up to 8) while that still fits the VMEM budget of the TPU
+generation being compiled for (`blocks.compile_device_kind`: a v5e / v6e keeps a 152k float32
+vocabulary resident). The body never computes on a whole tile at once: it walks the tile in chunks
+of `block_c` lanes (`blocks.over_chunks`, a `fori_loop` of aligned lane slices), so its
+temporaries are a few `[block_b, rows, block_c]` arrays whatever the vocabulary; every statistic
+is already accumulated chunk by chunk exactly as tile by tile. In interpret mode, which has no VMEM
+and pays per grid step, the default blocks are far larger (up to 1024 rows) and not chunked: a
+20,000-row verify at V = 8 takes about 1 s interpreted instead of about 50 s with 8-row blocks.
 
 The math is `specjax.verify.rule`'s: `verify_reference` (aliased here as `fused_verify_reference`)
 is the oracle, and the kernel calls the same elementwise helpers (`gumbel`, `radix_start`,
@@ -48,8 +51,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from specjax.core import sampling as sampling_lib
 from specjax.verify.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
-                                           TPU_VMEM_BYTES, BlockSizes, compile_device_kind,
-                                           tpu_generation, vmem_budget_for, vmem_limit_for)
+                                           TPU_VMEM_BYTES, BlockSizes, Chunk,
+                                           compile_device_kind, over_chunks, tpu_generation,
+                                           vmem_budget_for, vmem_limit_for)
 from specjax.verify.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms,
                                            check_verify_args, drafted_tokens, leading_ones,
                                            schedule_for, select_row, tile_argmax)
@@ -102,15 +106,16 @@ def fused_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   if device_kind is None and not interpret:
     device_kind = compile_device_kind()
   if block_sizes is None:
-    budget = (dict(vmem_budget=INTERPRET_VMEM_BUDGET, max_block_b=INTERPRET_MAX_BLOCK_B)
-              if interpret else dict(device_kind=device_kind))
+    budget = (dict(vmem_budget=INTERPRET_VMEM_BUDGET, max_block_b=INTERPRET_MAX_BLOCK_B,
+                   chunked=False) if interpret else dict(device_kind=device_kind))
     block_sizes = BlockSizes.get_default(vocab, num_draft, target_logits.dtype, batch=batch,
                                          has_draft_logits=draft_logits is not None, **budget)
   draft_tokens, num_drafted = drafted_tokens(draft_tokens.astype(jnp.int32), num_drafted)
   out = _fused_verify_impl(target_logits, draft_logits, draft_tokens, num_drafted,
                            jnp.asarray(seeds, jnp.uint32), positions.astype(jnp.int32),
                            sampling=sampling, block_v=block_sizes.tile(vocab),
-                           block_b=block_sizes.rows(batch), interpret=interpret,
+                           block_b=block_sizes.rows(batch), block_c=block_sizes.chunk(vocab),
+                           interpret=interpret,
                            vmem_limit=None if interpret else vmem_limit_for(device_kind))
   return VerifyResult(num_accepted=out[:, 0, NUM_ACCEPTED_LANE],
                       tokens=out[:, 0, :num_draft + 1])
@@ -134,8 +139,8 @@ _RACE_STATE_DTYPE = dict(num_accepted=jnp.int32, residual_token=jnp.int32, fallb
 
 
 def _fused_verify_impl(target_logits, draft_logits, draft_tokens, num_drafted, seeds,
-                       positions, *, sampling: Sampling, block_v: int, block_b: int, interpret,
-                       vmem_limit: int | None = None):
+                       positions, *, sampling: Sampling, block_v: int, block_b: int,
+                       block_c: int | None, interpret, vmem_limit: int | None = None):
   batch, num_draft = draft_tokens.shape
   vocab = target_logits.shape[-1]
   schedule = schedule_for(sampling, vocab)
@@ -172,7 +177,8 @@ def _fused_verify_impl(target_logits, draft_logits, draft_tokens, num_drafted, s
 
   kernel = functools.partial(
       _fused_verify_kernel, sampling=sampling, schedule=schedule, num_draft=num_draft,
-      vocab=vocab, block_v=block_v, num_tiles=num_tiles, has_draft_logits=has_draft_logits)
+      vocab=vocab, block_v=block_v, block_c=block_c, num_tiles=num_tiles,
+      has_draft_logits=has_draft_logits)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=len(scalars),
       grid=(pl.cdiv(batch, block_b), schedule.num_passes, num_tiles),
@@ -212,7 +218,8 @@ def _set_column(ref, value):
 
 def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, *refs,
                          sampling: Sampling, schedule: Schedule, num_draft: int, vocab: int,
-                         block_v: int, num_tiles: int, has_draft_logits: bool):
+                         block_v: int, block_c: int | None, num_tiles: int,
+                         has_draft_logits: bool):
   target_ref, *refs = refs
   draft_ref = refs.pop(0) if has_draft_logits else None
   out_ref, *scratch = refs
@@ -221,18 +228,27 @@ def _fused_verify_kernel(draft_column_ref, uniform_column_ref, row_columns_ref, 
   draft_stats = dict(zip(_ROW_STATS, scratch[num_stats:2 * num_stats])) if has_draft_logits else None
   race = dict(zip(_RACE_STATE, scratch[-len(_RACE_STATE):]))
 
-  k = num_draft
-  pass_id = pl.program_id(1)
-  tile = pl.program_id(2)
-  first_tile = tile == 0
-  last_tile = tile == num_tiles - 1
+  over_chunks(functools.partial(
+      _chunk_body, draft_column_ref, uniform_column_ref, row_columns_ref, target_ref, draft_ref,
+      out_ref, target_stats, draft_stats, race, pass_id=pl.program_id(1), sampling=sampling,
+      schedule=schedule, num_draft=num_draft, has_draft_logits=has_draft_logits),
+              tile=pl.program_id(2), num_tiles=num_tiles, block_v=block_v, block_c=block_c,
+              vocab=vocab)
 
-  vocab_ids = tile * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, 1, block_v), 2)
-  in_vocab = vocab_ids < vocab  # the last tile may run past V: its tail is garbage
+
+def _chunk_body(draft_column_ref, uniform_column_ref, row_columns_ref, target_ref, draft_ref,
+                out_ref, target_stats, draft_stats, race, chunk: Chunk, *, pass_id,
+                sampling: Sampling, schedule: Schedule, num_draft: int, has_draft_logits: bool):
+  """Every pass's work on one chunk of the current vocabulary tile (`over_chunks`); `pass_id` is
+  the grid's pass index, read outside the chunk loop (the interpreter resolves program ids there
+  only)."""
+  k = num_draft
+  first_tile, last_tile = chunk.first, chunk.last  # first / last chunk of the whole vocabulary
+  vocab_ids, in_vocab = chunk.vocab_ids, chunk.in_vocab  # the last tile may run past V
   draft_column = draft_column_ref[...]  # [bb, k+1, 1], -1 from slot num_drafted on
 
-  def load(ref):  # [bb, rows, bv] float32 scaled logits, -inf outside the vocabulary
-    x = ref[...].astype(jnp.float32)
+  def load(ref):  # [bb, rows, chunk] float32 scaled logits, -inf outside the vocabulary
+    x = ref[:, :, chunk.lanes].astype(jnp.float32)
     if not schedule.greedy:
       x = x / jnp.float32(sampling.temperature)
     return jnp.where(in_vocab, x, _NEG_INF)

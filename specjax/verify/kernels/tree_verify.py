@@ -43,9 +43,10 @@ from jax.experimental.pallas import tpu as pltpu
 
 from specjax.core import sampling as sampling_lib
 from specjax.trees import structure as trees
-from specjax.verify.kernels.blocks import (DEFAULT_MAX_BLOCK_B, INTERPRET_MAX_BLOCK_B,
-                                           INTERPRET_VMEM_BUDGET, LANES, SUBLANES, BlockSizes,
-                                           compile_device_kind, vmem_budget_for, vmem_limit_for)
+from specjax.verify.kernels.blocks import (CHUNK_TEMPORARIES, DEFAULT_MAX_BLOCK_B,
+                                           INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
+                                           SUBLANES, BlockSizes, Chunk, compile_device_kind,
+                                           over_chunks, vmem_budget_for, vmem_limit_for)
 from specjax.verify.kernels.common import tile_argmax
 from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
                                                 log_weights, node_results, replay, sibling_sums,
@@ -92,10 +93,12 @@ def tree_block_sizes(vocab: int, num_rows: int, dtype, schedule: TreeSchedule, *
     if _scratch_bytes(schedule, max_block_b, num_rows) > budget // 2:
       max_block_b = 1
     budget -= _scratch_bytes(schedule, max_block_b, num_rows)
-  # get_default counts k + 1 target rows and k draft rows: k = num_rows covers both sets.
+  # get_default counts k + 1 target rows and k draft rows: k = num_rows covers both sets. The
+  # sampled rules replay every earlier sibling on each chunk: a few temporaries per child more.
   return BlockSizes.get_default(vocab, num_rows, dtype, batch=batch,
                                 has_draft_logits=schedule.sampled, vmem_budget=budget,
-                                max_block_b=max_block_b)
+                                max_block_b=max_block_b, chunked=not interpret,
+                                temporaries=CHUNK_TEMPORARIES + 4 * schedule.num_children)
 
 
 # --------------------------------------------------------------------------------------------
@@ -136,13 +139,15 @@ def tree_node_results(target_logits: jax.Array, tree: trees.Tree, *, rule: str,
                                    interpret=interpret, device_kind=device_kind)
   out = _tree_verify_impl(target_logits, q_logits, inputs, schedule=schedule, sampling=sampling,
                           block_v=block_sizes.tile(vocab), block_b=block_sizes.rows(batch),
+                          block_c=block_sizes.chunk(vocab),
                           interpret=interpret, tile_steps=tile_steps,
                           vmem_limit=None if interpret else vmem_limit_for(device_kind))
   return node_results(out[..., 0], out[..., 1], out[..., 2], inputs)
 
 
 def _tree_verify_impl(target_logits, q_logits, inputs, *, schedule: TreeSchedule,
-                      sampling: Sampling, block_v: int, block_b: int, interpret, tile_steps,
+                      sampling: Sampling, block_v: int, block_b: int, block_c: int | None,
+                      interpret, tile_steps,
                       vmem_limit: int | None):
   batch, num_rows, vocab = target_logits.shape
   num_tiles = pl.cdiv(vocab, block_v)
@@ -164,7 +169,7 @@ def _tree_verify_impl(target_logits, q_logits, inputs, *, schedule: TreeSchedule
                         jnp.int32 if name in _INT_STATE else jnp.float32)
              for names in (*set_names, sibling_names, race_names) for name in names]
   kernel = functools.partial(_tree_verify_kernel, sampling=sampling, schedule=schedule,
-                             vocab=vocab, block_v=block_v, num_tiles=num_tiles,
+                             vocab=vocab, block_v=block_v, block_c=block_c, num_tiles=num_tiles,
                              tile_steps=tile_steps)
   logits_bytes = sum(x.size * x.dtype.itemsize for x in (target_logits, q_logits)
                      if x is not None)
@@ -197,7 +202,8 @@ def _set_lane(ref, lane_ids, lane, value):
 
 
 def _tree_verify_kernel(columns_ref, target_ref, *refs, sampling: Sampling,
-                        schedule: TreeSchedule, vocab: int, block_v: int, num_tiles: int,
+                        schedule: TreeSchedule, vocab: int, block_v: int, block_c: int | None,
+                        num_tiles: int,
                         tile_steps: TileSteps):
   if schedule.sampled:
     child_tokens_ref, uniforms_ref, draft_ref, out_ref, *scratch = refs
@@ -211,15 +217,28 @@ def _tree_verify_kernel(columns_ref, target_ref, *refs, sampling: Sampling,
   sibling = dict(zip(sibling_names, scratch[:len(sibling_names)]))
   race = dict(zip(race_names, scratch[len(sibling_names):]))
   row_sets = list(zip([target_ref, draft_ref], stats_sets))
+  over_chunks(functools.partial(
+      _chunk_body, columns_ref, child_tokens_ref, uniforms_ref, out_ref, row_sets, stats_sets,
+      sibling, race, pass_id=pl.program_id(1), sampling=sampling, schedule=schedule,
+      tile_steps=tile_steps),
+              tile=pl.program_id(2), num_tiles=num_tiles, block_v=block_v, block_c=block_c,
+              vocab=vocab)
 
-  pass_id, tile = pl.program_id(1), pl.program_id(2)
-  first_tile, last_tile = tile == 0, tile == num_tiles - 1
-  vocab_ids = tile * block_v + jax.lax.broadcasted_iota(jnp.int32, (1, 1, block_v), 2)
-  in_vocab = vocab_ids < vocab  # the last tile may run past V: its tail is garbage
+
+def _chunk_body(columns_ref, child_tokens_ref, uniforms_ref, out_ref, row_sets, stats_sets,
+                sibling, race, chunk: Chunk, *, pass_id, sampling: Sampling,
+                schedule: TreeSchedule, tile_steps: TileSteps):
+  """Every pass's work on one chunk of the current vocabulary tile (`over_chunks`); `pass_id` is
+  read outside the chunk loop (the interpreter resolves program ids there only)."""
+  race_names = tuple(race)
+  target_ref = row_sets[0][0]
+  draft_ref = row_sets[1][0] if len(row_sets) > 1 else None
+  first_tile, last_tile = chunk.first, chunk.last  # first / last chunk of the whole vocabulary
+  vocab_ids, in_vocab = chunk.vocab_ids, chunk.in_vocab  # the last tile may run past V
   lane = jax.lax.broadcasted_iota(jnp.int32, (1, 1, LANES), 2)
 
-  def load(ref):  # [bb, rows, bv] float32 scaled logits, -inf outside the vocabulary
-    x = ref[...].astype(jnp.float32)
+  def load(ref):  # [bb, rows, chunk] float32 scaled logits, -inf outside the vocabulary
+    x = ref[:, :, chunk.lanes].astype(jnp.float32)
     if not schedule.greedy:
       x = x / jnp.float32(sampling.temperature)
     return jnp.where(in_vocab, x, _NEG_INF)
