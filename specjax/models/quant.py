@@ -25,10 +25,10 @@ a quantized copy of the target is a draft model like any other, whose q is its o
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
@@ -118,38 +118,66 @@ def _check(bits, group, in_features: int | None = None, asymmetric: bool = False
 
 def quantize_weight(w, bits: int = 8, group: int = 32, *, asymmetric: bool = False
                     ) -> QuantizedWeight:
-  """Quantizes a float `[..., out, in]` matrix (groups along `in`). Runs in numpy, once, at load.
-  `asymmetric` (int4): a scale and an offset per group (see the module docstring).
+  """Quantizes a float `[..., out, in]` matrix (groups along `in`). Pure `jax.numpy` (one jitted
+  program per shape and setting): it runs on concrete weights at load and on traced ones inside a
+  caller's `jax.jit` (a policy's copy built in its own training or RL step) alike, and on CPU its
+  integers, scales and offsets are bit for bit those of the same arithmetic in float32 numpy
+  (IEEE division, round half to even; see `_divide`). `asymmetric` (int4): a scale and an offset
+  per group (see the module docstring). Only shapes are validated, never values.
 
   Raises:
     ValueError: unsupported `bits`, a `group` that is not a positive multiple of 32, or one that
       does not divide `in`; `asymmetric` with bits 8.
   """
-  w = np.asarray(w, np.float32)
+  if not isinstance(w, jax.Array):  # numpy or nested lists; a jax array or tracer stays as it is
+    w = jnp.asarray(w)
   if w.ndim < 2:
     raise ValueError(f"quantize_weight needs a matrix, got shape {w.shape}")
   _check(bits, group, w.shape[-1], asymmetric)
+  values, scales, offsets = _quantize_arrays(w, bits, group, asymmetric)
+  return QuantizedWeight(values, scales, bits, group, offsets)
+
+
+def _divide(a: jax.Array, b) -> jax.Array:
+  """`a / b` (b broadcast to `a`'s shape) as IEEE float32 division: XLA's simplifier rewrites a
+  division by a broadcast or a constant into a product with its reciprocal (`a * (1 / b)`), which
+  rounds differently from the quotient in many cases (4-26% of the quotients measured on XLA:CPU),
+  so the divisor is materialised behind an optimization barrier, where no rewrite sees it. Costs
+  one temporary of `a`'s size."""
+  return a / jax.lax.optimization_barrier(jnp.broadcast_to(jnp.asarray(b, a.dtype), a.shape))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "group", "asymmetric"))
+def _quantize_arrays(w, bits: int, group: int, asymmetric: bool):
+  """`(values, scales, offsets or None)` of `quantize_weight` (arguments checked there)."""
+  w = w.astype(jnp.float32)
+  shape = w.shape
   top = 2 ** (bits - 1) - 1  # 127 or 7
-  grouped = w.reshape(w.shape[:-1] + (w.shape[-1] // group, group))
+  grouped = w.reshape(shape[:-1] + (shape[-1] // group, group))
   offsets = None
   if asymmetric:  # levels -8..7 over [min, max]: offset = min + 8 * scale
     low, high = grouped.min(axis=-1), grouped.max(axis=-1)
-    scales = (high - low) / 15
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint((grouped - low[..., None]) / safe[..., None]), 0, 15) - 8
-    q = q.astype(np.int32).reshape(w.shape)
-    offsets = jnp.asarray((low + 8 * scales).astype(np.float32))
+    scales = _divide(high - low, 15.0)
+    safe = jnp.where(scales > 0, scales, 1.0)
+    q = jnp.clip(jnp.round(_divide(grouped - low[..., None], safe[..., None])), 0, 15) - 8
+    q = q.astype(jnp.int32).reshape(shape)
+    offsets = low + 8 * scales
   else:
-    scales = np.abs(grouped).max(axis=-1) / top  # [..., out, in / group]
-    safe = np.where(scales > 0, scales, 1.0)
-    q = np.clip(np.rint(grouped / safe[..., None]), -top, top).astype(np.int32).reshape(w.shape)
+    scales = _divide(jnp.abs(grouped).max(axis=-1), float(top))  # [..., out, in / group]
+    safe = jnp.where(scales > 0, scales, 1.0)
+    q = jnp.clip(jnp.round(_divide(grouped, safe[..., None])), -top, top)
+    q = q.astype(jnp.int32).reshape(shape)
   if bits == 8:
-    values = q.astype(np.int8)
+    values = q.astype(jnp.int8)
   else:
-    runs = (q + 8).astype(np.uint8).reshape(w.shape[:-1] + (w.shape[-1] // 32, 2, 16))
-    values = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(w.shape[:-1] + (w.shape[-1] // 2,))
-  return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales.astype(np.float32)), bits, group,
-                         offsets)
+    runs = (q + 8).astype(jnp.uint8).reshape(shape[:-1] + (shape[-1] // 32, 2, 16))
+    values = (runs[..., 0, :] | (runs[..., 1, :] << 4)).reshape(shape[:-1] + (shape[-1] // 2,))
+  return values, scales, offsets
+
+
+def _traced(w) -> bool:
+  """Whether any leaf of `w` is a tracer (a weight inside a caller's `jax.jit`)."""
+  return any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(w))
 
 
 def is_quantized(w) -> bool:
@@ -196,7 +224,7 @@ def _quantize_layers(layers, bits, group, stacked: bool, asymmetric: bool):
         out.pop(name + "_halves", None)
     else:
       for name in _CANONICAL:
-        out[name] = quantize_weight(np.swapaxes(np.asarray(lp[name]), -1, -2), bits, group,
+        out[name] = quantize_weight(jnp.swapaxes(lp[name], -1, -2), bits, group,
                                     asymmetric=asymmetric)
     return out
 
@@ -218,7 +246,12 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
 
   The layout is kept: a stacked model stays stacked (TPU/GPU: XLA dequantizes inside the dot), a
   model in the CPU layout (`for_platform("cpu")`) keeps its fused projections with one quantized
-  copy each (read by the CPU kernel). Quantize once, at load: it runs in numpy.
+  copy each (read by the CPU kernel). It runs in `jax.numpy` (`quantize_weight`), so it takes
+  concrete weights at load and traced ones inside a caller's `jax.jit` (the current policy's copy,
+  built in a training or RL step), in every layout, with the same integers and scales either way;
+  its checks read shapes and the config, never weight values. A concrete copy of an unstacked
+  model is placed in 2 MiB pages (`host_memory.weights_on_huge_pages`); a traced one is left to
+  the caller's program.
 
   Args:
     model: a `specjax.Model` with float weights.
@@ -262,12 +295,13 @@ def quantize(model, bits: int = 8, group: int = 32, *, embeddings: bool = True,
         del p["lm_head"]  # the CPU layout's float copy of the tied embedding: one copy is kept
       else:  # [E, V] -> [V, E] (the CPU layout's panels hold [V, E] already)
         head = p["lm_head"]
-        head = panels.dense(head) if panels.is_panels(head) else np.asarray(head).T
+        head = panels.dense(head) if panels.is_panels(head) else jnp.swapaxes(head, -1, -2)
         p["lm_head"] = quantize_weight(head, embed_bits, group, asymmetric=embed_asymmetric)
   if not model.is_stacked:  # the CPU layout: quantized weights in 2 MiB pages, as float ones are
+    # (concrete ones: traced weights are the caller's program's buffers)
     p = jax.tree.map(
-        lambda w: host_memory.weights_on_huge_pages(w) if isinstance(w, QuantizedWeight) else w,
-        p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+        lambda w: host_memory.weights_on_huge_pages(w) if isinstance(w, QuantizedWeight)
+        and not _traced(w) else w, p, is_leaf=lambda x: isinstance(x, QuantizedWeight))
   return dataclasses.replace(model, params=p)
 
 
