@@ -9,8 +9,9 @@ picks the kernel), or a callable with `verify_reference`'s signature, used as th
 Under a mesh (passed, or the one active at trace time) the rule runs inside `jax.shard_map`:
 rows over the batch axes (each device runs the fused kernel on its rows: Mosaic kernels cannot be
 partitioned automatically), and where the vocabulary is split, `verify_rule` over `ShardedVocab`
-with Pallas local reductions on TPU, combined with collectives. Seeds travel with their rows, so
-every implementation under every mesh returns the single-device tokens.
+with Pallas local reductions on TPU, combined with collectives. `verify_tree` does the same for
+draft trees, with `specjax.verify.tree_sharded` where the vocabulary is split. Seeds travel with
+their rows, so every implementation under every mesh returns the single-device tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-from specjax.verify import kernels, tree_rule
+from specjax.verify import kernels, tree_rule, tree_sharded
 from specjax.verify.kernels.dispatch import VERIFY_IMPLS
 from specjax.verify import sharded as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
@@ -91,9 +92,8 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
 def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, sampling: Sampling,
                 seeds: jax.Array, positions: jax.Array, impl="auto", mesh=None,
                 rules: ShardingRules | None = None) -> tree_rule.TreeVerifyResult:
-  """The exact tree rule (`specjax.verify.tree_rule.verify_tree`) with the chosen implementation, on
-  one
-  device or a mesh.
+  """The exact tree rule (`specjax.verify.tree_rule.verify_tree`) with the chosen implementation,
+  on one device or a mesh.
 
   Args:
     target_logits: `[B, N + 1, V]` raw target logits after the root and after every node.
@@ -102,10 +102,15 @@ def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, samplin
     impl: "auto" | "reference" | "pallas" | "kernel" | "interpret" | a callable (see
       `specjax.verify.tree_rule.verify_tree`).
     mesh: the mesh; None = the one active at trace time, if any. Under a mesh the rule runs
-      inside `jax.shard_map` on each device's rows (the fused kernel cannot be partitioned
-      automatically), each device holding its rows' full vocabulary: a vocabulary split over
-      the mesh is gathered for the tree's `N + 1` positions.
-    rules: logical-to-mesh rules (which mesh axes hold the batch); None = the active rules.
+      inside `jax.shard_map`. Where the mesh splits the vocabulary, each device decides every
+      node on its rows' vocabulary slice and the slices combine with collectives
+      (`specjax.verify.tree_sharded`, for every named `impl`: its reductions compute their own
+      inputs, where a Pallas call's operands would be stored whole); no device holds a row's
+      whole vocabulary. Where only the rows are split, and always with a callable `impl`
+      (it needs whole rows), each device runs `impl` on its rows (the fused kernel cannot be
+      partitioned automatically).
+    rules: logical-to-mesh rules (which mesh axes hold the batch and the vocabulary); None = the
+      active rules.
 
   Returns:
     `TreeVerifyResult(path [B, D], num_accepted [B], tokens [B, D + 1])`, the same whichever
@@ -122,7 +127,11 @@ def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, samplin
   if mesh is None:
     return run(target_logits, tree, seeds, positions)
   rules = active_rules() if rules is None else rules
-  batch_spec, _, _ = parallel_verify.mesh_layout(mesh, rules, tree.tokens.shape[0])
+  batch_spec, vocab_axes, _ = parallel_verify.mesh_layout(mesh, rules, tree.tokens.shape[0])
+  if vocab_axes and not callable(impl):
+    return tree_sharded.sharded_verify_tree(
+        target_logits, tree, rule=spec.rule, sampling=sampling, seeds=seeds, positions=positions,
+        max_depth=spec.depth, max_children=spec.max_children, mesh=mesh, rules=rules)
   rows = PartitionSpec(batch_spec)
   body = lambda *args: tuple(run(*args))
   out = jax.shard_map(body, mesh=mesh, in_specs=(rows,) * 4, out_specs=(rows,) * 3,

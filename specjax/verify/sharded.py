@@ -93,6 +93,12 @@ def _pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)], constant_values=-jnp.inf)
 
 
+def pad_vocab(x: jax.Array, multiple: int) -> jax.Array:
+  """`x [..., V]` padded with `-inf` to a multiple of `multiple` (the vocabulary shard count):
+  padded entries are never the argmax and have probability 0."""
+  return _pad_vocab(x, multiple)
+
+
 def mesh_layout(mesh, rules: ShardingRules, batch: int):
   """`(batch_spec, vocab_axes, vocab_shards)` of the verify under `mesh`.
 

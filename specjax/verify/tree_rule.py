@@ -254,9 +254,7 @@ def _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, m
   def walk(node_fn):
     def run(target_logits, tree, seeds, positions):
       nodes = node_fn(target_logits, tree, seeds=seeds, positions=positions, **kwargs)
-      if match:
-        return _descend_match(tree, nodes.token, max_depth)
-      return _descend_sampled(tree, nodes, max_depth)
+      return walk_node_results(tree, nodes, match=match, max_depth=max_depth)
     return run
 
   args = (target_logits, tree, seeds, positions)
@@ -272,6 +270,16 @@ def _verify_with_kernel(target_logits, tree, rule, sampling, seeds, positions, m
     branches["cpu"] = lambda *args: _verify_reference(*args[:2], rule, sampling, *args[2:],
                                                       max_depth, max_children)
   return jax.lax.platform_dependent(*args, **branches)
+
+
+def walk_node_results(tree: Tree, nodes, *, match: bool, max_depth: int) -> TreeVerifyResult:
+  """The walk down the tree given every extended node's decisions (`tree_common.NodeResults`,
+  `[B, N + 1]` each, from a kernel or `specjax.verify.tree_sharded.node_results_over`): the
+  sample-then-match walk over `nodes.token` when `match` (greedy, or the "match" rule), else the
+  sibling rules' walk (`nodes.accepted`, then the residual or `p` race of the last node)."""
+  if match:
+    return _descend_match(tree, nodes.token, max_depth)
+  return _descend_sampled(tree, nodes, max_depth)
 
 
 def _descend_sampled(tree, nodes, max_depth):

@@ -548,11 +548,11 @@ def _abstract_model(model, mesh):
   return sj.Model(params, model.config)
 
 
-def _export_decode_on_a_2x4_mesh(models, make_drafter, **static):
-  """`_decode` exported for TPU under a (2, 4) mesh from abstract sharded weights: the target,
-  `make_drafter(abstract draft model)`, 8 prompts of 16 tokens split over "data"."""
+def _export_decode_on_a_2x4_mesh(models, make_drafter, shape=(2, 4), **static):
+  """`_decode` exported for TPU under a (2, 4) mesh (or `shape`) from abstract sharded weights:
+  the target, `make_drafter(abstract draft model)`, 8 prompts of 16 tokens split over "data"."""
   target, draft = models
-  mesh = sj.make_mesh((2, 4))
+  mesh = sj.make_mesh(shape)
   rows, replicated = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
   args = (
       _abstract_model(target, mesh),
@@ -584,17 +584,27 @@ def test_export_decode_for_tpu_on_a_2x4_mesh(models):
   assert "sdy.sharding_constraint" in text  # the forward pass's activation layout came along
 
 
-def test_export_tree_decode_for_tpu_on_a_2x4_mesh_with_the_fused_tree_kernel(models):
-  """A tree on sharded TPU weights: the Mosaic tree kernel runs inside the verify's shard_map
-  (Mosaic kernels cannot be partitioned automatically), in the same exported loop as chains."""
+@pytest.mark.parametrize("shape", [(8, 1), (2, 4)])
+def test_export_tree_decode_for_tpu_on_a_mesh(models, shape):
+  """A tree on sharded TPU weights. Rows split only, (8, 1): the Mosaic tree kernel runs inside
+  the verify's shard_map on each device's rows (Mosaic kernels cannot be partitioned
+  automatically). The vocabulary split too, (2, 4): the tree rule runs over each device's
+  vocabulary slice (`specjax.verify.tree_sharded`), and no device holds a row's whole vocabulary
+  of the tree's nodes."""
   spec = TREES["sampled"]
   exported, _ = _export_decode_on_a_2x4_mesh(
-      models, lambda draft: ModelTreeDrafter(draft, spec), num_draft=spec.depth,
+      models, lambda draft: ModelTreeDrafter(draft, spec), shape=shape, num_draft=spec.depth,
       verify_impl="auto")
   assert exported.platforms == ("tpu",) and exported.nr_devices == 8
   text = exported.mlir_module()
-  assert "tpu_custom_call" in text  # the fused tree kernel
   assert "sdy.manual_computation" in text  # inside shard_map
+  if shape == (8, 1):
+    assert "tpu_custom_call" in text  # the fused tree kernel
+  else:
+    # The shard_map body works on local slices: 8 / 2 rows, 1 + nodes, 128 / 4 ids (that the
+    # compiled program holds no gathered vocabulary is tests/verify/test_tree_sharded.py's check).
+    vocab, nodes = TARGET_CONFIG.vocab_size, spec.size + 1
+    assert f"tensor<4x{nodes}x{vocab // 4}xf32>" in text
 
 
 # --------------------------------------------------------------------------------------------
