@@ -65,7 +65,6 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
                  and (category == "all" or r["category"] == category)]
         calls = [r["calls"][entry.name] for r in group]
         rounds = sum(c["rounds"] for c in calls)
-        accepted = sum(c["accepted"] for c in calls)
         per_position = np.sum([c["accepted_per_position"] for c in calls], axis=0).tolist()
         a = per_token_acceptance(per_position, rounds)
         k = entry.num_draft
@@ -73,7 +72,9 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
         draft_ratio = entry.draft_ratio
         if draft_ratio is None and costs.get("draft_round_s", {}).get(entry.name) is not None:
           draft_ratio = costs["draft_round_s"][entry.name] / (k * costs["target_step_s"])
-        tokens_per_round = (accepted + rounds) / rounds if rounds else 0.0
+        # Tau: the tokens the calls emitted per round (a round cut at EOS or at the token limit
+        # emits fewer than its accepted drafts plus one).
+        tokens_per_round = sum(c["new_tokens"] for c in calls) / rounds if rounds else 0.0
         if entry.tree is None:
           bound = analytic_bound(a, k, draft_ratio or 0.0, verify_ratio)
         else:  # a tree: its measured tokens per round over a round at the full node budget

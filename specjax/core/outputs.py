@@ -14,13 +14,23 @@ import numpy as np
 class DecodeStats:
   """Per-row counters of one decoding call.
 
+  Every count describes what the row emitted: a draft the rule accepted but the round cut (after
+  an EOS token, or past `max_new_tokens`) is never emitted and is not counted as accepted.
+
   Attributes:
     rounds: `[B]` draft/verify rounds the row took part in (for `generate`: decode steps).
     drafted: `[B]` draft tokens proposed to the row.
-    accepted: `[B]` draft tokens accepted.
-    accepted_per_position: `[B, k]` how often the draft at position `j` of a round was accepted.
+    accepted: `[B]` draft tokens accepted and emitted.
+    accepted_per_position: `[B, k]` how often the draft at position `j` of a round was accepted
+      and emitted (a tree: the path node at depth `j + 1`); its sum over `j` is `accepted`.
     target_calls: `[B]` target forward passes (prefill included) while the row was live.
     draft_calls: `[B]` drafter forward passes while the row was live.
+    emitted: `[B]` tokens the row emitted (accepted drafts plus target tokens): the output's
+      `num_tokens`. Omitted, it is `rounds + accepted`, which holds wherever no round was cut (a
+      state before its first round, `generate`'s one token per step).
+    nonfinite: `[B]` bool, set when the target's logits at a position the row emitted from
+      held a NaN or an infinity (broken weights or an overflow): the row's tokens are then not the
+      target's. Set on device, no host sync; `generate` leaves it False. Omitted: all False.
   """
 
   rounds: jax.Array
@@ -29,6 +39,17 @@ class DecodeStats:
   accepted_per_position: jax.Array
   target_calls: jax.Array
   draft_calls: jax.Array
+  emitted: jax.Array | None = None
+  nonfinite: jax.Array | None = None
+
+  def __post_init__(self):
+    # Fills the two defaults from the row counters; a pytree unflatten always passes every
+    # field, so this runs only where a caller built the counters without them.
+    if isinstance(self.rounds, (jax.Array, np.ndarray)):
+      if self.emitted is None:
+        object.__setattr__(self, "emitted", self.rounds + self.accepted)
+      if self.nonfinite is None:
+        object.__setattr__(self, "nonfinite", jnp.zeros(self.rounds.shape, bool))
 
   @property
   def acceptance_rate(self) -> jax.Array:
@@ -42,24 +63,28 @@ class DecodeStats:
 
   @property
   def mean_accepted_length(self) -> jax.Array:
-    """Tokens produced per round (accepted drafts + the correction or bonus), per row."""
-    return jnp.where(self.rounds > 0,
-                     (self.accepted + self.rounds) / jnp.maximum(self.rounds, 1), 0.0)
+    """Tokens emitted per round (accepted drafts + the correction or bonus where the round was
+    not cut), per row (0 where the row had no round)."""
+    return jnp.where(self.rounds > 0, self.emitted / jnp.maximum(self.rounds, 1), 0.0)
 
   def summary(self) -> dict:
-    """Batch totals as plain Python numbers."""
+    """Batch totals as plain Python numbers (`tokens_per_round` = emitted tokens / rounds;
+    `nonfinite` = rows whose target logits were not finite)."""
     rounds = int(np.sum(self.rounds))
     drafted = int(np.sum(self.drafted))
     accepted = int(np.sum(self.accepted))
+    emitted = int(np.sum(self.emitted))
     return {
         "rounds": rounds,
         "drafted": drafted,
         "accepted": accepted,
+        "emitted": emitted,
         "acceptance_rate": accepted / drafted if drafted else 0.0,
-        "tokens_per_round": (accepted + rounds) / rounds if rounds else 0.0,
+        "tokens_per_round": emitted / rounds if rounds else 0.0,
         "accepted_per_position": np.asarray(self.accepted_per_position).sum(0).tolist(),
         "target_calls": int(np.max(self.target_calls)) if self.target_calls.size else 0,
         "draft_calls": int(np.max(self.draft_calls)) if self.draft_calls.size else 0,
+        "nonfinite": int(np.sum(self.nonfinite)),
     }
 
 

@@ -13,6 +13,10 @@ call per round. A round:
    Rejected drafts are rolled back by setting the target cache's length, never by copying. The
    drafter then observes the target's outputs over the block (`Drafter.observe`).
 
+Both the chain and the tree round end in `_advance`: the kept tokens are appended, rows stop at EOS
+or at their limit, and the stats count what was emitted (`DecodeStats`: a draft accepted by the
+rule but cut at EOS or at the limit is not counted).
+
 A tree drafter (`specjax.drafters.tree`, `decode(..., tree=TreeSpec(...))`) runs the same round with
 a tree proposal: `draft_step` returns a `specjax.trees.structure.Tree` of continuations below each
 row's last token, and `verify_block` scores `[last token, nodes]` in one forward with an ancestor
@@ -39,7 +43,7 @@ from specjax.core.cache import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
 from specjax.core.sampling import Sampling
-from specjax.loop.state import DecodeState, target_features
+from specjax.loop.state import DecodeState, DecodeStats, target_features
 from specjax.drafters.proposal import Proposal
 from specjax.core.sequence import gather_tokens
 from specjax.trees.structure import Tree, TreeSpec
@@ -94,10 +98,89 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
 
 
+def _keep(tokens, accepted, state: DecodeState):
+  """How many of a round's candidate tokens each row keeps.
+
+  Args:
+    tokens: `[B, W]` the rule's output: `accepted [B]` drafts (or path nodes), then the
+      correction or bonus, then padding.
+    accepted: `[B]` drafts the rule accepted, `accepted < W`.
+    state: the state before the round (`lengths`, `limits`, `eos_ids`, `done`).
+
+  Returns:
+    `(count [B], hit_eos [B])`: a live row keeps its tokens up to the correction, cut after its
+    first stop token (inclusive) and at its limit (`limits - lengths`); a done row keeps none.
+    `hit_eos`: the kept tokens end with a stop token.
+  """
+  width = tokens.shape[1]
+  index = jnp.arange(width, dtype=jnp.int32)
+  is_eos = is_eos_token(tokens, state.eos_ids) & (index[None] <= accepted[:, None])
+  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), width)
+  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - state.lengths)
+  count = jnp.where(state.done, 0, count)
+  return count, first_eos < count
+
+
+def _no_distribution(logits):
+  """`[B, T, V] -> [B, T]`: positions whose logits define no distribution (a NaN, a +inf, or no
+  logit above -inf). A -inf logit alone (a masked token) is a probability of 0 and is fine."""
+  return (jnp.any(~(logits < jnp.inf), axis=-1)  # NaN or +inf
+          | ~jnp.any(logits > -jnp.inf, axis=-1))
+
+
+def _nonfinite_emitted(bad, count):
+  """`bad [B, W]` at the positions a row emitted from (`index < count`), any per row: `[B]`."""
+  index = jnp.arange(bad.shape[1], dtype=jnp.int32)
+  return jnp.any(bad & (index[None] < count[:, None]), axis=1)
+
+
+def _count_round(stats: DecodeStats, live, drafted, accepted, count, nonfinite) -> DecodeStats:
+  """The stats after one round: `drafted [B]` proposed, `accepted [B]` accepted by the rule,
+  `count [B]` tokens emitted (0 for done rows) and `nonfinite [B]` from `_nonfinite_emitted`.
+
+  Only emitted drafts count as accepted: a round emits its accepted drafts plus the correction,
+  unless it is cut (at EOS or at the limit) before the correction, when it emits `count`
+  drafts. So the kept drafts are `min(accepted, count)`.
+  """
+  kept = jnp.minimum(accepted, count)
+  live_i = live.astype(jnp.int32)
+  positions = jnp.arange(stats.accepted_per_position.shape[1], dtype=jnp.int32)
+  return dataclasses.replace(
+      stats,
+      rounds=stats.rounds + live_i,
+      drafted=stats.drafted + drafted * live_i,
+      accepted=stats.accepted + kept,
+      accepted_per_position=stats.accepted_per_position
+      + (positions[None] < kept[:, None]).astype(jnp.int32),
+      target_calls=stats.target_calls + live_i,
+      emitted=stats.emitted + count,
+      nonfinite=stats.nonfinite | nonfinite)
+
+
+def _advance(state: DecodeState, tokens, *, accepted, count, hit_eos, drafted, nonfinite,
+             **fields) -> DecodeState:
+  """Appends each live row's `count` kept tokens of `tokens [B, W]` at its length, stops rows at
+  EOS (`hit_eos`) or at their limit, counts the round (`_count_round`) and replaces `fields`
+  (the caches). Done rows keep their tokens, length and stats."""
+  live = ~state.done
+  new_lengths = state.lengths + count
+  write = lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,))
+  written = jax.vmap(write)(state.tokens, tokens, state.lengths)  # past new_lengths: scratch
+  written = jnp.where(live[:, None], written, state.tokens)
+  done = state.done | hit_eos | (new_lengths >= state.limits)
+  stats = _count_round(state.stats, live, drafted, accepted, count, nonfinite)
+  return dataclasses.replace(state, tokens=written, lengths=new_lengths, done=done, stats=stats,
+                             **fields)
+
+
 def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, block, num_drafted,
                      width: int, *, sampling: Sampling, impl, defer: bool = False):
   """The target's forward over the first `width` positions of `block [B, k + 1]`, the rule, the
   kept counts and the drafter's `observe`, all at that width; tokens padded back to `k + 1`.
+
+  Returns `(tokens [B, k + 1], accepted [B], count [B], hit_eos [B], nonfinite [B], cache or
+  KVBlock, draft state)`: `count` and `hit_eos` from `_keep`, `nonfinite` from
+  `_nonfinite_emitted`.
 
   Every live row needs at most `width` positions (`num_drafted + 1 <= width`), so this is the
   full-width result: the rule keys its random numbers by position, the forward is causal, and
@@ -115,6 +198,7 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   scored = target(narrow, lengths - 1, state.target_cache, **kwargs)
   drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
   logits, slots = scored.logits, max(width - 1, 1)
+  bad = _no_distribution(logits)  # [B, width]
   if width == 1:  # no drafts: the rule with one unproposed slot gives the bonus from p
     logits = jnp.concatenate([logits, logits], axis=1)
     drafted = jnp.zeros_like(lengths)
@@ -123,18 +207,12 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
                          seeds=state.seeds, positions=lengths, num_drafted=drafted, impl=impl)
   result = result._replace(tokens=result.tokens[:, :width])
   accepted = result.num_accepted
-
-  # How many of the candidate tokens each row keeps: up to the correction, cut at EOS
-  # (inclusive) and at the row's limit.
-  index = jnp.arange(width, dtype=jnp.int32)
-  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
-  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), k + 1)
-  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
-  count = jnp.where(~state.done, count, 0)
+  count, hit_eos = _keep(result.tokens, accepted, state)
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
   written = scored.block_kv.padded(k + 1) if defer else scored.cache
-  return tokens, accepted, count, first_eos < count, written, draft_state
+  return (tokens, accepted, count, hit_eos, _nonfinite_emitted(bad, count), written,
+          draft_state)
 
 
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
@@ -179,37 +257,17 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
     branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
     out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
-  emitted, accepted, count, hit_eos, target_cache, draft_state = out
+  emitted, accepted, count, hit_eos, nonfinite, target_cache, draft_state = out
   if defer:
     target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
     axes = CACHE_AXES[1:] if target_cache.per_layer else CACHE_AXES  # as the forward's own write
     target_cache = dataclasses.replace(
         target_cache, k=jax.tree.map(lambda x: constrain(x, axes), target_cache.k),
         v=jax.tree.map(lambda x: constrain(x, axes), target_cache.v))
-  new_lengths = lengths + count
-
-  def write(row, new, start):
-    return jax.lax.dynamic_update_slice(row, new, (start,))
-
-  tokens = jax.vmap(write)(state.tokens, emitted, lengths)  # past new_lengths is scratch
-  done = state.done | (live & hit_eos) | (new_lengths >= state.limits)
-  target_cache = target_cache.with_lengths(new_lengths - 1)
-  index = jnp.arange(k + 1, dtype=jnp.int32)
-
-  live_i = live.astype(jnp.int32)
-  drafted = k if num_drafted is None else num_drafted
-  stats = state.stats
-  stats = dataclasses.replace(
-      stats,
-      rounds=stats.rounds + live_i,
-      drafted=stats.drafted + drafted * live_i,
-      accepted=stats.accepted + accepted * live_i,
-      accepted_per_position=stats.accepted_per_position
-      + (index[None, :k] < accepted[:, None]).astype(jnp.int32) * live_i[:, None],
-      target_calls=stats.target_calls + live_i,
-  )
-  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
-                             target_cache=target_cache, draft_state=draft_state, stats=stats)
+  target_cache = target_cache.with_lengths(lengths + count - 1)
+  return _advance(state, emitted, accepted=accepted, count=count, hit_eos=hit_eos,
+                  drafted=k if num_drafted is None else num_drafted, nonfinite=nonfinite,
+                  target_cache=target_cache, draft_state=draft_state)
 
 
 def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **features):
@@ -259,37 +317,20 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   result = verify_tree(scored.logits, tree, spec=spec, sampling=sampling, seeds=state.seeds,
                        positions=lengths, impl=impl)
   accepted = result.num_accepted
-  depth = spec.depth
-  index = jnp.arange(depth + 1, dtype=jnp.int32)
-  is_eos = is_eos_token(result.tokens, state.eos_ids) & (index[None] <= accepted[:, None])
-  first_eos = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1), depth + 1)
-  live = ~state.done
-  count = jnp.minimum(jnp.minimum(accepted + 1, first_eos + 1), state.limits - lengths)
-  count = jnp.where(live, count, 0)
-  new_lengths = lengths + count
-  write = lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,))
-  tokens = jax.vmap(write)(state.tokens, result.tokens, lengths)  # past new_lengths: scratch
-  tokens = jnp.where(live[:, None], tokens, state.tokens)
+  count, hit_eos = _keep(result.tokens, accepted, state)
+  # Emitted token j comes from the logits of the root (j = 0) or of path node j - 1 (row j).
+  rows = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path + 1], axis=1)
+  bad = jnp.take_along_axis(_no_distribution(scored.logits), rows, axis=1)  # [B, D + 1]
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
   cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
-  cache = cache.with_lengths(jnp.where(live, new_lengths - 1, lengths - 1))
-  done = state.done | (new_lengths >= state.limits) | (live & (first_eos <= accepted))
+  cache = cache.with_lengths(lengths + count - 1)  # a done row (count 0) keeps its length
   draft_state = drafter.observe_path(state.draft_state, scored, tree, root, result.path,
                                      result.tokens, count, lengths)
-  used = jnp.minimum(accepted, moved)  # accepted nodes that were kept
-  live_i = live.astype(jnp.int32)
-  stats = state.stats
-  stats = dataclasses.replace(
-      stats,
-      rounds=stats.rounds + live_i,
-      drafted=stats.drafted + live_i * jnp.sum(tree.valid, axis=1).astype(jnp.int32),
-      accepted=stats.accepted + used,
-      accepted_per_position=stats.accepted_per_position
-      + (jnp.arange(depth)[None] < used[:, None]).astype(jnp.int32),
-      target_calls=stats.target_calls + live_i)
-  return dataclasses.replace(state, tokens=tokens, lengths=new_lengths, done=done,
-                             target_cache=cache, draft_state=draft_state, stats=stats)
+  return _advance(state, result.tokens, accepted=accepted, count=count, hit_eos=hit_eos,
+                  drafted=jnp.sum(tree.valid, axis=1).astype(jnp.int32),
+                  nonfinite=_nonfinite_emitted(bad, count), target_cache=cache,
+                  draft_state=draft_state)
 
 
 def round_step(target, drafter, state: DecodeState, *, num_draft: int, sampling: Sampling,

@@ -36,7 +36,11 @@ class CacheSpec:
 
   Attributes:
     vocab_size: number of token ids (draft and target must agree).
-    max_len: the longest sequence (prompt + new tokens) the module supports.
+    max_len: the longest sequence (prompt + new tokens) the module supports. `specjax.decode`
+      runs up to it, and its last rounds call the module on drafts at positions up to
+      `max_len + k - 1`, which are never emitted: the module must keep their outputs finite (a
+      learned position table clips its index, as `specjax.models.flax_decoder` does), since a NaN
+      there can reach the row's emitted positions through attention.
     num_layers: layers with a key/value cache.
     num_kv_heads: key/value heads per layer.
     head_dim: width of one head.

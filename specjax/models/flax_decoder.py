@@ -5,9 +5,9 @@ keys and values of the block are written into the fixed-shape cache at each row'
 (`specjax.core.cache.write_block`) and the returned cache's lengths are `starts + T`. That is all
 `specjax.decode` needs from a model; `specjax.models.adapter` turns either module plus its
 parameters into a pytree following the specjax model protocol. They are deliberately plain
-(learned absolute positions, pre-norm, multi-head attention, GELU MLP): a template for adapting
-your own Flax model, not a replacement for the built-in Llama/Gemma decoder. Flax is not in the
-core install: `pip install 'specjax[train]'` brings it.
+(learned absolute positions, clipped to the table: `_positions`; pre-norm, multi-head attention,
+GELU MLP): a template for adapting your own Flax model, not a replacement for the built-in
+Llama/Gemma decoder. Flax is not in the core install: `pip install 'specjax[train]'` brings it.
 """
 
 from __future__ import annotations
@@ -64,8 +64,20 @@ def cached_attention(q, k, v, starts, cache: KVCache, layer: int):
   return out, cache
 
 
-def _positions(tokens, starts):
-  return starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)  # [B, T]
+def _positions(tokens, starts, max_len: int):
+  """`[B, T]` indices into the learned position table: `starts + t`, clipped to `max_len - 1`.
+
+  Speculative decoding feeds a round's drafts after each row's last token, so the last rounds of
+  a decode that runs to the full context (prompt + `max_new_tokens` = `max_len`) score drafts at
+  positions up to `max_len + k - 1`. Those drafts lie past every row's limit and are never
+  emitted, and causal attention keeps them out of the logits of every earlier position, so any
+  finite embedding there leaves the emitted tokens exact. An index past the table would not be
+  finite: `jnp.take` fills it with NaN, and the NaN values reach every position of the row's
+  block through the attention's `0 * NaN`. Clipping keeps them finite, and decode accepts every
+  prompt `generate` accepts, with no slots reserved for the last round.
+  """
+  positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+  return jnp.minimum(positions, max_len - 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +115,7 @@ class NNXDecoder(nnx.Module):
     self.head = nnx.Linear(config.embed_dim, config.vocab_size, use_bias=False, rngs=rngs)
 
   def __call__(self, tokens, starts, cache: KVCache):
-    x = self.embed(tokens) + self.position(_positions(tokens, starts))
+    x = self.embed(tokens) + self.position(_positions(tokens, starts, self.config.max_len))
     for layer, block in enumerate(self.blocks):
       x, cache = block(x, starts, cache, layer)
     logits = self.head(self.final_norm(x)).astype(jnp.float32)
@@ -138,7 +150,8 @@ class LinenDecoder(nn.Module):
   def __call__(self, tokens, starts, cache: KVCache):
     c = self.config
     x = (nn.Embed(c.vocab_size, c.embed_dim, name="embed")(tokens)
-         + nn.Embed(c.max_len, c.embed_dim, name="position")(_positions(tokens, starts)))
+         + nn.Embed(c.max_len, c.embed_dim, name="position")(
+             _positions(tokens, starts, c.max_len)))
     for layer in range(c.num_layers):
       x, cache = LinenBlock(c, name=f"block_{layer}")(x, starts, cache, layer)
     x = nn.RMSNorm(name="final_norm")(x)

@@ -89,3 +89,37 @@ def test_adapter_follows_the_model_protocol(kind):
   logits(model, tokens)
   changed = logits(jax.tree.map(lambda x: x * 1.5, model), tokens)
   assert len(traces) == 1 and not np.allclose(changed, full.logits)
+
+
+@pytest.mark.parametrize("kind,same,num_draft",
+                         [("nnx", True, 6), ("nnx", False, 2), ("nnx", False, 4),
+                          ("linen", True, 6)],
+                         ids=["nnx-draft=target-k6", "nnx-other-k2", "nnx-other-k4",
+                              "linen-draft=target-k6"])
+def test_decode_to_the_full_learned_position_table_equals_generate(kind, same, num_draft):
+  """Prompt + new tokens = max_len: the last rounds feed drafts at positions past the position
+  table; they are never emitted, and the tokens that are equal `generate`'s."""
+  config = DecoderConfig(vocab_size=24, embed_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
+                         max_len=32)
+  spec = CacheSpec.from_config(config)
+
+  def build(seed):
+    if kind == "nnx":
+      return from_nnx(NNXDecoder(config, rngs=nnx.Rngs(seed)), spec)
+    module = LinenDecoder(config)
+    cache = sj.KVCache.create(config.num_layers, 1, 4, config.num_heads, config.head_dim)
+    params = module.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32),
+                         jnp.zeros((1,), jnp.int32), cache)
+    return from_linen(module, params, spec)
+
+  target = build(0)
+  draft = target if same else build(7)
+  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 24, jnp.int32)
+  max_new = config.max_len - tokens.shape[1]
+  expected = sj.generate(target, tokens, jax.random.key(0), max_new_tokens=max_new)
+  out = sj.decode(target, draft, tokens, jax.random.key(0), max_new_tokens=max_new,
+                  num_draft=num_draft)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  assert not np.any(out.stats.nonfinite)
+  if same:  # every draft accepted: the last round's drafts lay past the table
+    assert int(np.max(out.stats.rounds)) * (num_draft + 1) > max_new
