@@ -79,13 +79,16 @@ def pytest_collection_modifyitems(config, items):
   """Tests marked `tpu` / `gpu` (compiled kernels) run only where that device exists."""
   del config
   for platform in ("tpu", "gpu"):
-    if any(platform in item.keywords for item in items) and not _has_platform(platform):
+    # The marker itself, not `item.keywords`: those also hold the test's package names, and the
+    # TPU compile tier (tests/tpu) runs on any host.
+    marked = [item for item in items if item.get_closest_marker(platform) is not None]
+    if marked and not _has_platform(platform):
       backend = "cuda" if platform == "gpu" else platform
       skip = pytest.mark.skip(reason=f"needs a {platform.upper()} (where there is one, "
                                      f"`pytest -m {platform}` or JAX_PLATFORMS={backend},cpu "
                                      "selects it)")
       for item in items:
-        if platform in item.keywords:
+        if item.get_closest_marker(platform) is not None:
           item.add_marker(skip)
 
 
