@@ -1,4 +1,5 @@
-"""specjax: exact speculative decoding in JAX, built for Cloud TPU."""
+"""specjax: exact speculative decoding in JAX for Cloud TPU (compiled for TPU in CI, not yet run
+on one; developed and measured on CPU)."""
 
 from specjax.core.cache import KVCache
 from specjax.io import from_gguf, from_hf, load, save
