@@ -30,6 +30,7 @@ from specjax.core.sampling import PURPOSE_DRAFT, first_argmax, sample_token
 from specjax.models import quant
 from specjax.models.cpu import panels as panel_layout
 from specjax.models.layers import _softcap
+from specjax.models.prefill import prefill as model_prefill
 from specjax.drafters.proposal import Proposal, check_confidence, top_probability
 from specjax.core.sequence import gather_tokens
 
@@ -188,7 +189,9 @@ class ModelDrafter(OwnModelDrafter):
         # callers donate (`decode_stream`, `specjax.tuning.calibrate`).
         return jax.tree.map(jnp.copy, target_cache).with_lengths(lengths - 1)
     cache = self.model.init_cache(batch, buffer_len)
-    cache = self.model(tokens, jnp.zeros((batch,), jnp.int32), cache).cache
+    # The target's prefill (one row of logits, chunks of a long prompt off CPU); only the cache
+    # is kept.
+    cache = model_prefill(self.model, tokens, cache, lengths).cache
     return cache.with_lengths(lengths - 1)  # the last prompt token is fed with the first draft
 
   # It tolerates rounds it was not asked to draft in (`AdaptiveDrafter` skips the drafter when no
@@ -300,6 +303,11 @@ def self_drafter(target, bits: int = 8, group: int | None = None, *,
   q, so the output is the target's whatever the copy's error.
   It starts from the target's keys and values over the prompt (`ModelDrafter.share_prompt`):
   a decode runs one prefill, not two.
+
+  It can be built inside the caller's `jax.jit` from traced weights (the current policy's copy,
+  in a training-eval or RL step, then `specjax.decode` with it there): the quantization is
+  `jax.numpy` (`specjax.quantize`) and the checks read shapes and settings only, so the copy is
+  the one built outside, bit for bit. `vocab` is read on the host: concrete ids.
 
   Args:
     target: the target `specjax.Model` (any layout; call `for_platform()` first on CPU).

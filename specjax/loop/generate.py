@@ -22,6 +22,7 @@ from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, s
 from specjax.core.sequence import clear_padding
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
+from specjax.models.prefill import prefill
 
 @precompilable
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
@@ -87,13 +88,14 @@ def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, samp
   seeds = row_seeds(rng, batch)  # [B]
 
   cache = model.init_cache(batch, width + capacity)
-  if getattr(model, "selects_logit_rows", False):  # score only each row's last prompt token
-    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache, logits_at=(lengths - 1)[:, None])
-    logits = prefill.logits[:, 0]
+  # The prefill `decode` runs too (its cache is the same); where the model selects logit rows it
+  # scores only each row's last prompt token.
+  out = prefill(model, tokens, cache, lengths)
+  if getattr(model, "selects_logit_rows", False):
+    logits = out.logits[:, 0]
   else:
-    prefill = model(tokens, jnp.zeros((batch,), jnp.int32), cache)
-    logits = last_logits(prefill.logits, lengths)
-  cache = prefill.cache.with_lengths(lengths)
+    logits = last_logits(out.logits, lengths)
+  cache = out.cache.with_lengths(lengths)
   first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
 
   out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)

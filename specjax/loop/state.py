@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from specjax.core.cache import KVCache
 from specjax.core.sequence import clear_padding
 from specjax.core.outputs import DecodeOutput, DecodeStats
+from specjax.models.prefill import prefill as model_prefill
 
 __all__ = ["DecodeOutput", "DecodeState", "DecodeStats", "init_state", "prefill", "finish",
            "target_features"]
@@ -48,10 +49,12 @@ def target_features(drafter) -> dict:
   return kwargs
 
 
-def prefill(model, tokens, cache, **features):
+def prefill(model, tokens, cache, lengths=None, **features):
   """The model's forward over right-padded prompts from position 0, with the `features` asked
-  for (`target_features`)."""
-  return model(tokens, jnp.zeros((tokens.shape[0],), jnp.int32), cache, **features)
+  for (`target_features`): `specjax.models.prefill.prefill` (from a model that
+  `selects_logit_rows`, the logits of each row's last prompt token only, `[B, 1, V]`; off CPU, a
+  large prompt batch in chunks)."""
+  return model_prefill(model, tokens, cache, lengths, **features)
 
 
 def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds, *,
@@ -70,14 +73,15 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
 
   Returns:
     The state before the first round. The drafter's `init` gets the target's prefill output
-    (with the taps and hidden state the drafter asks for).
+    (`prefill`: the taps and hidden state the drafter asks for; from a model that
+    `selects_logit_rows`, the logits of each row's last prompt token only, `[B, 1, V]`).
   """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
   # Verification writes k + 1 slots past a row's length (a tree drafter: its `extra_slots`).
   buffer_len = width + capacity + getattr(drafter, "extra_slots", num_draft + 1)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
-  out = prefill(target, tokens, target.init_cache(batch, buffer_len),
+  out = prefill(target, tokens, target.init_cache(batch, buffer_len), lengths,
                 **target_features(drafter))
   cache = out.cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
   zeros = jnp.zeros((batch,), jnp.int32)

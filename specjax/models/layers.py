@@ -4,9 +4,12 @@ activation. Pure functions of arrays, shared by the target forward and the draft
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from specjax.models import long_attention
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
 
@@ -52,10 +55,16 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False):
+def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False,
+              causal_block: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
   masking: the masks here, the math in `specjax.models.cpu.kernel.attention_reference` (one
   softmax over all segments; only the small scores are concatenated, never the keys).
+
+  A long block attending a cache (at least `long_attention.LONG_BLOCK` query rows, every `valid`
+  None or `[B, 1, S]`: a prompt's prefill) goes through `specjax.models.long_attention`, which
+  never holds the `[B, H, T, S]` scores off CPU (same math, a tile at a time; the splash kernel
+  on TPU where `causal_block`); on CPU it is this reference as before.
 
   Args:
     q: `[B, T, H, D]` queries.
@@ -68,6 +77,10 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     kernel: a cache and a block (two segments) of at most 8 query rows go through the CPU kernel
       `specjax.models.cpu.kernel.attention` (same math up to float32 rounding; XLA:CPU spends tens
       of microseconds on each of the two small products), where it is usable.
+    causal_block: the caller's promise that the last segment is the query block itself (its
+      `k_pos` is `q_pos`, its `valid` None) and that every valid key of the earlier segments lies
+      at or before every query's position and inside the window (a cache before the block): a
+      long block may then run the TPU kernel, whose masks are static.
 
   Returns:
     `[B, T, H * D]`.
@@ -75,6 +88,15 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
   b, t, h, d = q.shape
   kvh = segments[0][0].shape[1]
   q = q.reshape(b, t, kvh, h // kvh, d)
+  if long_attention.is_long(q, segments):
+    keys, values, k_pos, valid = zip(*segments)
+    out = long_attention.long_attention(
+        q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
+        softcap=config.attn_logit_softcap,
+        reference=functools.partial(cpu_gemv.attention_reference, scale=config.attention_scale,
+                                    softcap=config.attn_logit_softcap),
+        kernel_fits=long_attention.splash_fits(config, causal_block))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
   masks = []
   for _, _, k_pos, valid in segments:
     visible = k_pos[:, None, :] <= q_pos[:, :, None]  # [B, T, S]

@@ -363,7 +363,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     segments = [(k.swapaxes(1, 2), v.swapaxes(1, 2), q_pos, block_mask)]  # the block, causally
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
-    attn = attention(q, segments, q_pos, window, c, kernel=kernel and cache is not None)
+    # The block is causal over itself unless a tree's mask or positions say otherwise.
+    attn = attention(q, segments, q_pos, window, c, kernel=kernel and cache is not None,
+                     causal_block=block_mask is None and positions is None)
     x = x + project_out(attn, "wo", "post_attn_norm")
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
     if cpu:
