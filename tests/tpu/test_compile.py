@@ -1,0 +1,185 @@
+"""The compile tier: every specjax program compiles for TPU (libtpu's compiler, ahead of time).
+
+Each case of `specjax.testing.tpu_cases.CASES` (generate; decode with every drafter; every tree
+builder; decode_stream's and the audit's programs; the verify kernels called directly) is lowered
+and compiled for abstract TPU devices with `specjax.testing.tpu.compile_call`: Mosaic's VMEM
+budgets, block shapes and layouts and XLA:TPU's partitioner and memory are checked as on the
+chip, with nothing allocated. A compiler rejection fails the test with the compiler's message
+(`tpu.TpuCompileError`); nothing here is skipped or expected to fail, except that the whole
+module is skipped without libtpu (`pip install "jax[tpu]"`).
+
+Setup (`tpu_cases.Setup`): Qwen2.5-Coder 1.5B target and 0.5B draft widths, 2 layers each,
+vocabulary 151,936, 64-token prompts, 32 new tokens, `Sampling(temperature=0.7, top_k=50,
+top_p=0.9)`, k = 4.
+
+**Default selection** (CI step 1): every case once on "v5e-1" (one v5e chip, Colab's TPU) at
+batch 1, bfloat16, except `verify_sharded`, which needs a mesh that splits the vocabulary and runs
+on "v5e-1x4". Measured cost: see `DEFAULT_SECONDS` (seconds per case, one process, 2-core host);
+the cases in `DEFAULT_COSTLY` are moved to `costly` for time.
+
+**Costly** (CI step 2, `-m costly`), chosen by measured cost (`MATRIX_SECONDS`):
+  * `test_case_compiles` for `DEFAULT_COSTLY` (the default setup);
+  * `test_matrix`: the issue's table, "v5e-1x4" B = 8, "v6e-2x2" B = 64, "v5e-4x4" B = 64, plus
+    "v5p-1x4" B = 8, bfloat16, for `MATRIX_CASES` (generate, the draft model, the tree kernel's
+    heaviest users, the sharded and direct kernels: the programs whose partitioning or VMEM
+    blocks change with the mesh, the batch per device and the chip generation);
+  * `test_dtype_and_vocab`: float32 weights on "v5e-1" B = 1 and "v6e-2x2" B = 64, and Llama's
+    128,256 and Gemma's 262,144 vocabularies on "v5e-1" B = 1 and "v5e-1x4" B = 8, for
+    `VARIANT_CASES` (generate, the draft model, the dynamic tree).
+
+`test_vmem_overflow_is_a_compile_error` is the tier's negative control: a verify block forced
+past v5e's VMEM must be rejected by the compiler, naming the kernel and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import time
+
+import jax.numpy as jnp
+import pytest
+
+pytest.importorskip("libtpu")
+
+# Several processes (pytest-xdist workers, other compile-tier runs) may load libtpu at once: it
+# only compiles here, so its single-process lock does not apply.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from specjax.testing import tpu  # noqa: E402  (after the skip: the tier needs libtpu)
+from specjax.testing import tpu_cases as tc  # noqa: E402
+
+DEFAULT = tc.Setup()  # "v5e-1", B = 1, bfloat16, V = 151,936
+
+# Seconds to compile each case for its default setup (one process on a 2-core host shared with
+# other work; `python -m pytest tests/tpu/test_compile.py --durations=0`).
+DEFAULT_SECONDS: dict[str, float] = {
+    "tree_sampled_without_replacement": 77.6, "tree_dynamic_eagle3": 75.9,
+    "tree_sampled_eagle3": 43.4, "verify_sharded": 41.4, "tree_dynamic": 40.6,
+    "tree_static": 31.4, "draft_vocab": 28.3, "tree_sampled": 27.9, "adaptive": 27.1,
+    "audit_control": 23.8, "tree_static_eagle3": 22.3, "stream_round": 19.3, "self_int4": 18.9,
+    "self_q4": 17.5, "tree_static_medusa": 17.3, "eagle3_parallel": 15.5, "self_int8": 13.6,
+    "draft_model_confidence": 13.1, "hybrid": 10.9, "eagle3": 10.0, "mtp": 9.9, "medusa": 9.6,
+    "tree_ngram": 9.1, "tree_ngram_suffix": 9.0, "draft_model": 8.5, "draft_model_kernel": 8.3,
+    "stream_start": 7.6, "suffix": 5.5, "audit_scoring": 4.8, "generate": 4.7,
+    "tree_verify_sampled_without_replacement": 4.4, "ngram": 3.9}
+# Default-setup cases moved to `costly` for the default selection's time budget (every case over
+# 20 s, except the two programs whose VMEM and gathers the tier first caught: the dynamic tree and
+# the vocabulary-sharded verify). All 40 default-setup tests took 11:18 in one process.
+DEFAULT_COSTLY: frozenset[str] = frozenset(
+    name for name, seconds in DEFAULT_SECONDS.items()
+    if seconds > 20 and name not in ("tree_dynamic", "verify_sharded"))
+
+MATRIX = (("v5e-1x4", 8), ("v6e-2x2", 64), ("v5e-4x4", 64), ("v5p-1x4", 8))
+# In CI's costly step, on every topology: generate, the draft model (the chain kernel), n-gram (the
+# point-mass kernel), a sampled and the dynamic tree (the tree kernel, the sharded tree rule) and
+# the vocabulary-sharded verify: the programs whose partitioning or VMEM blocks change with the
+# mesh, the rows per device and the chip. Every other case on every topology runs under
+# `-m slow` (about 30 worker-minutes per topology on a 2-core host: before a release).
+MATRIX_CASES = ("generate", "draft_model", "ngram", "tree_sampled", "tree_dynamic",
+                "verify_sharded")
+VARIANT_CASES = ("generate", "draft_model", "tree_dynamic")
+DTYPE_SETUPS = (("v5e-1", 1), ("v6e-2x2", 64))
+VOCAB_SETUPS = (("v5e-1", 1), ("v5e-1x4", 8))
+
+
+def default_setup(case: tc.Case) -> tc.Setup:
+  """The setup a case runs on in the default selection."""
+  if case.needs_model_axis:
+    return dataclasses.replace(DEFAULT, topology="v5e-1x4")
+  return DEFAULT
+
+
+def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
+  """Compiles case `name` for `setup`; a compiler rejection fails the test with its message."""
+  start = time.perf_counter()
+  try:
+    compiled = tc.compile_case(name, setup)
+  except tpu.TpuCompileError as error:
+    pytest.fail(f"{name} [{setup.describe()}] does not compile for TPU:\n{error}", pytrace=False)
+  print(f"\n{name} [{setup.describe()}]: compiled in {time.perf_counter() - start:.1f} s, "
+        f"{compiled.total_bytes / 2**30:.2f} GiB per device")
+  return compiled
+
+
+def _default_params():
+  return [pytest.param(name, marks=[pytest.mark.costly] if name in DEFAULT_COSTLY else [],
+                       id=name) for name in tc.CASES]
+
+
+@pytest.mark.parametrize("name", _default_params())
+def test_case_compiles(name):
+  check_compiles(name, default_setup(tc.CASES[name]))
+
+
+def test_registry_describes_every_case():
+  for name, case in tc.CASES.items():
+    assert case.name == name
+    assert case.description and "\n" not in case.description, name
+
+
+def _matrix_params():
+  return [pytest.param(name, marks=[pytest.mark.costly] if name in MATRIX_CASES
+                       else [pytest.mark.slow], id=name) for name in tc.CASES]
+
+
+@pytest.mark.parametrize("name", _matrix_params())
+@pytest.mark.parametrize("topology, batch", MATRIX, ids=[f"{t}-B{b}" for t, b in MATRIX])
+def test_matrix(topology, batch, name):
+  check_compiles(name, dataclasses.replace(DEFAULT, topology=topology, batch=batch))
+
+
+def _variant_mark(name):
+  """The draft model (the chain kernel's blocks depend on dtype and vocabulary) in CI's costly
+  step; the other variants under `-m slow`."""
+  return pytest.mark.costly if name == "draft_model" else pytest.mark.slow
+
+
+def _variant_params():
+  params = []
+  for name in VARIANT_CASES:
+    for topology, batch in DTYPE_SETUPS:
+      params.append(pytest.param(name, topology, batch, jnp.float32, None,
+                                 marks=_variant_mark(name),
+                                 id=f"{name}-{topology}-B{batch}-f32"))
+    for vocab in (tc.VOCABS["llama"], tc.VOCABS["gemma"]):
+      for topology, batch in VOCAB_SETUPS:
+        params.append(pytest.param(name, topology, batch, jnp.bfloat16, vocab,
+                                   marks=_variant_mark(name),
+                                   id=f"{name}-{topology}-B{batch}-V{vocab}"))
+  return params
+
+
+@pytest.mark.parametrize("name, topology, batch, dtype, vocab", _variant_params())
+def test_dtype_and_vocab(name, topology, batch, dtype, vocab):
+  check_compiles(name, dataclasses.replace(DEFAULT, topology=topology, batch=batch, dtype=dtype,
+                                           vocab=vocab))
+
+
+def test_vmem_overflow_is_a_compile_error():
+  """The negative control: `fused_verify` on float32 `[16, 7, 151936]` target and `[16, 6,
+  151936]` draft logits with blocks of 8 rows x the whole vocabulary (two grid steps, so each
+  block is double-buffered: about 150 MiB) cannot fit v5e's 128 MiB of VMEM, and the compiler
+  must say so, naming the kernel. (`block_c` stays at the kernel's 2048-lane chunk: a body over
+  the whole 151,936-lane tile at once takes Mosaic many minutes to compile before it fails.)"""
+  from specjax.verify.kernels.blocks import MAX_CHUNK, BlockSizes  # pylint: disable=import-outside-toplevel
+  from specjax.verify.kernels.fused_verify import fused_verify  # pylint: disable=import-outside-toplevel
+
+  batch, vocab, k = 16, tc.VOCABS["qwen"], 6
+  setup = dataclasses.replace(DEFAULT, batch=batch)
+  args = (setup.rows((batch, k + 1, vocab), jnp.float32),
+          setup.rows((batch, k, vocab), jnp.float32), setup.rows((batch, k), jnp.int32),
+          setup.rows((batch,), jnp.uint32), setup.rows((batch,), jnp.int32))
+  blocks = BlockSizes(block_v=1 << 20, block_b=8, block_c=MAX_CHUNK)  # tile = whole vocabulary
+
+  def fn(target, draft, tokens, seeds, positions):
+    return fused_verify(target, draft, tokens, sampling=setup.sampling, seeds=seeds,
+                        positions=positions, block_sizes=blocks)
+
+  with pytest.raises(tpu.TpuCompileError) as raised:
+    tpu.compile_call(fn, *args, mesh=setup.mesh)
+  message = str(raised.value)
+  assert "fused_verify" in message, message[:3000]
+  assert re.search(r"memory space vmem|vmem capacity|scoped ?vmem", message, re.IGNORECASE), (
+      message[:3000])
