@@ -12,20 +12,29 @@ Setup (`tpu_cases.Setup`): Qwen2.5-Coder 1.5B target and 0.5B draft widths, 2 la
 vocabulary 151,936, 64-token prompts, 32 new tokens, `Sampling(temperature=0.7, top_k=50,
 top_p=0.9)`, k = 4.
 
+Costs: seconds per compile, one process on a 2-core host that other work shared (load average 1
+to 7 while measuring; an idle host is faster): `DEFAULT_SECONDS`, `MATRIX_SECONDS`.
+
 **Default selection** (CI step 1): every case once on "v5e-1" (one v5e chip, Colab's TPU) at
 batch 1, bfloat16, except `verify_sharded`, which needs a mesh that splits the vocabulary and runs
-on "v5e-1x4". Measured cost: see `DEFAULT_SECONDS` (seconds per case, one process, 2-core host);
-the cases in `DEFAULT_COSTLY` are moved to `costly` for time.
+on "v5e-1x4"; the cases in `DEFAULT_COSTLY` (over 20 s, except the dynamic tree and the sharded
+verify) move to `costly`. Measured: about 320 s for the default selection and 360 s for
+`DEFAULT_COSTLY` (all 40 default-setup tests 11:18 in one process; 13:22, about 450 s and 350 s,
+in a run at load average 5).
 
-**Costly** (CI step 2, `-m costly`), chosen by measured cost (`MATRIX_SECONDS`):
+**Costly** (CI step 2, `-m costly`), chosen by measured cost:
   * `test_case_compiles` for `DEFAULT_COSTLY` (the default setup);
-  * `test_matrix`: the issue's table, "v5e-1x4" B = 8, "v6e-2x2" B = 64, "v5e-4x4" B = 64, plus
-    "v5p-1x4" B = 8, bfloat16, for `MATRIX_CASES` (generate, the draft model, the tree kernel's
-    heaviest users, the sharded and direct kernels: the programs whose partitioning or VMEM
-    blocks change with the mesh, the batch per device and the chip generation);
-  * `test_dtype_and_vocab`: float32 weights on "v5e-1" B = 1 and "v6e-2x2" B = 64, and Llama's
-    128,256 and Gemma's 262,144 vocabularies on "v5e-1" B = 1 and "v5e-1x4" B = 8, for
-    `VARIANT_CASES` (generate, the draft model, the dynamic tree).
+  * `test_matrix` for `MATRIX_CASES` on the issue's table, "v5e-1x4" B = 8, "v6e-2x2" B = 64,
+    "v5e-4x4" B = 64, plus "v5p-1x4" B = 8, bfloat16 (about 780 s): generate, the draft model,
+    the vocabulary-sharded verify, and the verify kernels under `shard_map` at the chain's and
+    the largest and dynamic trees' shapes: the programs whose partitioning, rows per device and
+    VMEM blocks change with the mesh and the chip. A decode compiles 5 to 20 times slower on
+    these meshes than on one chip (`MATRIX_SECONDS`), so every other case there is `slow`
+    (`-m slow`, before a release; not timed as a whole: at those ratios, hours per topology);
+  * `test_dtype_and_vocab`: the draft model with float32 weights and with Llama's 128,256 and
+    Gemma's 262,144 vocabularies (at the same widths) on "v5e-1" B = 1 (about 50 s); the same
+    on "v6e-2x2" B = 64 (float32) and "v5e-1x4" B = 8 (vocabularies), and generate and the
+    dynamic tree in every variant, under `slow`.
 
 `test_vmem_overflow_is_a_compile_error` is the tier's negative control: a verify block forced
 past v5e's VMEM must be rejected by the compiler, naming the kernel and the limit.
@@ -49,6 +58,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from specjax.testing import tpu  # noqa: E402  (after the skip: the tier needs libtpu)
 from specjax.testing import tpu_cases as tc  # noqa: E402
+from specjax.verify.kernels.blocks import MAX_CHUNK, BlockSizes  # noqa: E402
+from specjax.verify.kernels.fused_verify import fused_verify  # noqa: E402
 
 DEFAULT = tc.Setup()  # "v5e-1", B = 1, bfloat16, V = 151,936
 
@@ -72,13 +83,29 @@ DEFAULT_COSTLY: frozenset[str] = frozenset(
     if seconds > 20 and name not in ("tree_dynamic", "verify_sharded"))
 
 MATRIX = (("v5e-1x4", 8), ("v6e-2x2", 64), ("v5e-4x4", 64), ("v5p-1x4", 8))
-# In CI's costly step, on every topology: generate, the draft model (the chain kernel), n-gram (the
-# point-mass kernel), a sampled and the dynamic tree (the tree kernel, the sharded tree rule) and
-# the vocabulary-sharded verify: the programs whose partitioning or VMEM blocks change with the
-# mesh, the rows per device and the chip. Every other case on every topology runs under
-# `-m slow` (about 30 worker-minutes per topology on a 2-core host: before a release).
-MATRIX_CASES = ("generate", "draft_model", "ngram", "tree_sampled", "tree_dynamic",
-                "verify_sharded")
+# Seconds per compile on the matrix's topologies (bfloat16; same host as `DEFAULT_SECONDS`).
+MATRIX_SECONDS = {
+    "v5e-1x4": dict(generate=19.3, draft_model=71.1, ngram=37.1, eagle3=115.8, tree_dynamic=104.5,
+                    fused_verify=4.7, fused_verify_point_mass=3.5, verify_sharded=43.7,
+                    tree_verify_sampled_without_replacement=8.9, tree_verify_dynamic=2.1),
+    "v5p-1x4": dict(generate=14.4, draft_model=95.7, ngram=37.6, eagle3=125.7, tree_dynamic=73.0,
+                    fused_verify=6.2, fused_verify_point_mass=2.6, verify_sharded=58.4,
+                    tree_verify_sampled_without_replacement=8.9, tree_verify_dynamic=1.9),
+    "v6e-2x2": dict(generate=30.0, draft_model=165.5, ngram=90.5, eagle3=141.1,
+                    tree_dynamic=100.4, fused_verify=8.5, fused_verify_point_mass=2.9,
+                    verify_sharded=76.3, tree_verify_sampled_without_replacement=11.8,
+                    tree_verify_dynamic=1.9),
+    "v5e-4x4": dict(generate=13.9, draft_model=64.3, ngram=28.0, eagle3=110.4, tree_dynamic=90.6,
+                    fused_verify=4.4, fused_verify_point_mass=2.6, verify_sharded=42.6,
+                    tree_verify_sampled_without_replacement=8.8, tree_verify_dynamic=1.7),
+}
+# In CI's costly step, on every topology (about 780 s in all): generate, the draft model (the
+# chain kernel inside decode), the vocabulary-sharded verify, and the kernels under `shard_map`
+# (point-mass chain, the largest and the dynamic tree). Every other case on every topology runs
+# under `-m slow`.
+MATRIX_CASES = ("generate", "draft_model", "verify_sharded", "fused_verify",
+                "fused_verify_point_mass", "tree_verify_sampled_without_replacement",
+                "tree_verify_dynamic")
 VARIANT_CASES = ("generate", "draft_model", "tree_dynamic")
 DTYPE_SETUPS = (("v5e-1", 1), ("v6e-2x2", 64))
 VOCAB_SETUPS = (("v5e-1", 1), ("v5e-1x4", 8))
@@ -130,10 +157,10 @@ def test_matrix(topology, batch, name):
   check_compiles(name, dataclasses.replace(DEFAULT, topology=topology, batch=batch))
 
 
-def _variant_mark(name):
-  """The draft model (the chain kernel's blocks depend on dtype and vocabulary) in CI's costly
-  step; the other variants under `-m slow`."""
-  return pytest.mark.costly if name == "draft_model" else pytest.mark.slow
+def _variant_mark(name, topology):
+  """The draft model on one chip (the chain kernel's blocks depend on dtype and vocabulary) in
+  CI's costly step; the other variants under `-m slow`."""
+  return pytest.mark.costly if (name, topology) == ("draft_model", "v5e-1") else pytest.mark.slow
 
 
 def _variant_params():
@@ -141,12 +168,12 @@ def _variant_params():
   for name in VARIANT_CASES:
     for topology, batch in DTYPE_SETUPS:
       params.append(pytest.param(name, topology, batch, jnp.float32, None,
-                                 marks=_variant_mark(name),
+                                 marks=_variant_mark(name, topology),
                                  id=f"{name}-{topology}-B{batch}-f32"))
     for vocab in (tc.VOCABS["llama"], tc.VOCABS["gemma"]):
       for topology, batch in VOCAB_SETUPS:
         params.append(pytest.param(name, topology, batch, jnp.bfloat16, vocab,
-                                   marks=_variant_mark(name),
+                                   marks=_variant_mark(name, topology),
                                    id=f"{name}-{topology}-B{batch}-V{vocab}"))
   return params
 
@@ -163,9 +190,6 @@ def test_vmem_overflow_is_a_compile_error():
   block is double-buffered: about 150 MiB) cannot fit v5e's 128 MiB of VMEM, and the compiler
   must say so, naming the kernel. (`block_c` stays at the kernel's 2048-lane chunk: a body over
   the whole 151,936-lane tile at once takes Mosaic many minutes to compile before it fails.)"""
-  from specjax.verify.kernels.blocks import MAX_CHUNK, BlockSizes  # pylint: disable=import-outside-toplevel
-  from specjax.verify.kernels.fused_verify import fused_verify  # pylint: disable=import-outside-toplevel
-
   batch, vocab, k = 16, tc.VOCABS["qwen"], 6
   setup = dataclasses.replace(DEFAULT, batch=batch)
   args = (setup.rows((batch, k + 1, vocab), jnp.float32),
