@@ -54,7 +54,7 @@ def _compiled(program: str, length: int) -> tpu.Compiled:
   return tpu.compile_call(run, target, draft, tokens, rng, mesh=mesh)
 
 
-@pytest.mark.parametrize("program", ["generate", "decode"])
+@pytest.mark.parametrize("program", ["generate", pytest.param("decode", marks=pytest.mark.costly)])
 def test_temporaries_grow_linearly_in_the_prompt(program):
   short, long = _compiled(program, SHORT), _compiled(program, LONG)
   ratio = long.temp_bytes / short.temp_bytes

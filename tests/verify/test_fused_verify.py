@@ -180,7 +180,8 @@ class TestFusedVerify:
     # Not vacuous: the cases had rejections and accepted drafts.
     assert accepted.min() < 1 and accepted.max() > 0
 
-  @pytest.mark.parametrize("sampling", [SAMPLINGS[0], SAMPLINGS[4]], ids=str)
+  @pytest.mark.parametrize("sampling", [SAMPLINGS[0], pytest.param(
+      SAMPLINGS[4], marks=pytest.mark.costly)], ids=str)  # thresholds: about 30 s each
   @pytest.mark.parametrize("with_draft_logits", [True, False], ids=["q", "point_mass"])
   def test_chunks_inside_a_tile(self, sampling, with_draft_logits):
     # The body walks each resident tile in chunks of block_c lanes (`over_chunks`), as it does on

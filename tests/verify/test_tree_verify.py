@@ -221,8 +221,9 @@ def test_kernel_equals_reference(mode, rule, setting, shape):
   assert accepted.min() == 0 and accepted.max() >= (1 if shape == WIDE else 2)
 
 
-@pytest.mark.parametrize("rule,setting", [("match", "greedy"),
-                                          ("without_replacement", "t0.9_topk40_topp0.95")])
+@pytest.mark.parametrize("rule,setting", [
+    ("match", "greedy"),
+    pytest.param("without_replacement", "t0.9_topk40_topp0.95", marks=pytest.mark.costly)])
 def test_chunks_inside_a_tile_equal_the_reference(rule, setting):
   # The body walks each resident tile in chunks of block_c lanes, as on TPU: tiles of 640 in
   # chunks of 256 + 256 + 128 over V = 1000 (the last tile ragged), then one whole-axis tile of
