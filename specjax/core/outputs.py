@@ -26,11 +26,10 @@ class DecodeStats:
     target_calls: `[B]` target forward passes (prefill included) while the row was live.
     draft_calls: `[B]` drafter forward passes while the row was live.
     emitted: `[B]` tokens the row emitted (accepted drafts plus target tokens): the output's
-      `num_tokens`. Omitted, it is `rounds + accepted`, which holds wherever no round was cut (a
-      state before its first round, `generate`'s one token per step).
+      `num_tokens`.
     nonfinite: `[B]` bool, set when the target's logits at a position the row emitted from
       held a NaN or an infinity (broken weights or an overflow): the row's tokens are then not the
-      target's. Set on device, no host sync; `generate` leaves it False. Omitted: all False.
+      target's. Set on device, no host sync; `generate` leaves it False.
   """
 
   rounds: jax.Array
@@ -39,17 +38,8 @@ class DecodeStats:
   accepted_per_position: jax.Array
   target_calls: jax.Array
   draft_calls: jax.Array
-  emitted: jax.Array | None = None
-  nonfinite: jax.Array | None = None
-
-  def __post_init__(self):
-    # Fills the two defaults from the row counters; a pytree unflatten always passes every
-    # field, so this runs only where a caller built the counters without them.
-    if isinstance(self.rounds, (jax.Array, np.ndarray)):
-      if self.emitted is None:
-        object.__setattr__(self, "emitted", self.rounds + self.accepted)
-      if self.nonfinite is None:
-        object.__setattr__(self, "nonfinite", jnp.zeros(self.rounds.shape, bool))
+  emitted: jax.Array
+  nonfinite: jax.Array
 
   @property
   def acceptance_rate(self) -> jax.Array:

@@ -123,5 +123,6 @@ def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, samp
   zeros = jnp.zeros((batch,), jnp.int32)
   stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
                       accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
-                      target_calls=num_tokens, draft_calls=zeros)
+                      target_calls=num_tokens, draft_calls=zeros, emitted=num_tokens,
+                      nonfinite=jnp.zeros((batch,), bool))
   return DecodeOutput(out, num_tokens, stats)
