@@ -43,7 +43,6 @@ past v5e's VMEM must be rejected by the compiler, naming the kernel and the limi
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import time
 
@@ -51,10 +50,6 @@ import jax.numpy as jnp
 import pytest
 
 pytest.importorskip("libtpu")
-
-# Several processes (pytest-xdist workers, other compile-tier runs) may load libtpu at once: it
-# only compiles here, so its single-process lock does not apply.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from specjax.testing import tpu  # noqa: E402  (after the skip: the tier needs libtpu)
 from specjax.testing import tpu_cases as tc  # noqa: E402
