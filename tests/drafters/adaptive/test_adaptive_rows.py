@@ -298,7 +298,10 @@ def test_a_drafter_that_always_agrees_drafts_k_and_one_that_never_does_drafts_no
   first = int(drafter.limits(drafter.init(tokens, lengths, 16, None))[0])
   assert (plan.max_draft, first) == (4, 3)
   assert perfect["drafted"] == 4 * perfect["rounds"] - 3 * (4 - first)
-  assert perfect["accepted"] == perfect["drafted"]
+  # Every draft is accepted; only a row's last round, cut at its limit, emits fewer than it drafted
+  # (at least 1 of its 4), and an uncut round emits its drafts and the bonus.
+  assert 0 <= perfect["drafted"] - perfect["accepted"] <= 3 * 3
+  assert perfect["emitted"] >= perfect["accepted"] + perfect["rounds"] - 3
   stranger = sj.init_params(tiny_config(vocab_size=VOCAB, num_layers=1), jax.random.key(99))
   poor = _greedy_equals_generate(target, sj.ModelDrafter(stranger), tokens, lengths, FLAT,
                                  max_new=48, token_stop=False)
