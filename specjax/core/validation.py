@@ -77,13 +77,29 @@ def check_count(value, name: str, minimum: int = 1) -> int:
   return int(value)
 
 
-def check_context(lengths, width: int, max_new_tokens: int, max_len: int, what: str = "model"):
-  """Prompt plus new tokens must fit the model's context."""
+def check_context(lengths, width: int, max_new_tokens: int, max_len: int, what: str = "model",
+                  reserved: int = 0):
+  """Prompt plus new tokens (plus `reserved` positions, `reserved_positions`) must fit the
+  model's context."""
   longest = int(np.max(np.asarray(lengths))) if is_concrete(lengths) else width
-  if longest + max_new_tokens > max_len:
-    raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens} = "
-                     f"{longest + max_new_tokens} exceeds the {what}'s context of {max_len} "
-                     "tokens")
+  if longest + max_new_tokens + reserved > max_len:
+    plus = (f" + {reserved} positions the last round scores past the new tokens (the {what} "
+            "does not declare finite_past_max_len: see specjax.models.adapter.CacheSpec)"
+            if reserved else "")
+    raise ValueError(f"prompt length {longest} + max_new_tokens {max_new_tokens}{plus} = "
+                     f"{longest + max_new_tokens + reserved} exceeds the {what}'s context of "
+                     f"{max_len} tokens")
+
+
+def reserved_positions(model, num_draft: int) -> int:
+  """Positions a decode must keep free at the end of `model`'s context for its last round.
+
+  A round calls the model on up to `num_draft` positions past each row's last token. A model
+  that declares `finite_past_max_len` (rotary positions, a clipped position table) needs none; any
+  other model (one specjax cannot inspect, e.g. a Flax module whose table would be indexed past
+  its end) gets `num_draft`, so every position it is called at lies inside its context.
+  """
+  return 0 if model is None or getattr(model, "finite_past_max_len", False) else num_draft
 
 
 def check_rng(rng, batch: int | None = None):

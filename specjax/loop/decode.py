@@ -131,11 +131,15 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({drafter.vocab_size}) does not match the target's "
                      f"({target.vocab_size}): speculative decoding needs one shared tokenizer")
+  # A tree's scratch already lies past the new tokens; a chain's last round may score up to k
+  # positions past them, which a model must either survive or have reserved.
+  reserve = lambda model: 0 if tree is not None else validation.reserved_positions(model,
+                                                                                    num_draft)
   validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch, target.max_len,
-                           "target")
+                           "target", reserve(target))
   if hasattr(drafter, "max_len"):
     validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch,
-                             drafter.max_len, "draft")
+                             drafter.max_len, "draft", reserve(getattr(drafter, "model", None)))
   rng = validation.check_rng(rng, tokens.shape[0])
   eos_ids = jnp.array(validation.check_eos(eos_id, target.vocab_size), jnp.int32)
   validation.check_sampling(sampling)

@@ -36,15 +36,20 @@ class CacheSpec:
 
   Attributes:
     vocab_size: number of token ids (draft and target must agree).
-    max_len: the longest sequence (prompt + new tokens) the module supports. `specjax.decode`
-      runs up to it, and its last rounds call the module on drafts at positions up to
-      `max_len + k - 1`, which are never emitted: the module must keep their outputs finite (a
-      learned position table clips its index, as `specjax.models.flax_decoder` does), since a NaN
-      there can reach the row's emitted positions through attention.
+    max_len: the longest sequence (prompt + new tokens) the module supports.
     num_layers: layers with a key/value cache.
     num_kv_heads: key/value heads per layer.
     head_dim: width of one head.
     dtype: cache dtype.
+    finite_past_max_len: whether the module's outputs stay finite when it is called at positions
+      `>= max_len` (rotary positions, or a learned table that clips its index as
+      `specjax.models.flax_decoder` does). A round scores `k` drafts after each row's last token,
+      so near the end of the context it calls the model at positions up to
+      `prompt + max_new_tokens + k - 1`; those drafts are never emitted, but a NaN there reaches
+      the row's emitted positions through attention. True: `decode` runs to the full context,
+      like `generate`. False (the default, for a module specjax cannot inspect): `decode`
+      reserves the last round's positions inside the context and refuses, before compiling, a
+      call whose `prompt + max_new_tokens + k` exceeds `max_len`.
   """
 
   vocab_size: int
@@ -53,12 +58,15 @@ class CacheSpec:
   num_kv_heads: int
   head_dim: int
   dtype: Any = jnp.float32
+  finite_past_max_len: bool = False
 
   @classmethod
-  def from_config(cls, config, dtype=jnp.float32) -> "CacheSpec":
+  def from_config(cls, config, dtype=jnp.float32, *,
+                  finite_past_max_len: bool = False) -> "CacheSpec":
     """From a config with `vocab_size, max_len, num_layers, num_heads, head_dim` fields."""
     return cls(config.vocab_size, config.max_len, config.num_layers,
-               getattr(config, "num_kv_heads", config.num_heads), config.head_dim, dtype)
+               getattr(config, "num_kv_heads", config.num_heads), config.head_dim, dtype,
+               finite_past_max_len)
 
 
 class _Protocol:
@@ -73,6 +81,10 @@ class _Protocol:
   @property
   def max_len(self) -> int:
     return self.spec.max_len
+
+  @property
+  def finite_past_max_len(self) -> bool:
+    return self.spec.finite_past_max_len
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
     s = self.spec

@@ -95,6 +95,10 @@ class Model:
   def max_len(self) -> int:
     return self.config.max_len
 
+  # Rotary positions are computed, not looked up: a call past `max_len` (a round's drafts near the
+  # end of the context, never emitted) stays finite, so `decode` runs to the full context.
+  finite_past_max_len = True
+
   @property
   def dtype(self):
     return self.params["embed"].dtype

@@ -356,3 +356,24 @@ def test_stream_equals_decode_and_donates_the_state(target, draft, batch):
       rows[b] += new[b].tolist()
   for b in range(3):
     assert rows[b] == np.asarray(out.tokens[b, :out.num_tokens[b]]).tolist()
+
+
+@pytest.mark.parametrize("same,num_draft", [(True, 5), (False, 3)],
+                         ids=["draft=target-k5", "other-k3"])
+def test_a_rope_model_decodes_to_its_full_context(same, num_draft):
+  """Prompt + max_new_tokens = max_len for a rotary-position model: nothing is reserved (its
+  positions are computed, `finite_past_max_len`), the last round scores drafts past the context,
+  and the tokens equal `generate`'s."""
+  config = tiny_config(vocab_size=VOCAB, max_len=32)
+  target = sj.init_params(config, jax.random.key(0))
+  draft = target if same else sj.init_params(config, jax.random.key(5))
+  # 14 new tokens = the prefill's token, 2 full rounds of k + 1 = 6, and one token to go: the last
+  # round scores k = 5 drafts past it, 4 of them past the context.
+  tokens = jax.random.randint(jax.random.key(3), (2, 18), 1, VOCAB, jnp.int32)
+  expected = sj.generate(target, tokens, jax.random.key(0), max_new_tokens=14)
+  out = sj.decode(target, draft, tokens, jax.random.key(0), max_new_tokens=14,
+                  num_draft=num_draft)
+  np.testing.assert_array_equal(out.tokens, expected.tokens)
+  assert not np.any(np.asarray(out.stats.nonfinite))
+  if same:
+    assert int(np.max(out.stats.rounds)) == 3

@@ -91,35 +91,102 @@ def test_adapter_follows_the_model_protocol(kind):
   assert len(traces) == 1 and not np.allclose(changed, full.logits)
 
 
-@pytest.mark.parametrize("kind,same,num_draft",
-                         [("nnx", True, 6), ("nnx", False, 2), ("nnx", False, 4),
-                          ("linen", True, 6)],
-                         ids=["nnx-draft=target-k6", "nnx-other-k2", "nnx-other-k4",
-                              "linen-draft=target-k6"])
-def test_decode_to_the_full_learned_position_table_equals_generate(kind, same, num_draft):
-  """Prompt + new tokens = max_len: the last rounds feed drafts at positions past the position
-  table; they are never emitted, and the tokens that are equal `generate`'s."""
-  config = DecoderConfig(vocab_size=24, embed_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
-                         max_len=32)
-  spec = CacheSpec.from_config(config)
+FULL = DecoderConfig(vocab_size=24, embed_dim=16, num_layers=2, num_heads=2, mlp_dim=32,
+                     max_len=32)
 
-  def build(seed):
-    if kind == "nnx":
-      return from_nnx(NNXDecoder(config, rngs=nnx.Rngs(seed)), spec)
-    module = LinenDecoder(config)
-    cache = sj.KVCache.create(config.num_layers, 1, 4, config.num_heads, config.head_dim)
-    params = module.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32),
-                         jnp.zeros((1,), jnp.int32), cache)
-    return from_linen(module, params, spec)
 
-  target = build(0)
-  draft = target if same else build(7)
-  tokens = jax.random.randint(jax.random.key(2), (2, 8), 0, 24, jnp.int32)
-  max_new = config.max_len - tokens.shape[1]
+class UnclippedNNXDecoder(NNXDecoder):
+  """The NNX template indexing its position table at `starts + t` unclipped, as a user's module
+  might: past the table `nnx.Embed` returns NaN."""
+
+  def __call__(self, tokens, starts, cache):
+    positions = starts[:, None] + jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = self.embed(tokens) + self.position(positions)
+    for layer, block in enumerate(self.blocks):
+      x, cache = block(x, starts, cache, layer)
+    logits = self.head(self.final_norm(x)).astype(jnp.float32)
+    return logits, cache.with_lengths(starts + tokens.shape[1])
+
+
+def _template(kind, seed, *, finite_past_max_len=True):
+  spec = CacheSpec.from_config(FULL, finite_past_max_len=finite_past_max_len)
+  if kind == "nnx":
+    return from_nnx(NNXDecoder(FULL, rngs=nnx.Rngs(seed)), spec)
+  if kind == "unclipped":
+    return from_nnx(UnclippedNNXDecoder(FULL, rngs=nnx.Rngs(seed)), spec)
+  module = LinenDecoder(FULL)
+  cache = sj.KVCache.create(FULL.num_layers, 1, 4, FULL.num_heads, FULL.head_dim)
+  params = module.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32),
+                       jnp.zeros((1,), jnp.int32), cache)
+  return from_linen(module, params, spec)
+
+
+def _decode_matches_generate(target, draft, num_draft, max_new, prompt=8):
+  """Greedy `decode` of two `prompt`-token prompts, `max_new` new tokens: whether its tokens equal
+  `generate`'s and no row was flagged non-finite; and the highest position it fed the target."""
+  tokens = jax.random.randint(jax.random.key(2), (2, prompt), 0, FULL.vocab_size, jnp.int32)
   expected = sj.generate(target, tokens, jax.random.key(0), max_new_tokens=max_new)
   out = sj.decode(target, draft, tokens, jax.random.key(0), max_new_tokens=max_new,
                   num_draft=num_draft)
-  np.testing.assert_array_equal(out.tokens, expected.tokens)
-  assert not np.any(out.stats.nonfinite)
-  if same:  # every draft accepted: the last round's drafts lay past the table
-    assert int(np.max(out.stats.rounds)) * (num_draft + 1) > max_new
+  same = (np.array_equal(out.tokens, expected.tokens)
+          and not np.any(np.asarray(out.stats.nonfinite)))
+  return same, out.stats
+
+
+def _full_context_prompt(num_draft):
+  """A prompt length whose full-context decode ends with one token to go when every draft is
+  accepted: new tokens = 1 + a multiple of k + 1, so the last round scores positions up to
+  `max_len + k - 2`, past the table."""
+  return FULL.max_len - (1 + (num_draft + 1) * (20 // (num_draft + 1)))
+
+
+def _case(kind, same, k):
+  marks = () if (kind, same, k) in FULL_DEFAULT else (pytest.mark.costly,)
+  return pytest.param(kind, same, k, marks=marks,
+                      id=f"{kind}-{'draft=target' if same else 'other'}-k{k}")
+
+
+FULL_DEFAULT = {("nnx", True, 6), ("nnx", False, 3), ("linen", True, 4)}
+FULL_CASES = ([_case("nnx", same, k) for same in (True, False) for k in range(2, 9)]
+              + [_case("linen", True, 4), _case("linen", False, 7)])
+
+
+@pytest.mark.parametrize("kind,same,num_draft", FULL_CASES)
+def test_decode_to_the_full_learned_position_table_equals_generate(kind, same, num_draft):
+  """Prompt + new tokens = max_len 32, k = 2..8, the draft the target or an unrelated model: the
+  last rounds score drafts at positions past the position table, which the templates clip
+  (`finite_past_max_len`); the tokens equal `generate`'s."""
+  target = _template(kind, 0)
+  draft = target if same else _template(kind, 7)
+  prompt = _full_context_prompt(num_draft)
+  equal, stats = _decode_matches_generate(target, draft, num_draft, FULL.max_len - prompt,
+                                          prompt)
+  assert equal
+  if same:  # every draft accepted, the last round (1 token to go) scored k positions past it
+    assert int(np.min(stats.emitted)) == FULL.max_len - prompt
+    assert int(np.max(stats.rounds)) == 1 + (FULL.max_len - prompt - 1) // (num_draft + 1)
+
+
+BROKEN_CASES = [(True, 6), (False, 3)]
+
+
+@pytest.mark.parametrize("same,num_draft", BROKEN_CASES,
+                         ids=[f"{'draft=target' if same else 'other'}-k{k}"
+                              for same, k in BROKEN_CASES])
+def test_an_unclipped_table_needs_the_reservation(same, num_draft):
+  """A module that indexes its table unclipped: declared `finite_past_max_len` (no reservation),
+  the full-context decode is wrong (the broken variant the test above would reject); undeclared,
+  `decode` refuses the full context before compiling and, with the last round's `k` positions
+  left free, equals `generate`."""
+  prompt = _full_context_prompt(num_draft)
+  liar = _template("unclipped", 0)
+  draft = liar if same else _template("unclipped", 7)
+  equal, _ = _decode_matches_generate(liar, draft, num_draft, FULL.max_len - prompt, prompt)
+  assert not equal
+  honest = _template("unclipped", 0, finite_past_max_len=False)
+  draft = honest if same else _template("unclipped", 7, finite_past_max_len=False)
+  with pytest.raises(ValueError, match=rf"\+ {num_draft} positions the last round scores past"):
+    _decode_matches_generate(honest, draft, num_draft, FULL.max_len - prompt, prompt)
+  equal, _ = _decode_matches_generate(honest, draft, num_draft, FULL.max_len - prompt - num_draft,
+                                      prompt)
+  assert equal
