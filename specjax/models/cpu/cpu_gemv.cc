@@ -158,9 +158,9 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 // * The x vector pinned to a register (`asm("" : "+v"(xv))` in `Tile`, so that GCC stops folding
 //   its load into every FMA): a standalone build of this file over four of the 1.5B's layers,
 //   both cores, seven rows 1.49 -> 1.27 times one row's time, eight 1.65 -> 1.29; in cache, one
-//   core, seven rows 94 -> 138 GFLOP/s. In the whole model (`benchmarks/kernel_ab.py`, paired as
-//   above) seven rows took 1.02-1.06x the time on SmolLM2 (four runs) and 1.03x on the 1.5B,
-//   eight 0.98-1.06x: not kept.
+//   core, seven rows 94 -> 138 GFLOP/s. In the whole model
+//   (`benchmarks/experiments/kernel_ab.py`, paired as above) seven rows took 1.02-1.06x the time
+//   on SmolLM2 (four runs) and 1.03x on the 1.5B, eight 0.98-1.06x: not kept.
 // This host does two 512-bit FMAs a cycle (XLA's dot reaches 444 GFLOP/s on both cores); a tile
 // of R x M is R + M loads for R * M FMAs.
 template <int M>
@@ -333,7 +333,8 @@ void PanelBlock(const float* w, int64_t n, int64_t g, const float* xt, float* y,
 // (one pass for one row). Against 16 columns and four rows per pass over the whole panel (three
 // passes for one row, each from L3 or memory once a panel outgrows L2): SmolLM2-135M's step
 // 38-45 -> 26 ms, its 8-row block 83 -> 45 ms with chunks of 256 columns, 37 with 32 (paired
-// runs of benchmarks/kernel_ab.py; chunks of 64 to 256 columns were slower for several rows).
+// runs of benchmarks/experiments/kernel_ab.py; chunks of 64 to 256 columns were slower for several
+// rows).
 #ifndef SPECJAX_CHUNK_AVX2
 #define SPECJAX_CHUNK_AVX2 32
 #endif
