@@ -1,7 +1,7 @@
-"""Cache write and verify-forward cost, before/after the cache rework (explicit-index scatter,
-`[L, B, KVH, S, D]` layout), measured on CPU.
+"""Cache write and verify-forward cost of two checkouts (`--before`, `--after`) on CPU, either
+cache layout (`[L, B, KVH, S, D]` or the older `[L, B, S, KVH, D]`, detected per checkout).
 
-    python -m benchmarks.experiments.cache_write --before /path/to/old/checkout \
+    python -m benchmarks.experiments.cache_write --before /path/to/old/checkout \\
         --after /path/to/new/checkout
 
 Each tree runs in its own worker process (8 simulated CPU devices), alternately, `--repeats`

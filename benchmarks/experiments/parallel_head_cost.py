@@ -7,7 +7,7 @@ positions, `benchmarks.drafter_cost`), in a jitted loop of `steps` rounds on the
 real prefill of a chat prompt, batch 1, greedy. Every (head, K) program is timed alternately in
 one process (`benchmarks.timing.time_alternately`, minimum of `repeats`).
 
-    python -m benchmarks.experiments.parallel_head_cost \
+    python -m benchmarks.experiments.parallel_head_cost \\
         [--out benchmarks/results/parallel_head_cost.json]
 
 Writes the JSON and a plot (`.png` beside it).
