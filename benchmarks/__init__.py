@@ -13,8 +13,11 @@ the repository root. Modules:
   suites      the pair/synthetic suites and `run`
   real_models SmolLM2 / Gemma 3 from their GGUF files, for specjax and for `transformers`
   real        the real-model suite on `prompts/real.json`
+  drafters, drafter_cost   the real suite's drafters; a drafter's own cost per round
   plots, report   PNG plots (matplotlib) and markdown tables
   cli         the command line
+  self_draft, peers_qwen, tpu_memory, tpu_traffic   standalone measurements the README cites
+  experiments one-off A/B experiments, outside the suites (`experiments/README.md`)
 """
 
 SPECJAX_BENCHMARKS = True  # lets `specjax bench` tell this package from another `benchmarks`

@@ -271,9 +271,9 @@ def radix_threshold(low: jax.Array, top: jax.Array, holds_at) -> jax.Array:
 
 def first_argmax(x: jax.Array) -> jax.Array:
   """`[..., V] -> [...]` int32 index of the first maximum over the last axis: `jnp.argmax`'s
-  answer (a NaN counts as the maximum, the first one wins), as a max and a min-reduction. XLA:CPU
-  runs `jnp.argmax`'s paired-value reduction over a 49k vocabulary 2-3x slower (1 row: 0.25 vs
-  0.12 ms; 5 rows: 0.69 vs 0.23 ms), which every greedy step and verify round pays."""
+  answer (a NaN counts as the maximum, the first one wins), as a max and a min-reduction, which
+  XLA:CPU runs faster than `jnp.argmax`'s paired-value reduction (docs/benchmarks.md,
+  "`first_argmax` on XLA:CPU"); every greedy step and verify round pays it."""
   vocab = x.shape[-1]
   best = jnp.max(x, axis=-1, keepdims=True)  # (XLA:CPU's max does not always propagate NaN)
   ids = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)

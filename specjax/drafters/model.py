@@ -141,8 +141,8 @@ class ModelDrafter(OwnModelDrafter):
     share_prompt: start from the target's keys/values over the prompt instead of running the
       draft model over it (`self_drafter`: the draft is the target's own quantized copy, whose
       keys and values differ from the target's by the quantization error). It saves the draft
-      model's prefill, as costly as the target's for a copy of the same size (on CPU, 0.9 s of
-      int8 against 0.7 s of float32 for SmolLM2 on 200 tokens). Exact all the same: the drafts
+      model's prefill, as costly as the target's for a copy of the same size (docs/design.md,
+      "Quantized weights and self-drafting"). Exact all the same: the drafts
       and their distribution q come from the drafter's own forwards over that cache, and q is
       what the verify uses. Ignored where the target's cache has another layout.
     draft_ids: None, or `[N]` int32 target ids: the model's output projection keeps only those
@@ -424,10 +424,8 @@ def default_group(target, bits: int) -> int:
   """The scale group `self_drafter` uses by default: 64 for int8 where 64 divides every quantized
   dimension (else 32), 32 for int4.
 
-  An int8 scale per 64 columns instead of 32 reads 6% fewer bytes per draft step (SmolLM2-135M:
-  143 MB against 151) and halves the kernel's per-group work, at the same acceptance: on 13 chat
-  prompts at k = 6, greedy, tau 6.42 (groups of 64) against 6.45 (32); the demo at k = 4..6 ran
-  1.79-1.90x against 1.57-1.70x (paired medians of five, 2-core CPU). int4 keeps 32: its coarser
-  steps need the finer scales.
+  An int8 scale per 64 columns instead of 32 reads fewer bytes per draft step and halves the
+  kernel's per-group work, at the same acceptance (measured: docs/benchmarks.md, "The int8
+  self-draft's scale group"). int4 keeps 32: its coarser steps need the finer scales.
   """
   return 64 if bits == 8 and not indivisible(target.config, 64) else 32

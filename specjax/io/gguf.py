@@ -362,8 +362,8 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
     return host_memory.weights_on_huge_pages(cpu_layout.fuse_layer(lp))
 
   # Tensors are independent: dequantizing and packing them (numpy and XLA, which release the GIL)
-  # on one thread per core keeps every core busy (Qwen2.5-Coder-1.5B: 37-42 s -> 27 s on two
-  # cores); at most that many are in flight. The largest (embedding, output projection) go first.
+  # on one thread per core keeps every core busy (docs/benchmarks.md, "Loading"); at most that
+  # many are in flight. The largest (embedding, output projection) go first.
   threads = max(1, min(LOAD_THREADS, os.cpu_count() or 1))
   names = [name for name in plan if not name.startswith("layers/")]
   with concurrent.futures.ThreadPoolExecutor(threads) as pool:

@@ -190,8 +190,9 @@ class Model:
 
   def with_output_copy(self) -> "Model":
     """A tied model with `params["lm_head"] = embed.T` materialised (same logits up to float32
-    summation order). XLA:CPU contracts `[B, T, E] x [E, V]` about 3x faster than the embedding
-    as it lies (`[V, E]`, contracting its minor axis); it costs one more `V x E` buffer."""
+    summation order). XLA:CPU contracts `[B, T, E] x [E, V]` faster than the embedding as it lies
+    (`[V, E]`, contracting its minor axis; docs/benchmarks.md, "The tied output projection's
+    `[E, V]` copy"); it costs one more `V x E` buffer."""
     if (not self.config.tie_embeddings or "lm_head" in self.params
         or quant.is_quantized(self.params["embed"])):  # a quantized table is read as it lies
       return self

@@ -209,11 +209,9 @@ def load_pair(name: str = "smollm2-int8", dtype=jnp.float32) -> DefaultPair:
 
 
 # The draft model's int8 group. Its prompt prefill (many rows at once) pays a per-group epilogue
-# that a one-row draft step hides under the memory time: Qwen2.5-Coder-0.5B over 160 tokens took
-# 670 / 495 / 412 ms at groups 32 / 64 / 128, its step 15.0 / 14.5 / 14.7 ms (alternated, min of
-# 7, load 1.4). With the 1.5B at k = 6, greedy, 96 tokens, eight questions (five coding, three
-# chat): tau 4.27 at 32 and 4.24 at 128, decode 63.3 s against 58.8 s in all, every output
-# identical.
+# that a one-row draft step hides under the memory time, so a coarse group makes the prefill
+# cheaper at about the same step time and acceptance (docs/benchmarks.md, "The Qwen pair's draft
+# model in int8 per 128").
 DRAFT_MODEL_GROUP = 128
 # A separate draft model's widths, by its `bits`: int8 per 128 (the 0.5B's file is mostly Q5_0,
 # which int8 holds to within rounding), or 4-bit: asymmetric int4 per 32 (a scale and an offset per

@@ -1,11 +1,11 @@
-"""`benchmarks/kernel_ab.py`: two builds of the CPU kernel compared in one process."""
+"""`benchmarks/experiments/kernel_ab.py`: two builds of the CPU kernel compared in one process."""
 
 import json
 
 import numpy as np
 import pytest
 
-from benchmarks import kernel_ab
+from benchmarks.experiments import kernel_ab
 from specjax.models.cpu import kernel
 
 pytestmark = [pytest.mark.costly,

@@ -1,5 +1,5 @@
-"""`benchmarks/layout_ab.py`: the CPU layout's two float32 weight layouts compared in one
-process."""
+"""`benchmarks/experiments/layout_ab.py`: the CPU layout's two float32 weight layouts compared
+in one process."""
 
 import json
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from benchmarks import layout_ab
+from benchmarks.experiments import layout_ab
 from specjax.models.cpu import kernel
 from specjax.models.cpu import panels
 from specjax.testing.models import tiny_config

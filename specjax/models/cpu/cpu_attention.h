@@ -9,14 +9,14 @@
 namespace {
 
 // Attention of a few query rows over a KV cache and the block itself (specjax_cpu_attention): on
-// XLA:CPU the two small batched products of a decode step's attention (3 key/value heads x 264
-// slots of 64) cost about 40 us each, against a few microseconds of arithmetic. Per key/value
+// XLA:CPU the two small batched products of a decode step's attention cost tens of microseconds
+// each per layer, against a few microseconds of arithmetic. Per key/value
 // head: scores of its G query heads x T rows against every key (cache slots, then block), the
 // scale, the optional soft cap, the visibility mask (an invisible key scores float32's lowest,
 // as the jnp reference writes it), a softmax, and the probability-weighted sum of values. The
 // query rows of all heads are cut into one contiguous range per part of XLA's intra-op pool (see
-// Attention); with AVX-512, 16 keys per block of scores and 16-wide values (SmolLM2's verify block
-// of 7 rows: 56 -> 27 us per layer, its step 10.4 -> 6.7 us, at a load of 3.4 on 2 cores).
+// Attention); with AVX-512, 16 keys per block of scores and 16-wide values (docs/benchmarks.md,
+// "Quiet rerun after the CPU attention kernel's rework").
 
 // exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative
 // error about 2e-7), 2^n through the exponent bits; x below -87.3 gives 0, above 88.7 clamps.

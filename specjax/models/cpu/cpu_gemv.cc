@@ -144,25 +144,12 @@ inline void Tile(const float* w, const float* x, float* y, int64_t n, int64_t ou
 // with AVX2: 4, 3, then 2 up to six, then 1), and each weight row is also prefetched into L2
 // `kPrefetchF32L2Bytes` ahead.
 //
-// Measured on the 2-core AMD EPYC (Zen 5, AVX-512):
-// * SmolLM2-135M (576 columns; the two versions alternated in one process): one weight row at a
-//   time up to six rows, a single row too (in place of `Rows`' four weight rows at a time): one
-//   row 11.5 -> 8.4 ms, five rows 12.5 -> 11.7, six 13.6 -> 11.7.
-// * Several rows tile from 24 KB (32 KB before; one row keeps 32 KB): five rows of 1536 columns
-//   (Qwen2.5 1.5B's verify at k = 4) went one weight row at a time and cost more than six rows
-//   tiled. On the 1.5B, both builds registered as two FFI targets in one process, step and
-//   verify blocks alternated in pairs (median ratio of 8-10 pairs; the host's bandwidth moved
-//   the step between 97 and 163 ms within a run): five rows 0.83x and 0.90x the time (two runs);
-//   four rows (24 KB) 0.97x and 0.99x; three rows tiled 1.12x, so they stay one weight row at a
-//   time. SmolLM2's 576-column matrices tiled at three to six rows took 1.07-1.17x the time.
-// * The x vector pinned to a register (`asm("" : "+v"(xv))` in `Tile`, so that GCC stops folding
-//   its load into every FMA): a standalone build of this file over four of the 1.5B's layers,
-//   both cores, seven rows 1.49 -> 1.27 times one row's time, eight 1.65 -> 1.29; in cache, one
-//   core, seven rows 94 -> 138 GFLOP/s. In the whole model (`benchmarks/kernel_ab.py`, paired as
-//   above) seven rows took 1.02-1.06x the time on SmolLM2 (four runs) and 1.03x on the 1.5B,
-//   eight 0.98-1.06x: not kept.
-// This host does two 512-bit FMAs a cycle (XLA's dot reaches 444 GFLOP/s on both cores); a tile
-// of R x M is R + M loads for R * M FMAs.
+// These thresholds were set by paired runs of two builds (`benchmarks/experiments/kernel_ab.py`;
+// docs/benchmarks.md, "The CPU kernel's several-row tiles" and "A faster `generate`"): one weight
+// row at a time wins for a single row and for a few rows that fit in L1 (three to six rows of
+// SmolLM2's 576-column matrices tiled ran slower), tiles win from 24 KB of x. GCC folds the x
+// load into every FMA of a tile (R x M + R loads where R + M suffice); pinning x to a register
+// (`asm("" : "+v"(xv))`) helped a standalone build but not the whole model, so it is not done.
 template <int M>
 constexpr int TileRows() {
   if (kWidth == 16) return M <= 6 ? 4 : 3;
@@ -210,14 +197,10 @@ void AnyRows(const float* w, const float* x, float* y, int64_t n, int64_t out, i
 // in registers for the whole row and no horizontal sums. Rows of x are first transposed into
 // blocks of kMaxRows, `xt[b][i][kMaxRows]` (zero-padded), so a tile's broadcasts read one line.
 // More than kMaxRows rows (a prompt) go block after block over each panel while it sits in L2.
-//
-// Measured on the 2-core AMD EPYC (Zen 5, AVX-512), a standalone build over four of Qwen2.5
-// 1.5B's layers (750 MB), both cores, against the row-major tiles above: one row 1.00x; seven
-// rows 15.3 ms against 32.6 (1.30x one row's time, against 2.0-2.7x), then 11.5-11.8 ms (1.03-
-// 1.06x) with every line of each panel row prefetched 8 KiB ahead (4 KiB: 1.11x; 12-16 KiB:
-// 1.08-1.14x). Seven rows run as eight (an eighth row of zeros): 21 accumulators were slower
-// than 24. 160 rows (a prompt) of the 17920 x 1536 gate/up matrix: 19.0 ms (464 GFLOP/s),
-// where XLA's dot takes 23 ms.
+// Every line of each panel row is prefetched `kPrefetchPanelBytes` ahead, and seven rows run as
+// eight (an eighth row of zeros: 21 accumulators were slower than 24); the measurements that set
+// both, and the panels against the row-major tiles, are in docs/benchmarks.md ("Float32 weights
+// in panels").
 constexpr int64_t kPanel = 48;
 #ifndef SPECJAX_PREFETCH_PANEL
 #define SPECJAX_PREFETCH_PANEL 8192
@@ -326,14 +309,13 @@ void PanelBlock(const float* w, int64_t n, int64_t g, const float* xt, float* y,
   }
 }
 
-// AVX2 (16 vector registers; measured on a 2-core Zen 3 with about 20 GB/s to memory): panel g
-// against every block of rows, one chunk of kChunkAvx2 input columns at a time, each chunk's sum
-// added to the row's total. A chunk of the panel (6 KiB) is read from memory once and stays in
-// L1 while every block goes through it, two rows of x against the panel's 48 columns per pass
-// (one pass for one row). Against 16 columns and four rows per pass over the whole panel (three
-// passes for one row, each from L3 or memory once a panel outgrows L2): SmolLM2-135M's step
-// 38-45 -> 26 ms, its 8-row block 83 -> 45 ms with chunks of 256 columns, 37 with 32 (paired
-// runs of benchmarks/kernel_ab.py; chunks of 64 to 256 columns were slower for several rows).
+// AVX2 (16 vector registers): panel g against every block of rows, one chunk of kChunkAvx2 input
+// columns at a time, each chunk's sum added to the row's total. A chunk of the panel (6 KiB) is
+// read from memory once and stays in L1 while every block goes through it, two rows of x against
+// the panel's 48 columns per pass (one pass for one row), where a pass of 16 columns over the
+// whole panel read a one-row product's panel three times from L3 or memory. The chunk size and
+// the paired runs against the three-pass code are in docs/benchmarks.md ("The float32 panels on
+// an AVX2 host").
 #ifndef SPECJAX_CHUNK_AVX2
 #define SPECJAX_CHUNK_AVX2 32
 #endif

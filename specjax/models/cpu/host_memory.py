@@ -26,10 +26,8 @@ def on_huge_pages(x):
   weight stream must keep arriving while the cores multiply. In 4 KiB pages every page of every
   weight row is a TLB miss, and the hardware prefetchers stop at each page's end; in 2 MiB pages
   neither happens. XLA's CPU allocator takes ordinary pages (under the common `madvise` setting of
-  /sys/kernel/mm/transparent_hugepage/enabled). Measured on the 2-core AMD EPYC (Zen 5),
-  Qwen2.5-1.5B in float32 (6.2 GB): an 8-row block 182 -> 166 ms, a 6-row block and the one-row
-  step within 2% (six alternations, load 1.5-1.9); the kernel alone over the same layer shapes,
-  two threads, 8 rows 53 -> 40 ms, 6 rows 43 -> 32 ms.
+  /sys/kernel/mm/transparent_hugepage/enabled). The gain is on verify blocks; a one-row step
+  barely changes (docs/benchmarks.md, "Weights in 2 MiB pages").
 
   The copy is handed to JAX without a further copy (`jax.device_put` aliases a suitably aligned
   host buffer on CPU); the array keeps the mapping alive, and it is unmapped when the array is

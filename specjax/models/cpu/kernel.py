@@ -5,13 +5,12 @@ one library: `cpu_gemv.cc` (float32 and quantized products; the quantized arithm
 
 A batch-1 decode step on CPU is a chain of about a hundred matrix-vector products that should each
 stream their weight at memory bandwidth. XLA:CPU's dot reaches that on one large product but loses
-time on every small one (thread hand-offs per op): on SmolLM2-135M's shapes the 30 layers' products
-took 17.5 ms (24 GB/s) where the machine reads 32.8 GB/s; the kernel takes 15.4 ms
-(`benchmarks/cpu_forward.py`). `cpu_gemv.cc` splits each product's output rows between the caller
-and the threads of XLA's own intra-op pool; a block of up to eight input rows (a verify block)
-reads each weight once for all of them. The CPU layout's float32 weights are in panels
-(`specjax.models.cpu.panels`, target `PANEL_TARGET`): eight rows then cost about what one does,
-and any number of rows (a prompt) goes through the same kernel. `matvec` (target `TARGET`) is the
+time on every small one (thread hand-offs per op; docs/benchmarks.md, "Why a hand-written CPU
+kernel" and "CPU forward"). `cpu_gemv.cc` splits each product's output rows between the caller and
+the threads of XLA's own intra-op pool; a block of up to eight input rows (a verify block) reads
+each weight once for all of them. The CPU layout's float32 weights are in panels
+(`specjax.models.cpu.panels`, target `PANEL_TARGET`): eight rows then cost about what one does, and
+any number of rows (a prompt) goes through the same kernel. `matvec` (target `TARGET`) is the
 product of a row-major `[out, in]` weight, up to eight rows at a time.
 
 The kernel is compiled on first use with the host's C++ compiler (`$CXX`, else g++ / c++ / clang++),
@@ -30,10 +29,10 @@ dtype, it is `einsum`), differentiates through `einsum` (`custom_jvp`), and is v
 batch element.
 
 `attention` is a decode step's (or verify block's) attention of up to eight query rows over the
-cache and the block: XLA:CPU spends tens of microseconds on each of its two small batched
-products per layer (about 2.5 ms of SmolLM2's step at a 264-slot cache); the kernel computes
-them in one call per layer and skips the cache slots no query sees (the unfilled end of the
-buffer). On CPU only, float32, head sizes that are multiples of 8; elsewhere the jnp reference.
+cache and the block: XLA:CPU spends tens of microseconds on each of its two small batched products
+per layer; the kernel computes them in one call per layer and skips the cache slots no query sees
+(the unfilled end of the buffer). On CPU only, float32, head sizes that are multiples of 8;
+elsewhere the jnp reference.
 """
 
 from __future__ import annotations
@@ -94,7 +93,8 @@ def build(source_dir: pathlib.Path | None = None) -> pathlib.Path:
   """Compiles `SOURCES` (or finds them compiled) into one shared library and returns its path.
 
   `source_dir`: a directory holding files of the same names to build instead (another version of
-  the kernel, e.g. for `benchmarks/kernel_ab.py`); cached under its own key like any source."""
+  the kernel, e.g. for `benchmarks/experiments/kernel_ab.py`); cached under its own key like any
+  source."""
   if platform.machine().lower() not in ("x86_64", "amd64"):
     raise RuntimeError(f"the kernel is written for x86-64 (AVX2 + FMA), not {platform.machine()}")
   sources, headers = SOURCES, HEADERS
@@ -193,8 +193,8 @@ def register(library: pathlib.Path, suffix: str = "") -> dict[str, str]:
 def targets(names: dict[str, str]):
   """Within the block, functions traced call the FFI targets `names` (from `register` with a
   suffix: another build of the kernel) instead of this module's. For comparing two builds in one
-  process (`benchmarks/kernel_ab.py`); clear JAX's caches first (`jax.clear_caches()`), or a
-  trace made outside the block is reused."""
+  process (`benchmarks/experiments/kernel_ab.py`); clear JAX's caches first
+  (`jax.clear_caches()`), or a trace made outside the block is reused."""
   saved = {attribute: globals()[attribute] for attribute in names}
   globals().update(names)
   try:

@@ -70,9 +70,9 @@ def fuse_params(params: dict, panels: bool | None = None) -> dict:
   (default: where the kernel is built) the embedding of a model without an `lm_head` (a tied
   one: the embedding is its output projection) goes into panels too, else it stays `[V, E]` (in
   2 MiB pages), and a float `lm_head` (`[E, V]`, an untied model's) becomes panels of `[V, E]`:
-  XLA's dot over `[E, V]` took 85 ms for a 7-row verify block of Qwen2.5-Coder-1.5B's head on a
-  2-core Intel Xeon against 28 ms for one row, the kernel 32 ms for either. Parts already in the
-  layout are kept as they are (no second copy)."""
+  XLA's dot over `[E, V]` takes several times as long for a verify block as for one row, the
+  kernel about as long for either (docs/benchmarks.md, "the untied output projection in panels").
+  Parts already in the layout are kept as they are (no second copy)."""
   if panels is None:
     panels = cpu_gemv.available()
   layers = params["layers"]

@@ -5,8 +5,8 @@ A weight `W [out, in]` is kept as panels of `PANEL` output columns, `panels[g, i
 + p, i]` (the last panel zero-padded): each panel is one contiguous stream, and every input column
 gives whole vectors of outputs, which the kernel multiplies by each row of x broadcast. A block of
 up to eight rows (a verify block) then costs about what one row does: the weight stream and the
-arithmetic overlap, which the row-major layout's dot products did not manage (a seven-row block
-took 1.5-2.0 one-row times on Qwen2.5-1.5B). Any number of rows goes through the same kernel (a
+arithmetic overlap, which the row-major layout's dot products did not manage (docs/benchmarks.md,
+"Float32 weights in panels"). Any number of rows goes through the same kernel (a
 prompt: each panel against every block of eight rows while it is in cache), so the layout needs no
 second, row-major copy for XLA's dot.
 

@@ -11,7 +11,8 @@ The corpus text is synthetic but repetitive, as real outputs are: phrases of 4 t
 from a pool of 2,000 (Zipf-weighted) over a 32k vocabulary, joined into sequences of about 200
 tokens; the rows are built the same way, so every row finds long matches in a large corpus.
 
-  python -m benchmarks.suffix_corpus --out suffix_corpus.json [--sizes 10000 100000 1000000]
+  python -m benchmarks.experiments.suffix_corpus --out suffix_corpus.json
+      [--sizes 10000 100000 1000000]
 
 Writes JSON: the machine, the settings, and per size the propose milliseconds per round (min over
 repeats), the build and append seconds.

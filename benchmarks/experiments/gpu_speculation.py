@@ -1,6 +1,7 @@
 """Speculation on a GPU, for the shapes specjax ships: self-drafting and the Qwen pair, batch 1-64.
 
-    python benchmarks/gpu_speculation.py --out DIR [--quick] [--parts exact,costs,curve,qwen]
+    python -m benchmarks.experiments.gpu_speculation --out DIR [--quick]
+        [--parts exact,costs,curve,qwen]
 
 Run on a lent GPU (JAX with CUDA). No weights can travel to that machine, so every model here has
 **random weights** in the real architecture's shapes (SmolLM2-135M; Qwen2.5-Coder-1.5B and its

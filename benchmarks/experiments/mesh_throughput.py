@@ -1,6 +1,6 @@
 """Decode throughput against mesh shape on 8 simulated CPU devices (ratio to one device).
 
-    python benchmarks/mesh_throughput.py [--out benchmarks/results] [--repeats 3]
+    python -m benchmarks.experiments.mesh_throughput [--out benchmarks/results] [--repeats 3]
         [--meshes 1x8,8x1,2x4,4x2] [--kinds auto,explicit] [--name mesh_throughput]
 
 Runs greedy `sj.decode` (target + 1-layer draft) with the same weights and prompts on one device
@@ -47,7 +47,8 @@ except ImportError:  # an older checkout
 
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results"))
+  parser.add_argument("--out",
+                      default=str(pathlib.Path(__file__).resolve().parents[1] / "results"))
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--new-tokens", type=int, default=32)

@@ -1,7 +1,8 @@
-"""Cache write and verify-forward cost, before/after the cache rework (explicit-index scatter,
-`[L, B, KVH, S, D]` layout), measured on CPU.
+"""Cache write and verify-forward cost of two checkouts (`--before`, `--after`) on CPU, either
+cache layout (`[L, B, KVH, S, D]` or the older `[L, B, S, KVH, D]`, detected per checkout).
 
-    python benchmarks/cache_write.py --before /path/to/old/checkout --after /path/to/new/checkout
+    python -m benchmarks.experiments.cache_write --before /path/to/old/checkout \\
+        --after /path/to/new/checkout
 
 Each tree runs in its own worker process (8 simulated CPU devices), alternately, `--repeats`
 times; the JSON keeps every worker's median and the best of them. Measured per tree:
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import time
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 L, B, S, KVH, D, T = 4, 32, 512, 8, 64, 5
 
 
@@ -129,7 +130,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--worker", action="store_true")
   parser.add_argument("--before", default="/work/base")
-  parser.add_argument("--after", default=str(pathlib.Path(__file__).resolve().parents[1]))
+  parser.add_argument("--after", default=str(pathlib.Path(__file__).resolve().parents[2]))
   parser.add_argument("--repeats", type=int, default=2)
   args = parser.parse_args()
   if args.worker:

@@ -1,6 +1,6 @@
 """What the verify costs in collectives and passes over the vocabulary, by mesh, from the HLO.
 
-    python -m benchmarks.verify_sharded_hlo [--vocab 151936] [--batch 8] [--k 5]
+    python -m benchmarks.experiments.verify_sharded_hlo [--vocab 151936] [--batch 8] [--k 5]
 
 Exports `specjax.verify.dispatch.verify_tokens` (the rule `decode` runs each round, `impl="auto"`)
 for TPU with `jax.export` on this host's CPU devices, over Auto-axis meshes (data, model) of (1, 8),
@@ -42,7 +42,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 MESHES = ((1, 8), (8, 1), (2, 4))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "collective_permute")
 

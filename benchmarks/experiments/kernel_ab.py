@@ -1,12 +1,12 @@
 """Two builds of the CPU kernel on one model in one process: a git revision's sources against the
 working tree's, on the target step and verify blocks of every width asked for.
 
-    python -m benchmarks.kernel_ab --model smollm2-135m --base HEAD~1 --widths 1,3,5,7,8 \\
-        --repeats 15 --steps 8 --out benchmarks/results/kernel_ab_smollm2.json
+    python -m benchmarks.experiments.kernel_ab --model smollm2-135m --base HEAD~1 \\
+        --widths 1,3,5,7,8 --repeats 15 --steps 8 --out benchmarks/results/kernel_ab_smollm2.json
 
-Why one process: on the shared hosts here the memory bandwidth moves a large model's step by
-30-60% within a minute (Qwen2.5-1.5B: 91-163 ms), so two builds timed in two processes, or even
-one after the other in one, compare the host's moods. Here the revision's sources (`git show
+Why one process: on a shared host the memory bandwidth can move a large model's step by tens of
+percent within a minute (docs/benchmarks.md), so two builds timed in two processes, or even one
+after the other in one, compare the host's moods. Here the revision's sources (`git show
 BASE:path` of every kernel source and header) are built (`kernel.build(source_dir)`) and
 registered as FFI targets with a suffix (`kernel.register`); each width's forward is jitted once
 against each build (`kernel.targets`, JAX's caches cleared between the builds, the lowered text
@@ -41,7 +41,7 @@ import numpy as np
 from benchmarks import timing
 from specjax.models.cpu import kernel
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 SUFFIX = "_base"
 
 

@@ -6,7 +6,7 @@ chained as in a decode step, jitted; the same products split into two output hal
 independent products per projection); and a numpy loop over the same matrices. Each XLA:CPU
 flag set runs in its own process (flags are read at backend start).
 
-    python benchmarks/cpu_matvec.py        # -> benchmarks/results/cpu_matvec.json
+    python -m benchmarks.experiments.cpu_matvec        # -> benchmarks/results/cpu_matvec.json
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pathlib
 import subprocess
 import sys
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 FLAG_SETS = ("", "--xla_cpu_use_xnnpack=true", "--xla_cpu_use_onednn=true",
              "--xla_cpu_multi_thread_eigen=false",
              "--xla_cpu_enable_concurrency_optimized_scheduler=true")

@@ -8,7 +8,7 @@ earlier matches merged into a trie) at several widths and depths. Every speculat
 checked to be token-identical to `generate`. Wall times are the second call of each configuration
 (the first compiles); on a shared CPU they are noisy, the tau numbers are not.
 
-Usage: `python -m benchmarks.trees [--per-category 2] [--max-new-tokens 64]`; writes
+Usage: `python -m benchmarks.experiments.trees [--per-category 2] [--max-new-tokens 64]`; writes
 `benchmarks/results/trees.json` and `benchmarks/results/trees.png`.
 """
 
@@ -23,12 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = BENCHMARKS / "results"
 
 
 def load_prompts(tokenizer, per_category: int):
   from benchmarks.real_models import chat_ids
-  data = json.loads((pathlib.Path(__file__).parent / "prompts" / "real.json").read_text())
+  data = json.loads((BENCHMARKS / "prompts" / "real.json").read_text())
   rows, categories = [], []
   for category, conversations in data["categories"].items():
     for conversation in conversations[:per_category]:

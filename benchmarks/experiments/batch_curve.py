@@ -1,6 +1,6 @@
 """Speculation against batch size on CPU: the default pair (SmolLM2 + its int8 copy) at B = 1..64.
 
-    python -m benchmarks.batch_curve [--batches 1,8,32,64] [--new 48] [--reps 2]
+    python -m benchmarks.experiments.batch_curve [--batches 1,8,32,64] [--new 48] [--reps 2]
 
 For each batch B, on ragged chat prompts (the 36 conversations of `benchmarks/prompts/real.json`,
 chat-templated, cycled to B rows) and in one process, alternating the sides:
@@ -31,8 +31,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-PROMPTS = pathlib.Path(__file__).resolve().parent / "prompts" / "real.json"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
+PROMPTS = pathlib.Path(__file__).resolve().parents[1] / "prompts" / "real.json"
 
 
 def chat_rows(tokenizer, batch: int):

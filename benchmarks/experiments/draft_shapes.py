@@ -25,8 +25,8 @@ is checked token-identical to `generate` (sampled ones draw their own streams: n
 Wall times on a 2-core CPU are the fastest of `--repeats` per prompt; tau (tokens per round) does
 not depend on the machine.
 
-Usage: `python -m benchmarks.draft_shapes [--per-category 2] [--max-new-tokens 64]`; writes
-`benchmarks/results/draft_shapes.json` and `.png`.
+Usage: `python -m benchmarks.experiments.draft_shapes [--per-category 2] [--max-new-tokens 64]`;
+writes `benchmarks/results/draft_shapes.json` and `.png`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = BENCHMARKS / "results"
 TREES = {"dynamic d4 m2 N8": dict(builder="dynamic", depth=4, width=2, num_nodes=8),
          "dynamic d5 m3 N12": dict(builder="dynamic", depth=5, width=3, num_nodes=12),
          "dynamic d6 m4 N20": dict(builder="dynamic", depth=6, width=4, num_nodes=20),
@@ -49,7 +50,7 @@ TREES = {"dynamic d4 m2 N8": dict(builder="dynamic", depth=4, width=2, num_nodes
 
 
 def _prompts(tokenizer, per_category: int):
-  data = json.loads((pathlib.Path(__file__).parent / "prompts" / "real.json").read_text())
+  data = json.loads((BENCHMARKS / "prompts" / "real.json").read_text())
   rows, categories = [], []
   for category, conversations in data["categories"].items():
     for conversation in conversations[:per_category]:

@@ -20,9 +20,9 @@ the passes over the vocabulary and the HBM bytes each batch row streams per roun
 checkout it runs in and, with `--base DIR`, for another checkout (run in a subprocess), and writes
 `verify_kernel_passes.json`.
 
-  python benchmarks/verify_kernel.py                 # on a TPU or a GPU
-  python benchmarks/verify_kernel.py --interpret     # on CPU: correctness only
-  python benchmarks/verify_kernel.py --passes --base /work/base   # counts, any host
+  python -m benchmarks.experiments.verify_kernel                 # on a TPU or a GPU
+  python -m benchmarks.experiments.verify_kernel --interpret     # on CPU: correctness only
+  python -m benchmarks.experiments.verify_kernel --passes --base /work/base   # counts, any host
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import numpy as np
 from specjax.core import sampling as S
 from specjax.verify.kernels import fused_verify, fused_verify_gpu
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 VOCABS = (32768, 131072, 262144)
 BATCHES = (1, 8, 64)
 NUM_DRAFTS = (4, 8)

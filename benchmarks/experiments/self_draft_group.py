@@ -1,6 +1,7 @@
 """The int8 self-draft's scale group: one scale per 32 input columns against one per 64.
 
-    python -m benchmarks.self_draft_group [--ks 4,5,6] [--reps 5] [--new 96] [--questions 4]
+    python -m benchmarks.experiments.self_draft_group [--ks 4,5,6] [--reps 5] [--new 96]
+        [--questions 4]
 
 SmolLM2-135M-Instruct (float32, the CPU layout) drafting with its own int8 copy quantized per
 group of 32 and of 64 columns (`specjax.self_drafter(target, 8, group)`), greedy, batch 1, on the
@@ -26,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 GROUPS = (32, 64)
 
 

@@ -3,16 +3,17 @@
 (`specjax.models.cpu.panels`, the kernel at every block size; a tied embedding and an untied output
 projection too), on the step, the verify blocks and a prompt.
 
-    python -m benchmarks.layout_ab --model qwen2.5-coder-1.5b --widths 1,2,3,4,5,6,7,8,64 \\
-        --repeats 8 --steps 2 --out benchmarks/results/layout_ab_qwen.json
+    python -m benchmarks.experiments.layout_ab --model qwen2.5-coder-1.5b \\
+        --widths 1,2,3,4,5,6,7,8,64 --repeats 8 --steps 2 \\
+        --out benchmarks/results/layout_ab_qwen.json
 
-As in `benchmarks/kernel_ab.py` (one process, because the host's memory bandwidth moves a large
-model's step by 30-60% within a minute): the model is loaded once in panels, a row-major copy of
-its projections is built layer by layer (the embedding is shared), each width's forward is
-compiled for both, and `time_alternately` runs the two layouts of a width next to each other,
-`--steps` forwards per call in one device loop. Each width reports the median of the per-pair
-ratios (panels / row-major) and, per layout, the block's time over the one-row step's measured
-in the same repeat (the verify block's cost in target steps). The logits of both are compared.
+As in `benchmarks/experiments/kernel_ab.py` (one process, because the host's memory bandwidth can
+move a large model's step by tens of percent within a minute): the model is loaded once in panels, a
+row-major copy of its projections is built layer by layer (the embedding is shared), each width's
+forward is compiled for both, and `time_alternately` runs the two layouts of a width next to each
+other, `--steps` forwards per call in one device loop. Each width reports the median of the per-pair
+ratios (panels / row-major) and, per layout, the block's time over the one-row step's measured in
+the same repeat (the verify block's cost in target steps). The logits of both are compared.
 
 `--model` is a real model (`benchmarks.real_models.REAL_MODELS`) or `tiny` (for the tests).
 Writes the JSON and a `.png` beside it unless `--no-plot`.
@@ -30,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import kernel_ab, timing
+from benchmarks import timing
+from benchmarks.experiments import kernel_ab
 from specjax.models.cpu import host_memory
 from specjax.models.cpu import kernel
 from specjax.models.cpu import layout as cpu_layout
