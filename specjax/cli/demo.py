@@ -30,11 +30,11 @@ import numpy as np
 DEFAULT_PAIR = "qwen2.5-coder"
 # Written for the demo and asked nowhere else: not among the questions of
 # benchmarks/self_draft.py (which chose each pair's k), the real suite's prompts
-# (benchmarks/prompts/) or the EAGLE head's training prompts (specjax/training/prompts.py). Short
-# enough that both default pairs' greedy answers end with their EOS token within
-# DEFAULT_MAX_NEW_TOKENS.
-QUESTION = "Write a Python function that tells whether a year is a leap year."
-DEFAULT_MAX_NEW_TOKENS = 192
+# (benchmarks/prompts/) or the EAGLE head's training prompts (specjax/training/prompts.py). Its
+# greedy answers end with the EOS token well within DEFAULT_MAX_NEW_TOKENS: 150 tokens from the
+# Qwen2.5-Coder pair, 163 from the SmolLM2 one (the budget only bounds a call: both stop at EOS).
+QUESTION = "Write a Python function that counts the leap years between two years. Keep it short."
+DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_TIMED_PAIRS = 3
 
 # The checkout that holds the benchmark suite's committed results (a source checkout; a wheel has
@@ -223,7 +223,9 @@ def run(args) -> int:
   else:
     spec = dict(num_draft=num_draft)
 
-  console.rule(f"user: {escape(prompt)}")
+  console.rule()
+  console.print(f"user: {prompt}", markup=False, highlight=False, soft_wrap=True)
+  console.rule()
   streamed, stream_stats = [], None
   began = time.perf_counter()
   for new_tokens, state in sj.decode_stream(target, draft, ids, rng, **spec, **common):
