@@ -241,9 +241,8 @@ def run(args) -> int:
     console.print(f"[bold red]{escape(warning(broken))}[/bold red]", soft_wrap=True)
     return NONFINITE_EXIT
   ended = bool(streamed) and eos is not None and streamed[-1] in eos
-  console.print("answer ended with EOS: " + (
-      "yes" if ended else f"no, it stopped at the --max-new-tokens budget ({args.max_new_tokens})"),
-                soft_wrap=True)
+  cut = f"no, it stopped at the --max-new-tokens budget ({args.max_new_tokens})"
+  console.print(f"answer ended with EOS: {'yes' if ended else cut}", soft_wrap=True)
 
   calls = {"decode": lambda: sj.decode(target, draft, ids, rng, **spec, **common),
            "generate": lambda: sj.generate(target, ids, rng, **common)}
