@@ -155,7 +155,7 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   The n-gram (prompt lookup) drafter and the target's own quantized copies (`self-int8`,
   `self-int4`: `specjax.self_drafter`, symmetric per group of 64 / 32; `self-q4`: asymmetric int4
   per 32 with an int8 embedding; the prompt's cache shared) need no training. A trained head joins the list when the library ships one for this target
-  (`specjax.load_default()` whose target has `target`'s config); it is named by its kind
+  (`specjax.load_pair("smollm2-head")` whose target has `target`'s config); it is named by its kind
   (`eagle3`, `mtp`, `medusa`). Entries are built only when asked for (or when `names` is
   empty): a quantized copy costs memory. `self-int8+vocab` and `self-q4+vocab` (only when named,
   with `tokenizer`) are those copies over a draft vocabulary (`VOCAB_DRAFTS`). `draft_model`,
@@ -271,22 +271,23 @@ def _head_name(drafter) -> str:
 
 
 def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
-  """The shipped default pair's head, if it was trained for this very target."""
+  """The shipped head pair's head ("smollm2-head"), if it was trained for this very target."""
   import specjax as sj
+  from specjax.drafters.hybrid import HybridDrafter
 
   try:
-    pair = sj.load_default()
+    pair = sj.load_pair("smollm2-head")
   except (FileNotFoundError, ValueError, ImportError):
     return []
   draft = pair.draft
   if not hasattr(draft, "observe") or pair.target.config != target.config:
     return []  # the shipped draft is a model of its own, or a head for another target
   k = min(num_draft, getattr(draft, "max_draft", None) or num_draft)  # None: no bound
-  if not isinstance(draft, sj.HybridDrafter):
+  if not isinstance(draft, HybridDrafter):
     return [DrafterEntry(_head_name(draft), draft, k, None,
-                         f"the shipped {type(draft).__name__} (specjax.load_default())")]
+                         f"the shipped {type(draft).__name__} (load_pair('smollm2-head'))")]
   name = _head_name(draft.drafter)
   return [DrafterEntry(name, draft.drafter, k, None, f"the shipped head alone ({name})"),
           DrafterEntry(f"{name}+lookup", draft, k, None,
-                       f"the shipped drafter (specjax.load_default()): prompt lookup where the "
+                       f"the shipped drafter (load_pair('smollm2-head')): prompt lookup where the "
                        f"last {draft.ngram} tokens recur, the {name} head elsewhere")]

@@ -44,6 +44,13 @@ ratio is its speculative tokens/s over its own plain tokens/s, summed over the p
 side's tokens per target verify round, as it counts them. Load averages are recorded before and
 after each side.
 
+Precision: the sides do not draft at one precision. specjax's draft is the 0.5B in int8 (per 128,
+through its own kernels), transformers' the 0.5B in float32, llama.cpp's the Q4_K_M file; the
+target is float32 on the first two, Q4_K_M on llama.cpp. A cheaper draft raises a side's ratio,
+so the specjax / transformers comparison is not one at equal precision: `PRECISION` records each
+side's, the JSON's summary carries it beside every side and a `precision_notes` entry beside the
+checks, and the printed side lines and the plot's labels name it.
+
 Greedy identity: each side's speculative tokens against its own plain tokens, and the three
 sides' plain streams against each other (noted, not required: llama.cpp runs the Q4_K_M weights
 through its own kernels; specjax and transformers compute on the same dequantized weights, but in
@@ -77,6 +84,12 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 TARGET = "qwen2.5-coder-1.5b-instruct"
 DRAFT = "qwen2.5-coder-0.5b-instruct"
 SIDES = ("specjax", "transformers", "llamacpp")
+# What each side computes with: its target's and its draft's weights.
+PRECISION = {
+    "specjax": {"target": "float32", "draft": "int8 per 128"},
+    "transformers": {"target": "float32", "draft": "float32"},
+    "llamacpp": {"target": "Q4_K_M", "draft": "Q4_K_M"},
+}
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python sdist whose vendored llama.cpp is built
 LLAMA_TOOLS = ("llama-completion", "llama-speculative-simple", "llama-tokenize")
 
@@ -666,16 +679,39 @@ def host_info() -> dict:
           "system": f"{os.uname().sysname} {os.uname().release}"}
 
 
+def side_label(name: str) -> str:
+  """A side's name with its precision (`PRECISION`): "specjax (target float32, draft int8 per
+  128)"."""
+  precision = PRECISION.get(name)
+  if precision is None:
+    return name
+  return f"{name} (target {precision['target']}, draft {precision['draft']})"
+
+
+def precision_note(ours: str, peer: str) -> str | None:
+  """A sentence where the two sides' drafts differ in precision, else None."""
+  a, b = PRECISION[ours]["draft"], PRECISION[peer]["draft"]
+  if a == b:
+    return None
+  return (f"not at equal draft precision: {ours} drafts in {a}, {peer} in {b} (a cheaper draft "
+          "raises a side's ratio)")
+
+
 def summarize(sides: dict) -> dict:
-  """The six calls' tokens/s, the three ratios, and the comparisons the issue asks for."""
-  summary = {name: {key: side[key] for key in (
+  """The six calls' tokens/s, the three ratios, each side's precision, and the comparisons the
+  issue asks for (with `precision_notes` where the drafts' precisions differ)."""
+  summary = {name: {**{key: side[key] for key in (
       "plain_tokens_per_s", "speculative_tokens_per_s", "ratio", "paired_ratio_median", "tau",
-      "acceptance", "speculative_identical_to_plain")} for name, side in sides.items()}
-  checks = {}
+      "acceptance", "speculative_identical_to_plain")}, "precision": PRECISION.get(name),
+      "label": side_label(name)} for name, side in sides.items()}
+  checks, notes = {}, {}
   if "specjax" in sides:
     ours = sides["specjax"]
     for peer in ("transformers", "llamacpp"):
       if peer in sides:
+        note = precision_note("specjax", peer)
+        if note:
+          notes[f"specjax_vs_{peer}"] = note
         checks[f"specjax_ratio_above_{peer}"] = ours["ratio"] > sides[peer]["ratio"]
         checks[f"specjax_speculative_tokens_per_s_over_{peer}"] = (
             ours["speculative_tokens_per_s"] / sides[peer]["speculative_tokens_per_s"])
@@ -694,7 +730,8 @@ def summarize(sides: dict) -> dict:
           "first_divergence": [first_divergence(p["plain_tokens"], q["plain_tokens"])
                                for p, q in pairs],
           "same_text": [p["plain_text"] == q["plain_text"] for p, q in pairs]}
-  return {"sides": summary, "checks": checks, "plain_streams_across_sides": across}
+  return {"sides": summary, "checks": checks, "precision_notes": notes,
+          "plain_streams_across_sides": across}
 
 
 def plot(record: dict, path: pathlib.Path):
@@ -713,10 +750,11 @@ def plot(record: dict, path: pathlib.Path):
            label="plain")
   left.bar([i + width / 2 for i in x], [sides[n]["speculative_tokens_per_s"] for n in names],
            width, label=f"speculative (k = {record['k']})")
-  left.set_xticks(list(x), names)
+  left.set_xticks(list(x), [f"{n}\n(draft {PRECISION[n]['draft']})" for n in names])
   left.set_ylabel("new tokens / s")
   left.legend()
-  right.bar(names, [sides[n]["ratio"] for n in names])
+  right.bar(list(x), [sides[n]["ratio"] for n in names])
+  right.set_xticks(list(x), [f"{n}\n(draft {PRECISION[n]['draft']})" for n in names])
   right.axhline(1.0, color="grey", lw=0.8)
   right.set_ylim(0, max(1.0, *(sides[n]["ratio"] for n in names)) * 1.15)
   right.set_ylabel("speculative / own plain")
@@ -786,7 +824,7 @@ def main(argv=None):
     else:
       result = run_llamacpp(prompts, args, target_gguf, draft_gguf, tokenizer)
     result.update(load_before=before, load_after=os.getloadavg(),
-                  side_seconds=time.perf_counter() - start)
+                  side_seconds=time.perf_counter() - start, precision=PRECISION[side])
     for row in result["per_prompt"]:
       row.setdefault("plain_text", tokenizer.decode(row["plain_tokens"], skip_special_tokens=False))
     record["sides"][side] = result
@@ -796,7 +834,7 @@ def main(argv=None):
       import jax
       jax.clear_caches()
     done = record["sides"][side]
-    print(f"{side}: {done['plain_tokens_per_s']:.2f} tok/s plain, "
+    print(f"{side_label(side)}: {done['plain_tokens_per_s']:.2f} tok/s plain, "
           f"{done['speculative_tokens_per_s']:.2f} tok/s speculative, ratio {done['ratio']:.2f} "
           f"({done['side_seconds']:.0f} s)", flush=True)
     record["summary"] = summarize(record["sides"])
@@ -805,6 +843,8 @@ def main(argv=None):
   record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
   out_path.write_text(json.dumps(record, indent=1))
   print(json.dumps(record["summary"], indent=1))
+  for note in record["summary"]["precision_notes"].values():
+    print(f"note: {note}")
   plot(record, out_path.with_suffix(".png"))
   print(f"wrote {out_path}")
 

@@ -8,10 +8,12 @@ and stopping at the model's own EOS ids:
   one `DrafterEntry` of `library_drafters`), timed alternately in one process (the order flips from
   prompt to prompt), greedy and one sampled setting, same prompt, same `max_new_tokens`, same key;
 * acceptance `a` per token (from `accepted_per_position`), tokens per round `tau`, the speedup
-  (decode tokens/s over generate tokens/s), the analytic bound from the measured `a`, `k` and the
-  measured cost of a `(k + 1)`-token verify over one target step (and the drafter's step, for
-  drafters with a forward of their own), and efficiency = speedup / bound; per category and
-  overall (sums over the prompts: time-weighted). A tree drafter's (`DrafterEntry.tree`) bound
+  (greedy: decode tokens/s over generate tokens/s, the same text, summed over the prompts:
+  time-weighted; sampled: generate's ms per token over decode's, each over its own emitted
+  tokens, mean over the prompts: `benchmarks.real_summary`), the analytic bound from the measured
+  `a`, `k` and the measured cost of a `(k + 1)`-token verify over one target step (and the
+  drafter's step, for drafters with a forward of their own), and efficiency = speedup / bound;
+  per category and overall. A tree drafter's (`DrafterEntry.tree`) bound
   is its measured tau over a round priced at its full node budget (the verify runs narrower
   where the round's trees are smaller);
 * the same prompt ids through `transformers` on the same weights: plain greedy `generate` and

@@ -1,7 +1,15 @@
 """The real suite's summary: per (sampling, drafter, category) and overall, the speedup, tau,
 acceptance, the analytic bound and efficiency, the token loop's speedup without the prefill, and
 a round's cost broken down (`round_costs`). Pure functions of `benchmarks.real`'s records and
-measured costs: no model, no timing."""
+measured costs: no model, no timing.
+
+The speedup (`speedup`): greedy, decode and generate emit the same text, and the speedup is
+generate's time over decode's, summed over the prompts. Sampled (T > 0), the two draw from
+different random streams and emit texts of different lengths: the speedup is the ratio of
+per-token times (`per_token_speedup`), each call's milliseconds per token over the tokens it
+emitted itself, averaged over the prompts so that every prompt weighs the same on both sides
+(summed instead, a prompt would weigh by the length of each side's own text).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +31,36 @@ def _rate(records, name, *, exclude_prefill: bool = False) -> float:
   seconds = sum(r["calls"][name]["seconds"] - (r.get("prefill_s", 0.0) if exclude_prefill
                                                  else 0.0) for r in records)
   return tokens / seconds if seconds > 0 else float("nan")
+
+
+def per_token_ms(records, name, *, exclude_prefill: bool = False) -> float:
+  """Milliseconds per emitted token of call `name`, each record's over the tokens that call
+  emitted itself, averaged over `records` (the prefill, timed beside the calls, taken out where
+  `exclude_prefill`). NaN where a call emitted no token."""
+  times = []
+  for record in records:
+    call = record["calls"][name]
+    seconds = call["seconds"] - (record.get("prefill_s", 0.0) if exclude_prefill else 0.0)
+    times.append(1e3 * seconds / call["new_tokens"] if call["new_tokens"] else float("nan"))
+  return float(np.mean(times)) if times else float("nan")
+
+
+def per_token_speedup(records, name, *, exclude_prefill: bool = False) -> float:
+  """Generate's milliseconds per emitted token over decode's (drafter `name`), each over its own
+  emitted tokens and averaged over the prompts (`per_token_ms`): the speedup of a sampled run,
+  whose two calls emit texts of different lengths."""
+  return (per_token_ms(records, "generate", exclude_prefill=exclude_prefill)
+          / per_token_ms(records, name, exclude_prefill=exclude_prefill))
+
+
+def speedup(records, name, sampling: str, *, exclude_prefill: bool = False) -> float:
+  """Decode's (drafter `name`) speedup over generate on `records` of one sampling: greedy (the
+  same text on both sides), generate's time over decode's summed over the prompts, i.e. the
+  ratio of tokens/s; sampled, `per_token_speedup`."""
+  if sampling != "greedy":
+    return per_token_speedup(records, name, exclude_prefill=exclude_prefill)
+  return (_rate(records, name, exclude_prefill=exclude_prefill)
+          / _rate(records, "generate", exclude_prefill=exclude_prefill))
 
 
 def round_costs(group: list[dict], entry: DrafterEntry, costs: dict, rounds: int,
@@ -88,14 +126,22 @@ def summarize(records: list[dict], drafters: list[DrafterEntry], costs: dict,
                "new_tokens": sum(c["new_tokens"] for c in calls),
                "verify_ratio": verify_ratio, "draft_ratio": draft_ratio or 0.0,
                "bound": bound}
-        row["speedup"] = row["decode_tokens_per_s"] / row["generate_tokens_per_s"]
+        # Per emitted token, each call over its own text; greedy: summed, as the ratio below.
+        greedy = sampling == "greedy"
+        row["generate_ms_per_token"] = (1e3 / row["generate_tokens_per_s"] if greedy
+                                        else per_token_ms(group, "generate"))
+        row["decode_ms_per_token"] = (1e3 / row["decode_tokens_per_s"] if greedy
+                                      else per_token_ms(group, entry.name))
+        row["speedup"] = speedup(group, entry.name, sampling)
+        row["speedup_basis"] = ("total time, the same text on both sides" if greedy else
+                                "per-token times, each call over its own emitted tokens, mean "
+                                "over the prompts")
         # The bound prices rounds against steps: compare it with the speedup of the token loop,
         # i.e. with the prefill both calls pay taken out of both.
         # NaN (and `loop_resolved` False) where a call was not longer than its prefill: a
         # short call on a loaded machine, whose loop time is below the timing's resolution.
         row["loop_resolved"] = loop_resolved(group, ("generate", entry.name))
-        row["speedup_excl_prefill"] = (_rate(group, entry.name, exclude_prefill=True)
-                                       / _rate(group, "generate", exclude_prefill=True)
+        row["speedup_excl_prefill"] = (speedup(group, entry.name, sampling, exclude_prefill=True)
                                        if row["loop_resolved"] else float("nan"))
         row["prefill_share_of_generate"] = (sum(r["prefill_s"] for r in group) / sum(
             r["calls"]["generate"]["seconds"] for r in group))

@@ -108,11 +108,14 @@ def real_table(result: dict) -> str:
            f"{settings['max_new_tokens']} new tokens, stopping at the model's EOS. Measured on "
            f"{env['device']} ({env['platform']}, {env['cpu_count']} cores, jax {env['jax']}), "
            "float32; `generate` and `decode` timed alternately in one process, prompt by prompt. "
-           "a = per-token acceptance; tau = tokens per round; speedup = decode tok/s / generate "
-           "tok/s, whole calls (prefill included); loop speedup = the same with the prompt's "
-           "prefill (timed beside the calls, paid by both) taken out of both (n/a where a call was "
-           "not longer than its prefill); bound = (1 - a^(k+1)) / (1 - a) / (k c + v) with "
-           "v = one (k+1)-token verify / one target step = "
+           "a = per-token acceptance; tau = tokens per round; speedup, greedy = decode tok/s / "
+           "generate tok/s (the same text on both sides); per-token speedup, sampled = generate "
+           "ms per token / decode ms per token, each call over the tokens it emitted itself "
+           "(the texts differ), mean over the prompts; both over whole calls (prefill included); "
+           "loop speedup = the same with the prompt's prefill (timed beside the calls, paid by "
+           "both) taken out of both (n/a where a call was not longer than its prefill); "
+           "bound = (1 - a^(k+1)) / (1 - a) / (k c + v) with v = one (k+1)-token verify / one "
+           "target step = "
            f"{costs['verify_s'][min(costs['verify_s'])] / costs['target_step_s']:.2f} at "
            f"k={min(costs['verify_s'])} and c = the drafter's own work per draft token / one "
            "target step (both measured); efficiency = loop speedup / bound."
@@ -125,14 +128,21 @@ def real_table(result: dict) -> str:
   summary = result["summary"]
   for sampling in dict.fromkeys(r["sampling"] for r in summary):
     rows = [r for r in summary if r["sampling"] == sampling]
+    greedy = sampling == "greedy"
+    columns = ("generate tok/s | decode tok/s | speedup | loop speedup" if greedy else
+               "generate ms/token | decode ms/token | per-token speedup | loop per-token speedup")
     lines += [f"**{sampling}**", "",
-              "| category | drafter | k | a | tau | generate tok/s | decode tok/s | speedup | "
-              "loop speedup | bound | efficiency |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              f"| category | drafter | k | a | tau | {columns} | bound | efficiency |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+      if greedy:
+        rates = f"{r['generate_tokens_per_s']:.1f} | {r['decode_tokens_per_s']:.1f}"
+      else:  # a result written before the per-token columns: the summed ones
+        rates = (f"{r.get('generate_ms_per_token', 1e3 / r['generate_tokens_per_s']):.2f} | "
+                 f"{r.get('decode_ms_per_token', 1e3 / r['decode_tokens_per_s']):.2f}")
       lines.append(f"| {CATEGORY_NAMES.get(r['category'], r['category'])} | {r['drafter']} | "
                    f"{r['num_draft']}{_nodes(r)} | {r['acceptance_per_token']:.2f} | "
-                   f"{r['tokens_per_round']:.2f} | {r['generate_tokens_per_s']:.1f} | "
-                   f"{r['decode_tokens_per_s']:.1f} | **{r['speedup']:.2f}x** | "
+                   f"{r['tokens_per_round']:.2f} | {rates} | **{r['speedup']:.2f}x** | "
                    f"{_maybe(r['speedup_excl_prefill'], 'x')} | {r['bound']:.2f}x | "
                    f"{_maybe(r['efficiency'])} |")
     lines.append("")

@@ -1,6 +1,6 @@
 """Chain lengths, adaptive length and trees with a draft head, per category, on a real model.
 
-The default pair (`specjax.load_default()`: SmolLM2-135M-Instruct f32 + its EAGLE-3 head, or
+The head pair (`specjax.load_pair("smollm2-head")`: SmolLM2-135M-Instruct f32 + its EAGLE-3 head, or
 `--head DIR` for another head) on the held-out chat prompts of `benchmarks/prompts/real.json`
 (the first `--per-category` conversations of each category), greedy (or `--temperature T`),
 batch 1, every prompt padded to one width (one compile per configuration). Compared, prompt by
@@ -91,7 +91,7 @@ def main(argv=None):
   from specjax.drafters.base import with_confidence
   from specjax.trees.structure import TreeSpec
 
-  pair = sj.load_default()
+  pair = sj.load_pair("smollm2-head")
   target, drafter, tokenizer = pair.target, pair.draft, pair.tokenizer
   head_name = "shipped"
   if args.head:

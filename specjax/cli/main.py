@@ -151,7 +151,8 @@ def _add_generate(subparsers):
       "generate", help="complete a prompt with speculative decoding, printing text as it comes",
       description="Complete a prompt with speculative decoding. Tokens are printed as each "
       "draft/verify round accepts them (one jitted round per step, the same tokens as "
-      "specjax.decode); --no-stream runs the whole call as one compiled loop instead.")
+      "specjax.decode); --no-stream runs the whole call as one compiled loop instead. Exit "
+      "status 1, with a warning, where the target's logits were not finite (broken weights).")
   parser.add_argument("prompt", nargs="?", default=None, help="the prompt text")
   parser.add_argument("--file", default=None, metavar="PATH", help="read the prompt from a file")
   parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -221,6 +222,11 @@ def _run_generate(args):
   print(f"[{len(new)} tokens in {summary['rounds']} rounds, acceptance rate "
         f"{summary['acceptance_rate']:.1%}, {summary['tokens_per_round']:.2f} tokens per target "
         f"pass, {time.perf_counter() - start:.1f}s incl. compile]", file=sys.stderr)
+  from specjax.cli.nonfinite import NONFINITE_EXIT, nonfinite_rows, warning
+  broken = nonfinite_rows(stats)
+  if broken:
+    print(warning(broken), file=sys.stderr)
+    return NONFINITE_EXIT
   return 0
 
 

@@ -29,7 +29,7 @@ class DecodeStats:
       `num_tokens`.
     nonfinite: `[B]` bool, set when the target's logits at a position the row emitted from
       held a NaN or an infinity (broken weights or an overflow): the row's tokens are then not the
-      target's. Set on device, no host sync; `generate` leaves it False.
+      target's. Set on device, no host sync, by `decode` and by `generate` alike.
   """
 
   rounds: jax.Array

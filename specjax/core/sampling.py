@@ -357,6 +357,14 @@ def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
   return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
 
 
+def no_distribution(logits: jax.Array) -> jax.Array:
+  """`[..., V] -> [...]` bool: where the logits define no distribution (a NaN, a +inf, or no logit
+  above -inf), as broken weights or an overflow leave them. A -inf logit alone (a masked token)
+  is a probability of 0 and is fine."""
+  return (jnp.any(~(logits < jnp.inf), axis=-1)  # NaN or +inf
+          | ~jnp.any(logits > -jnp.inf, axis=-1))
+
+
 def sample_race(scores: jax.Array, seeds: jax.Array, positions: jax.Array,
                 purpose: int) -> jax.Array:
   """Gumbel-max: `argmax_v(scores_v + G(seed, position, v, purpose))`.

@@ -18,7 +18,8 @@ from specjax.core.outputs import DecodeOutput, DecodeStats
 from specjax.loop.precompile import precompilable, run_jitted
 from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
-from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
+from specjax.core.sampling import (GREEDY, PURPOSE_SAMPLE, Sampling, no_distribution, row_seeds,
+                                   sample_token)
 from specjax.core.sequence import clear_padding
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
@@ -43,7 +44,9 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
     pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
 
   Returns:
-    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`; `stats.nonfinite [B]` is
+    set for rows that sampled a token from logits holding a NaN or an infinity (broken weights or
+    an overflow), as `decode` sets it.
   """
   validation.check_model(model)
   tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
@@ -97,32 +100,34 @@ def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, samp
     logits = last_logits(out.logits, lengths)
   cache = out.cache.with_lengths(lengths)
   first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
+  nonfinite = no_distribution(logits)  # [B]: a row's sampled logits held a NaN or an inf
 
   out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
   num_tokens = jnp.ones((batch,), jnp.int32)
   done = validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens)
 
   def cond(state):
-    _, _, _, _, done = state
-    return ~jnp.all(done)
+    return ~jnp.all(state[4])  # done
 
   def body(state):
-    cache, token, out, num_tokens, done = state
+    cache, token, out, num_tokens, done, nonfinite = state
     step = model(token[:, None], cache.lengths, cache)
     positions = cache.lengths + 1  # absolute position of the token being sampled
     new_token = sample_token(step.logits[:, 0], sampling, seeds, positions, PURPOSE_SAMPLE)
     live = ~done
+    nonfinite = nonfinite | (live & no_distribution(step.logits[:, 0]))
     cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
     out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
     num_tokens = num_tokens + live
     done = done | validation.is_eos(new_token, eos_ids) | (num_tokens >= max_new_tokens)
     token = jnp.where(live, new_token, token)
-    return cache, token, out, num_tokens, done
+    return cache, token, out, num_tokens, done, nonfinite
 
-  _, _, out, num_tokens, _ = jax.lax.while_loop(cond, body, (cache, first, out, num_tokens, done))
+  _, _, out, num_tokens, _, nonfinite = jax.lax.while_loop(
+      cond, body, (cache, first, out, num_tokens, done, nonfinite))
   zeros = jnp.zeros((batch,), jnp.int32)
   stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
                       accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
                       target_calls=num_tokens, draft_calls=zeros, emitted=num_tokens,
-                      nonfinite=jnp.zeros((batch,), bool))
+                      nonfinite=nonfinite)
   return DecodeOutput(out, num_tokens, stats)

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from specjax.core.cache import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
-from specjax.core.sampling import Sampling
+from specjax.core.sampling import Sampling, no_distribution
 from specjax.loop.state import DecodeState, DecodeStats, target_features
 from specjax.drafters.proposal import Proposal
 from specjax.core.sequence import gather_tokens
@@ -121,13 +121,6 @@ def _keep(tokens, accepted, state: DecodeState):
   return count, first_eos < count
 
 
-def _no_distribution(logits):
-  """`[B, T, V] -> [B, T]`: positions whose logits define no distribution (a NaN, a +inf, or no
-  logit above -inf). A -inf logit alone (a masked token) is a probability of 0 and is fine."""
-  return (jnp.any(~(logits < jnp.inf), axis=-1)  # NaN or +inf
-          | ~jnp.any(logits > -jnp.inf, axis=-1))
-
-
 def _nonfinite_emitted(bad, count):
   """`bad [B, W]` at the positions a row emitted from (`index < count`), any per row: `[B]`."""
   index = jnp.arange(bad.shape[1], dtype=jnp.int32)
@@ -198,7 +191,7 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   scored = target(narrow, lengths - 1, state.target_cache, **kwargs)
   drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
   logits, slots = scored.logits, max(width - 1, 1)
-  bad = _no_distribution(logits)  # [B, width]
+  bad = no_distribution(logits)  # [B, width]
   if width == 1:  # no drafts: the rule with one unproposed slot gives the bonus from p
     logits = jnp.concatenate([logits, logits], axis=1)
     drafted = jnp.zeros_like(lengths)
@@ -320,7 +313,7 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   count, hit_eos = _keep(result.tokens, accepted, state)
   # Emitted token j comes from the logits of the root (j = 0) or of path node j - 1 (row j).
   rows = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path + 1], axis=1)
-  bad = jnp.take_along_axis(_no_distribution(scored.logits), rows, axis=1)  # [B, D + 1]
+  bad = jnp.take_along_axis(no_distribution(scored.logits), rows, axis=1)  # [B, D + 1]
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
   cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)

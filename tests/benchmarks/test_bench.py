@@ -314,6 +314,8 @@ def test_real_suite_machinery_on_a_tiny_model(tmp_path):
             **measured}
   table = report.real_table(result)
   assert "| **overall** | ngram | 2 |" in table and "transformers prompt lookup" in table
+  assert "| generate tok/s | decode tok/s | speedup |" in table  # greedy
+  assert "| generate ms/token | decode ms/token | per-token speedup |" in table  # T=1
   assert "**Per round (ms)**" in table and "| greedy | **overall** | ngram |" in table
   assert (f"| **overall** | suffix-tree | {drafters[1].num_draft} (tree, {drafters[1].tree.size}) |"
           in table)

@@ -123,6 +123,15 @@ def test_summary_ratios_and_checks():
   assert checks["specjax_speculative_tokens_per_s_over_llamacpp"] == pytest.approx(0.8)
   assert summary["plain_streams_across_sides"]["specjax_vs_llamacpp"] == {
       "first_divergence": [None], "same_text": [True]}
+  # The drafts' precisions differ on every pair of sides: each is named beside its numbers.
+  assert summary["sides"]["specjax"]["precision"] == {"target": "float32",
+                                                      "draft": "int8 per 128"}
+  assert summary["sides"]["transformers"]["label"] == (
+      "transformers (target float32, draft float32)")
+  assert summary["precision_notes"]["specjax_vs_transformers"] == (
+      "not at equal draft precision: specjax drafts in int8 per 128, transformers in float32 (a "
+      "cheaper draft raises a side's ratio)")
+  assert set(summary["precision_notes"]) == {"specjax_vs_transformers", "specjax_vs_llamacpp"}
 
 
 def test_missing_gguf_names_what_to_install(monkeypatch):

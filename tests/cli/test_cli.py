@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.cli import demo
 from specjax.cli import main as cli
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
@@ -134,6 +135,33 @@ def test_generate_streams_exactly_what_decode_returns(pair_dirs, capsys):
   assert "12 tokens in" in captured.err and "acceptance rate" in captured.err
 
 
+@pytest.fixture(scope="module")
+def broken_dir(pair_dirs):
+  """The tiny target with every weight NaN, saved beside the pair with its tokenizer."""
+  import shutil
+
+  import jax.numpy as jnp
+
+  from specjax.io.orbax import load, save
+  broken = jax.tree.map(lambda x: jnp.full_like(x, jnp.nan), load(pair_dirs / "target"))
+  save(broken, pair_dirs / "broken")
+  shutil.copyfile(pair_dirs / "target" / "tokenizer.json", pair_dirs / "broken" / "tokenizer.json")
+  return pair_dirs / "broken"
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "no-stream"])
+def test_generate_names_non_finite_logits_and_exits_non_zero(pair_dirs, broken_dir, capsys,
+                                                             stream):
+  """All-NaN target weights decode to token 0 without an error: the command says so and fails."""
+  code = cli.main(["generate", "def add(a, b):", "--max-new-tokens", "4", "--num-draft", "2",
+                   "--ignore-eos", "--target", str(broken_dir), "--draft",
+                   str(pair_dirs / "draft")] + ([] if stream else ["--no-stream"]))
+  err = capsys.readouterr().err
+  assert code == 1, err
+  assert ("warning: the target's logits were not finite (row 0): the weights may be broken"
+          in err)
+
+
 def test_generate_from_file_with_ngram_drafter_and_sampling(pair_dirs, tmp_path, capsys):
   prompt_file = tmp_path / "prompt.py"
   prompt_file.write_text("import os\n")
@@ -217,11 +245,13 @@ def test_demo_runs_with_the_shipped_pair(capsys):
     code = cli.main(["demo"])
     assert "checkpoints" in one_error_line(capsys, code)
     pytest.skip("the shipped pair is not in this checkout: checked the one-line error instead")
-  assert cli.main(["demo", "--pair", "smollm2-q4", "--max-new-tokens", "8"]) == 0
+  assert cli.main(["demo", "--pair", "smollm2-q4"]) == 0
   out = capsys.readouterr().out
   assert "acceptance rate" in out and "output identical to generate: True" in out
   assert "own 4-bit copy" in out and "k = 6" in out  # the pair's measured best k
-  assert "user: What are some tips for getting better sleep?" in out  # a chat pair: chat
+  assert f"user: {demo.QUESTION}" in out  # the held-out question, for every pair
+  assert "answer ended with EOS: yes" in out  # within the default budget
+  assert "(median of 3 paired ratios" in out and "real_smollm2_panels/real.json" in out
   head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8"]
   assert cli.main(head) == 0
   out = capsys.readouterr().out

