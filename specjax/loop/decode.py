@@ -56,29 +56,6 @@ class DecodeArguments(NamedTuple):
 
 DEFAULT_NUM_DRAFT = 4
 
-# The string modes `decode` took before they became explicit calls.
-REPLACED_MODES = {
-    "auto": "num_draft='auto' was replaced by specjax.auto_num_draft(drafter, calibration=DIR): "
-            "choice = specjax.auto_num_draft(drafter, calibration=DIR), then decode(..., "
-            "num_draft=choice.num_draft, verify_widths=choice.widths)",
-    "adaptive": "num_draft='adaptive' was replaced by specjax.adaptive_drafter(drafter, "
-                "calibration=DIR): decode(target, specjax.adaptive_drafter(drafter, "
-                "calibration=DIR), ...), which brings its own K and verify widths",
-}
-
-
-def check_mode(num_draft, calibration) -> None:
-  """Rejects the string modes and `calibration=` that `decode` no longer takes (a ValueError
-  naming the call that replaced them)."""
-  if isinstance(num_draft, str):
-    raise ValueError(REPLACED_MODES.get(num_draft, f"num_draft must be an int >= 1, got "
-                                        f"{num_draft!r} (the string modes became "
-                                        "specjax.auto_num_draft and specjax.adaptive_drafter)"))
-  if calibration is not None:
-    raise ValueError("calibration= was removed from decode: choose k with "
-                     "specjax.auto_num_draft(drafter, calibration=DIR), or wrap the drafter in "
-                     "specjax.adaptive_drafter(drafter, calibration=DIR)")
-
 
 def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, tuple[int, ...]]:
   """`(k, verify widths)` from `decode`'s `num_draft` and `verify_widths`.
@@ -106,13 +83,12 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, t
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
                            sampling, eos_id, verify_impl, verify_widths=None,
-                           calibration=None, tree: TreeSpec | None = None) -> DecodeArguments:
+                           tree: TreeSpec | None = None) -> DecodeArguments:
   """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
 
   Raises:
     ValueError: naming the problem (see `decode`).
   """
-  check_mode(num_draft, calibration)
   validation.check_model(target, "target")
   if tree is None:
     drafter = as_drafter(draft)
@@ -150,8 +126,8 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
            num_draft: int | None = None, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
-           tree: TreeSpec | None = None, verify_widths: tuple[int, ...] | None = None,
-           calibration=None) -> DecodeOutput:
+           tree: TreeSpec | None = None,
+           verify_widths: tuple[int, ...] | None = None) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -194,8 +170,6 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
       None = `k + 1` only (an `AdaptiveDrafter`'s own widths, which these must equal).
-    calibration: removed (a ValueError names `specjax.auto_num_draft` and
-      `specjax.adaptive_drafter`, which take it now).
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -206,7 +180,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, calibration=calibration, tree=tree)
+                                verify_widths=verify_widths, tree=tree)
   if getattr(args.drafter, "plain", False):
     # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
     # target's own loop, which is the target's distribution by definition.

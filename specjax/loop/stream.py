@@ -51,14 +51,13 @@ def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=N
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                   num_draft: int | None = None, sampling: Sampling = GREEDY,
                   eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
-                  verify_widths: tuple[int, ...] | None = None, calibration=None,
+                  verify_widths: tuple[int, ...] | None = None,
                   tree=None) -> Iterator[tuple[list[np.ndarray], DecodeState]]:
   """Speculative decoding that yields after every round.
 
   Args:
     Same as `specjax.decode` (without `pad_id`; `num_draft`, `verify_widths` and `tree` as
-    there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`; `calibration=`
-    raises the ValueError that names its replacement).
+    there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`).
 
   Yields:
     `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
@@ -70,7 +69,7 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, calibration=calibration, tree=tree)
+                                verify_widths=verify_widths, tree=tree)
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:
     target, drafter, tokens, lengths, rng, eos_ids = call.inputs

@@ -430,12 +430,9 @@ def test_bad_plans_raise(kwargs, message):
     AdaptiveDrafter(sj.NGramDrafter(), **args)
 
 
-def test_adaptive_needs_a_calibration(target, ragged):
-  tokens, lengths = ragged
+def test_adaptive_needs_a_calibration():
   with pytest.raises(ValueError, match="calibrat"):
     sj.adaptive_drafter(sj.NGramDrafter(), calibration=None)
-  with pytest.raises(ValueError, match=r"replaced by specjax\.adaptive_drafter"):
-    sj.decode(target, sj.NGramDrafter(), tokens, jax.random.key(0), num_draft="adaptive")
   with pytest.raises(ValueError, match="already adaptive"):
     AdaptiveDrafter(AdaptiveDrafter(sj.NGramDrafter(), 1, (1.0, 2.0), (0.5,)), 1, (1.0, 2.0),
                     (0.5,))

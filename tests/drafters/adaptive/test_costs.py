@@ -1,4 +1,4 @@
-"""Cost tables, acceptance profiles and `sj.auto_num_draft` (what `num_draft="auto"` was).
+"""Cost tables, acceptance profiles and `sj.auto_num_draft`.
 
 * `measure_costs` on a tiny model, saved as `cost_table_<backend>.json` and loaded back.
 * `AcceptanceProfile.from_counts` and `expected_tokens` against hand-worked numbers.
@@ -8,8 +8,7 @@
 * `sj.auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
   `max_draft` and with narrower widths for a confidence stop, and `sj.decode` runs with it (greedy
   still equals `sj.generate`); without the files, or without a calibration, it raises a
-  ValueError that names `specjax calibrate`; `num_draft="auto"` and `calibration=` given to
-  `decode` raise a ValueError that names `sj.auto_num_draft`, before compiling.
+  ValueError that names `specjax calibrate`, before compiling.
 * `specjax calibrate` end to end on the shipped toy pair (slow).
 """
 
@@ -211,8 +210,7 @@ def test_auto_num_draft_reads_the_drafter(tmp_path):
 
 
 def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
-  target, draft = tiny
-  tokens = jnp.array([[3, 1, 4]], jnp.int32)
+  _, draft = tiny
   before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match="needs a calibration"):
     sj.auto_num_draft(draft, calibration=None)
@@ -223,11 +221,6 @@ def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
   _table(VERIFY_MS, backend="some-other-backend").save(tmp_path)  # not this backend's
   with pytest.raises(ValueError, match=f"cost_table_{jax.default_backend()}.json not found"):
     sj.auto_num_draft(draft, calibration=tmp_path)
-  with pytest.raises(ValueError, match=r"num_draft='auto' was replaced by "
-                     r"specjax\.auto_num_draft\(drafter, calibration=DIR\)"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto")
-  with pytest.raises(ValueError, match="calibration= was removed"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft=3, calibration=tmp_path)
   assert TRACE_COUNTS["decode"] == before
 
 
