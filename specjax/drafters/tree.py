@@ -6,8 +6,8 @@ here by `tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs
 `forwards_per_round` and `init` (`specjax.drafters.base`), a tree drafter has
 
 * `spec`: its `specjax.TreeSpec` (static);
-* `extra_slots`: the scratch slots past a row's length that one round writes (the tree block and,
-  for a dynamic tree, its expansion pool);
+* `extra_slots(num_draft)`: the scratch slots past a row's length that one round writes (the tree
+  block and, for a dynamic tree, its expansion pool);
 * `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this round's
   `specjax.trees.structure.Tree` below each row's last token (`num_draft` is the tree's depth);
 * `observe_path(state, scored, tree, root, path, emitted, count, lengths) -> state`: after the
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import tree_heads
-from specjax.drafters.base import DrafterWrapper, OwnModelDrafter, TextOnlyDrafter
+from specjax.drafters.base import Drafter, DrafterWrapper, OwnModelDrafter, TextOnlyDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.drafters.suffix_tree import SuffixTreeDrafter
@@ -55,13 +55,13 @@ def extra_slots(spec: TreeSpec) -> int:
   return max(spec.size, pool, spec.depth) + 2
 
 
-class _TreeDrafterBase:
+class _TreeDrafterBase(Drafter):
   """What every tree drafter shares: the static spec and its derived sizes."""
 
   spec: TreeSpec
 
-  @property
-  def extra_slots(self) -> int:
+  def extra_slots(self, num_draft: int) -> int:
+    del num_draft  # the tree's depth
     return extra_slots(self.spec)
 
   def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):

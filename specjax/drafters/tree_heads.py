@@ -66,7 +66,7 @@ def _draft_vocab_size(drafter) -> int:
 def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
   """Raises a clear `ValueError` (before tracing) for a head/tree combination that cannot run."""
   name = type(drafter).__name__
-  if getattr(drafter, "confidence", None) is not None:
+  if drafter.confidence is not None:
     raise ValueError(f"{name}(confidence=...) stops a chain early; a tree ignores it: leave it "
                      "None and use TreeSpec(builder='dynamic', min_prob=...) for a per-row stop")
   if drafter.vocab_size != target.vocab_size:

@@ -101,7 +101,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                        f"num_draft={num_draft!r})")
     drafter = tree_drafter(target, draft, tree)
     num_draft, widths = tree.depth, (tree.depth + 1,)
-    scratch = drafter.extra_slots  # a round's tree block lies past the new tokens
+    scratch = drafter.extra_slots(num_draft)  # a round's tree block lies past the new tokens
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
@@ -109,7 +109,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                      f"({target.vocab_size}): speculative decoding needs one shared tokenizer")
   validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch, target.max_len,
                            "target")
-  if hasattr(drafter, "max_len"):
+  if drafter.max_len is not None:
     validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch,
                              drafter.max_len, "draft")
   rng = validation.check_rng(rng, tokens.shape[0])
@@ -181,7 +181,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
                                 verify_widths=verify_widths, tree=tree)
-  if getattr(args.drafter, "plain", False):
+  if args.drafter.plain:
     # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
     # target's own loop, which is the target's distribution by definition.
     return generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,

@@ -89,10 +89,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   draft_state, proposal = drafter.propose(
       state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
       seeds=state.seeds)
-  calls = drafter.forwards_per_round(num_draft)
-  skipped = getattr(draft_state, "skipped", None)  # an AdaptiveDrafter's round without it
-  if skipped is not None:
-    calls = jnp.where(skipped, 0, calls)
+  calls = drafter.forwards_in_round(draft_state, num_draft)  # [B] or one count for every row
   live = (~state.done).astype(jnp.int32)
   stats = dataclasses.replace(state.stats, draft_calls=state.stats.draft_calls + calls * live)
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal

@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from specjax.core.sampling import Sampling
+from specjax.drafters import as_drafter
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
            "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "auto_num_draft", "choose_num_draft",
@@ -310,10 +311,10 @@ def auto_num_draft(drafter, calibration) -> AutoChoice:
   Raises:
     ValueError: no calibration, a missing file, or one that covers no `k >= 1`.
   """
+  drafter = as_drafter(drafter)
   measured = resolve_calibration(calibration)
-  return choose_num_draft(measured.costs, measured.profile,
-                          max_draft=getattr(drafter, "max_draft", None),
-                          confidence_stop=getattr(drafter, "confidence", None) is not None)
+  return choose_num_draft(measured.costs, measured.profile, max_draft=drafter.max_draft,
+                          confidence_stop=drafter.confidence is not None)
 
 
 @dataclasses.dataclass(frozen=True)

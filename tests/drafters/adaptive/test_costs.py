@@ -12,9 +12,9 @@
 * `specjax calibrate` end to end on the shipped toy pair (slow).
 """
 
+import dataclasses
 import json
 import pathlib
-import types
 
 import jax
 import jax.numpy as jnp
@@ -189,6 +189,20 @@ def test_decode_auto_runs_the_chosen_k(tiny, tmp_path):
   np.testing.assert_array_equal(out.tokens, ref.tokens)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Bounded(sj.NGramDrafter):
+  """A drafter that drafts at most 2 tokens a round (as a Medusa drafter with 2 heads)."""
+
+  max_draft = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stopping(sj.NGramDrafter):
+  """A drafter with a confidence stop."""
+
+  confidence = 0.5
+
+
 def test_auto_num_draft_reads_the_drafter(tmp_path):
   """A drafter's `max_draft` bounds k and a confidence stop adds the narrower widths, as
   `choose_num_draft` is told them; a directory and a `Calibration` give the same choice."""
@@ -199,11 +213,11 @@ def test_auto_num_draft_reads_the_drafter(tmp_path):
   plain = sj.auto_num_draft(sj.NGramDrafter(), calibration=measured)
   assert plain == costs.choose_num_draft(table, profile)
   assert sj.auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
-  bounded = types.SimpleNamespace(max_draft=2, confidence=None)
+  bounded = _Bounded()
   assert sj.auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
                                                                         max_draft=2)
   assert sj.auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
-  stopping = types.SimpleNamespace(confidence=0.5)
+  stopping = _Stopping()
   choice = sj.auto_num_draft(stopping, measured)
   assert choice == costs.choose_num_draft(table, profile, confidence_stop=True)
   assert choice.widths == costs.choose_widths(table, choice.num_draft) != plain.widths
