@@ -39,8 +39,9 @@ the loop reads them directly, so a drafter that does not subclass `Drafter` defi
   returned `state` (`forwards_per_round(num_draft)`, or `[B]` where a round may skip the drafter).
 
 A tree drafter (`specjax.drafters.tree`) follows the same protocol with a `Tree` for a
-proposal: it also has a static `spec` (its `TreeSpec`), its own `extra_slots` (the tree block)
-and `observe_path` in place of `observe`.
+proposal: it also has a static `spec` (its `TreeSpec`) and its own `extra_slots` (the tree block).
+Its `observe` is the chain's: the loop hands it the accepted path `[root, path nodes]` as the
+block, with the target's features there.
 
 A drafter that proposes deterministically returns `Proposal.logits = None`: a point mass `q`, for
 which the verify rule is still exact. Rolling back after rejections is the drafter's own
@@ -162,8 +163,7 @@ class OwnModelDrafter(Drafter):
 
 class TextOnlyDrafter(Drafter):
   """Mixin for a drafter that reads only the token buffer (prompt lookup, suffix drafting): no
-  target features, no forward passes, and an empty state that observing a round leaves alone
-  (`observe` for a chain drafter, `observe_path` for a tree one)."""
+  target features, no forward passes, and an empty state that observing a round leaves alone."""
 
   taps = ()
   needs_hidden = False
@@ -180,9 +180,6 @@ class TextOnlyDrafter(Drafter):
     del scored, block, emitted, count, lengths
     return state
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    del scored, tree, root, path, emitted, count, lengths
-    return state
 
 
 def with_confidence(drafter, confidence: float | None):

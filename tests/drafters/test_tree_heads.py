@@ -37,7 +37,7 @@ from specjax.core.sampling import row_seeds
 from specjax.testing.models import tiny_config
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.drafters.tree import tree_drafter
-from specjax.loop.round import round_step, score_tree
+from specjax.loop.round import path_output, round_step, score_tree
 from specjax.loop.state import init_state
 from specjax.trees.structure import TreeSpec
 from tests.exactness.test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
@@ -163,7 +163,7 @@ def test_target_tree_features_equal_causal_forward_on_every_path(target, batch):
         [np.asarray(tokens[b, :length]), np.asarray(tree.tokens[b])[path]])
   rows = np.asarray([b for b, _ in cases])
   scored_rows = scored._replace(hidden=scored.hidden[rows], taps=scored.taps[:, rows])
-  along = tree_heads.path_output(scored_rows, jnp.asarray(index))
+  along = path_output(scored_rows, jnp.asarray(index))
   plain = jax.jit(functools.partial(forward, taps=drafter.taps, return_hidden=True))(
       target, jnp.asarray(sequences), jnp.zeros(len(cases), jnp.int32))
   for i, (b, path) in enumerate(cases):
