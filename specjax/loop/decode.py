@@ -24,9 +24,8 @@ from specjax.core import validation
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.drafters.tree import tree_drafter
-from specjax.loop.generate import generate
-from specjax.loop.precompile import precompilable, run_jitted
-from specjax.parallel.mesh import call_context
+from specjax.loop.generate import prepare_generate
+from specjax.loop.program import Program
 from specjax.parallel.rules import rules_scope
 from specjax.loop.round import check_verify_widths, draft_step, round_step, verify_block
 from specjax.core.sampling import GREEDY, Sampling, row_seeds
@@ -37,7 +36,7 @@ from specjax.verify.dispatch import check_verify_impl
 from specjax.trees.structure import TreeSpec
 
 __all__ = ["DecodeState", "NEW_TOKEN_BUCKET", "decode", "draft_step", "init_state",
-           "verify_block"]
+           "prepare_decode", "verify_block"]
 
 
 class DecodeArguments(NamedTuple):
@@ -121,7 +120,6 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                          capacity, widths)
 
 
-@precompilable
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
            num_draft: int | None = None, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
@@ -177,30 +175,43 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Works on one device and on any mesh the weights live on (`jax.make_mesh` with Explicit axes,
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
+  return prepare_decode(target, draft, tokens, rng, lengths=lengths,
+                        max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
+                        eos_id=eos_id, pad_id=pad_id, verify_impl=verify_impl, tree=tree,
+                        verify_widths=verify_widths).run()
+
+
+def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                   num_draft: int | None = None, sampling: Sampling = GREEDY,
+                   eos_id: int | tuple[int, ...] | None = None, pad_id: int | None = None,
+                   verify_impl: str = "auto", tree: TreeSpec | None = None,
+                   verify_widths: tuple[int, ...] | None = None) -> Program:
+  """`decode`'s checks, and the program the call runs (`specjax.precompile` compiles it).
+
+  Takes `decode`'s arguments. Where the drafter is `plain` (drafting cannot beat a plain step:
+  `AdaptivePlan.plain`) the program is `specjax.generate`'s: the target's own loop, which is the
+  target's distribution by definition.
+
+  Raises:
+    ValueError: naming the problem (see `decode`), before anything is traced.
+  """
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
                                 verify_widths=verify_widths, tree=tree)
   if args.drafter.plain:
-    # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
-    # target's own loop, which is the target's distribution by definition.
-    return generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-                    sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+    return prepare_generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                            sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+  static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
+                pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
+                widths=args.widths, classes=validation.pytree_classes(target, args.drafter))
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
-  with call_context(inputs) as call:
-    target, drafter, tokens, lengths, rng, eos_ids = call.inputs
-    static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
-                  pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-                  widths=args.widths, rules=call.rules,
-                  classes=validation.pytree_classes(target, drafter))
-    out = run_jitted(_decode, static, target, drafter, tokens, lengths, rng,
-                     jnp.int32(args.max_new_tokens), eos_ids)
-    out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
-    return call.output(out)
+  return Program(_decode, inputs, static, args.max_new_tokens)
+
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
                                              "verify_impl", "widths", "rules", "classes"))
-def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling,
+def _decode(target, drafter, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling,
             num_draft, capacity, pad_id, verify_impl, widths=None, rules=None,
             classes=()) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)

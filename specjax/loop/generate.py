@@ -15,8 +15,7 @@ import jax.numpy as jnp
 
 from specjax.core import validation
 from specjax.core.outputs import DecodeOutput, DecodeStats
-from specjax.loop.precompile import precompilable, run_jitted
-from specjax.parallel.mesh import call_context
+from specjax.loop.program import Program
 from specjax.parallel.rules import rules_scope
 from specjax.core.sampling import GREEDY, PURPOSE_SAMPLE, Sampling, row_seeds, sample_token
 from specjax.core.sequence import clear_padding
@@ -24,7 +23,9 @@ from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
 from specjax.models.prefill import prefill
 
-@precompilable
+__all__ = ["generate", "last_logits", "prepare_generate"]
+
+
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int | None = None) -> DecodeOutput:
@@ -45,6 +46,20 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
   """
+  return prepare_generate(model, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                          sampling=sampling, eos_id=eos_id, pad_id=pad_id).run()
+
+
+def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                     sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
+                     pad_id: int | None = None) -> Program:
+  """`generate`'s checks, and the program the call runs (`specjax.precompile` compiles it).
+
+  Takes `generate`'s arguments.
+
+  Raises:
+    ValueError: naming the problem, before anything is traced.
+  """
   validation.check_model(model)
   tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
@@ -54,15 +69,11 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   validation.check_sampling(sampling)
   pad = validation.resolve_pad_id(model, pad_id)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+  static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad),
+                classes=validation.pytree_classes(model))
   inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
-  with call_context(inputs) as call:
-    model, tokens, lengths, rng, eos_ids = call.inputs
-    static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad), rules=call.rules,
-                  classes=validation.pytree_classes(model))
-    out = run_jitted(_generate, static, model, tokens, lengths, rng, jnp.int32(max_new_tokens),
-                     eos_ids)
-    out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
-    return call.output(out)
+  return Program(_generate, inputs, static, max_new_tokens)
+
 
 def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   """The logits at each row's last prompt token: `[B, T, V]` -> `[B, V]`."""
@@ -71,16 +82,16 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
                                              "classes"))
-def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+def _generate(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
               capacity: int, pad_id: int, rules=None, classes=()) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["generate"] += 1
   with rules_scope(rules):
-    return _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids,
+    return _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens,
                           sampling=sampling, capacity=capacity, pad_id=pad_id)
 
 
-def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
                    capacity: int, pad_id: int) -> DecodeOutput:
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
