@@ -8,7 +8,9 @@ sampling settings are static.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +25,8 @@ from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
 from specjax.models.prefill import prefill
 
-__all__ = ["generate", "last_logits", "prepare_generate"]
+__all__ = ["GenerateState", "generate", "generate_start", "generate_step", "last_logits",
+           "prepare_generate"]
 
 
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
@@ -93,11 +96,56 @@ def _generate(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling:
 
 def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
                    capacity: int, pad_id: int) -> DecodeOutput:
+  state = generate_start(model, tokens, lengths, row_seeds(rng, tokens.shape[0]), eos_ids,
+                         max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id)
+  state = jax.lax.while_loop(lambda state: ~jnp.all(state.done),
+                             lambda state: generate_step(model, state, sampling=sampling,
+                                                         pad_id=pad_id),
+                             state)
+  return DecodeOutput(state.tokens, state.num_tokens, state.stats)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateState:
+  """What `generate`'s loop carries from one step to the next (`decode_stream` steps it from the
+  host where an `AdaptiveDrafter` plans plain steps)."""
+
+  cache: Any  # the model's cache; lengths = each row's prompt and new tokens but the last one
+  token: jax.Array  # [B] int32 each row's last token, fed at the next step
+  tokens: jax.Array  # [B, capacity] int32 the new tokens, `pad_id` past `num_tokens`
+  num_tokens: jax.Array  # [B] int32
+  done: jax.Array  # [B] bool
+  seeds: jax.Array  # [B] uint32 per-row random-stream seeds (`sampling.row_seeds`)
+  eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
+  max_new_tokens: jax.Array  # [] int32
+
+  @property
+  def stats(self) -> DecodeStats:
+    """The counters `generate` reports: one round and one target call per token, no drafts."""
+    zeros = jnp.zeros_like(self.num_tokens)
+    return DecodeStats(rounds=self.num_tokens, drafted=zeros, accepted=zeros,
+                       accepted_per_position=jnp.zeros((self.num_tokens.shape[0], 0), jnp.int32),
+                       target_calls=self.num_tokens, draft_calls=zeros, emitted=self.num_tokens,
+                       nonfinite=jnp.zeros(self.num_tokens.shape, bool))
+
+
+def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sampling: Sampling,
+                   capacity: int, pad_id: int) -> GenerateState:
+  """The prefill and each row's first token: the state before `generate`'s first step.
+
+  Args:
+    model: the model.
+    tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
+    seeds: `[B]` uint32 per-row seeds (`specjax.core.sampling.row_seeds`).
+    eos_ids: `[E]` int32 stop ids, `[-1]` for none.
+    max_new_tokens: `[]` int32 (traced) new tokens per row at most.
+    sampling: the sampling settings.
+    capacity: static upper bound on `max_new_tokens` (the buffers' size).
+    pad_id: fills `GenerateState.tokens` past each row's end.
+  """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
-  rows = jnp.arange(batch, dtype=jnp.int32)
-  seeds = row_seeds(rng, batch)  # [B]
-
   cache = model.init_cache(batch, width + capacity)
   # The prefill `decode` runs too (its cache is the same); where the model selects logit rows it
   # scores only each row's last prompt token.
@@ -106,34 +154,32 @@ def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, samp
     logits = out.logits[:, 0]
   else:
     logits = last_logits(out.logits, lengths)
-  cache = out.cache.with_lengths(lengths)
   first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
-
-  out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
   num_tokens = jnp.ones((batch,), jnp.int32)
-  done = validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens)
+  return GenerateState(
+      cache=out.cache.with_lengths(lengths), token=first,
+      tokens=jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first),
+      num_tokens=num_tokens,
+      done=validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens),
+      seeds=seeds, eos_ids=eos_ids, max_new_tokens=max_new_tokens)
 
-  def cond(state):
-    _, _, _, _, done = state
-    return ~jnp.all(done)
 
-  def body(state):
-    cache, token, out, num_tokens, done = state
-    step = model(token[:, None], cache.lengths, cache)
-    positions = cache.lengths + 1  # absolute position of the token being sampled
-    new_token = sample_token(step.logits[:, 0], sampling, seeds, positions, PURPOSE_SAMPLE)
-    live = ~done
-    cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
-    out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
-    num_tokens = num_tokens + live
-    done = done | validation.is_eos(new_token, eos_ids) | (num_tokens >= max_new_tokens)
-    token = jnp.where(live, new_token, token)
-    return cache, token, out, num_tokens, done
-
-  _, _, out, num_tokens, _ = jax.lax.while_loop(cond, body, (cache, first, out, num_tokens, done))
-  zeros = jnp.zeros((batch,), jnp.int32)
-  stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
-                      accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
-                      target_calls=num_tokens, draft_calls=zeros, emitted=num_tokens,
-                      nonfinite=jnp.zeros((batch,), bool))
-  return DecodeOutput(out, num_tokens, stats)
+def generate_step(model, state: GenerateState, *, sampling: Sampling,
+                  pad_id: int) -> GenerateState:
+  """One token per live row: the model's forward over each row's last token, then a sample from
+  its distribution at the next position. Done rows are left unchanged."""
+  cache = state.cache
+  step = model(state.token[:, None], cache.lengths, cache)
+  positions = cache.lengths + 1  # absolute position of the token being sampled
+  new_token = sample_token(step.logits[:, 0], sampling, state.seeds, positions, PURPOSE_SAMPLE)
+  live = ~state.done
+  rows = jnp.arange(new_token.shape[0], dtype=jnp.int32)
+  num_tokens = state.num_tokens + live
+  return dataclasses.replace(
+      state, cache=step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths)),
+      token=jnp.where(live, new_token, state.token),
+      tokens=state.tokens.at[rows, state.num_tokens].set(jnp.where(live, new_token, pad_id),
+                                                         mode="drop"),
+      num_tokens=num_tokens,
+      done=(state.done | validation.is_eos(new_token, state.eos_ids)
+            | (num_tokens >= state.max_new_tokens)))

@@ -11,6 +11,9 @@
   equal them, anything else raises before tracing.
 * Greedy `decode` and `decode_stream` with the wrapper equal `sj.generate` on a ragged batch, and
   the loop runs at the wrapper's K.
+* A wrapper that plans plain steps (`plain`): `decode` runs `sj.generate`, and so does
+  `decode_stream`, so at temperature > 0 its tokens (and final counters) are `decode`'s for the
+  same key.
 """
 import dataclasses
 
@@ -225,3 +228,23 @@ def test_greedy_with_the_wrapper_equals_generate(target, draft, ragged):
                     jax.random.key(0), lengths=lengths, max_new_tokens=20)
   np.testing.assert_array_equal(noisy.tokens, ref.tokens)
   assert noisy.stats.accepted_per_position.shape == (3, 4)
+
+
+def test_stream_with_a_plain_wrapper_samples_decode_s_tokens(target, draft, ragged):
+  """At temperature 1 a plain wrapper's `decode` is `sj.generate`; the stream's tokens are the same
+  (a stream of width-1 verify rounds would draw them from the verify's random streams instead)."""
+  tokens, lengths = ragged
+  plain = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5), plain=True)
+  common = dict(lengths=lengths, max_new_tokens=12, sampling=sj.Sampling(temperature=1.0),
+                eos_id=3)
+  out = sj.decode(target, plain, tokens, jax.random.key(5), **common)
+  ref = sj.generate(target, tokens, jax.random.key(5), **common)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  streamed, last = [[] for _ in range(3)], None
+  for new, state in sj.decode_stream(target, plain, tokens, jax.random.key(5), **common):
+    for b, row in enumerate(new):
+      streamed[b].extend(int(t) for t in row)
+    last = state.stats.summary()
+  for b in range(3):
+    assert streamed[b] == np.asarray(out.tokens[b, :int(out.num_tokens[b])]).tolist()
+  assert last == out.stats.summary()
