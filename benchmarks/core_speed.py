@@ -8,7 +8,7 @@ Loads `specjax/pretrained/toy/target`, `specjax/pretrained/toy/draft` and
 `specjax/pretrained/toy/tokenizer.json` (the 7.2M/0.66M stdlib pair) in float32, encodes four Python
 prompts, and times (median of `--repeats`, after one compiling call) greedy and sampled (T=0.8)
 `decode` at k=4 and greedy `generate`, batch 4, 64 new tokens. Only names present before and after
-the core rebuild are used (`sj.load`, `sj.load_tokenizer`, `sj.decode`, `sj.generate`), so one file
+the core rebuild are used (`load`, `load_tokenizer`, `sj.decode`, `sj.generate`), so one file
 measures both checkouts. Appends a record per label to `core_speed.json` and plots every label in
 `core_speed.png`.
 
@@ -30,6 +30,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import specjax as sj  # noqa: E402
+from specjax.io import load, load_tokenizer  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PROMPTS = ["def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n    def ",
@@ -44,9 +45,9 @@ def main(argv=None) -> dict:
   parser.add_argument("--new-tokens", type=int, default=64)
   args = parser.parse_args(argv)
 
-  target = sj.load(ROOT / "checkpoints" / "toy" / "target", dtype="float32")
-  draft = sj.load(ROOT / "checkpoints" / "toy" / "draft", dtype="float32")
-  tokenizer = sj.load_tokenizer(ROOT / "checkpoints" / "toy" / "tokenizer.json")
+  target = load(ROOT / "checkpoints" / "toy" / "target", dtype="float32")
+  draft = load(ROOT / "checkpoints" / "toy" / "draft", dtype="float32")
+  tokenizer = load_tokenizer(ROOT / "checkpoints" / "toy" / "tokenizer.json")
   rows = [tokenizer.encode(p) for p in PROMPTS]
   lengths = np.array([len(r) for r in rows], np.int32)
   tokens = np.zeros((len(rows), lengths.max()), np.int32)

@@ -73,6 +73,7 @@ def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, ma
   `history` conversations of the chosen categories (earlier requests of the same kind, never a
   timed prompt), generated before any timed call."""
   import specjax as sj
+  from specjax.drafters import SuffixCorpus
   from benchmarks.real_models import chat_ids
 
   history = json.loads(pathlib.Path(prompt_file).read_text()).get("history", {})
@@ -88,7 +89,7 @@ def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, ma
                       max_new_tokens=max_new_tokens, eos_id=eos)
     answers.append(np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
   log(f"suffix corpus: {len(answers)} earlier answers, {sum(map(len, answers))} tokens")
-  return sj.SuffixCorpus.from_sequences(answers, capacity=max(4096, 2 * sum(map(len, answers))))
+  return SuffixCorpus.from_sequences(answers, capacity=max(4096, 2 * sum(map(len, answers))))
 
 
 def _bucket(length: int) -> int:

@@ -52,8 +52,9 @@ def add_subcommand(subparsers, handler):
                       "a chat question otherwise)")
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--num-draft", type=_num_draft, default=None,
-                      help="drafts per round: a number, 'auto' (specjax.auto_num_draft: the cost "
-                      "table beside the head picks k) or 'adaptive' (specjax.adaptive_drafter: "
+                      help="drafts per round: a number, 'auto' "
+                      "(specjax.drafters.adaptive.auto_num_draft: the cost table beside the "
+                      "head picks k) or 'adaptive' (specjax.adaptive_drafter: "
                       "each row its own k every round, draft by draft); "
                       "default: the pair's measured best k, else adaptive where this backend has "
                       "a cost table beside the head, else 4")
@@ -79,6 +80,7 @@ def run(args) -> int:
   """Runs the demo with parsed `specjax demo` arguments (`prompt`, `max_new_tokens`,
   `num_draft`, `repeats`)."""
   import specjax as sj
+  from specjax.drafters.adaptive import auto_num_draft
   from rich.console import Console
   from specjax.loop.stream import decode_stream
 
@@ -117,7 +119,7 @@ def run(args) -> int:
     draft = sj.adaptive_drafter(draft, calibration=pair.calibration)
     num_draft, spec = draft.max_draft, {}
   elif mode == "auto":  # one k (and its verify widths) from the cost table, chosen here
-    choice = sj.auto_num_draft(draft, calibration=pair.calibration)
+    choice = auto_num_draft(draft, calibration=pair.calibration)
     num_draft, spec = choice.num_draft, dict(num_draft=choice.num_draft,
                                              verify_widths=choice.widths)
   else:

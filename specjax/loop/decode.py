@@ -142,11 +142,12 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     lengths: `[B]` prompt lengths; None = every row is `T` long.
     max_new_tokens: new tokens per row at most.
     num_draft: draft tokens per round (`k`), an int; None: 4, or the `max_draft` (`K`) of a
-      `specjax.drafters.adaptive.drafter.AdaptiveDrafter`. To pick `k` from measured costs, pass
-      `specjax.auto_num_draft(draft, calibration=DIR)`'s `num_draft` and `widths`; to let every
-      row draft its own `k` in `0 .. K` each round, pass `specjax.adaptive_drafter(draft,
-      calibration=DIR)` as `draft` (it brings `K` and its verify widths; where drafting cannot
-      beat a plain step, `AdaptivePlan.plain`, this runs `specjax.generate`).
+      `specjax.drafters.adaptive.AdaptiveDrafter`. To pick `k` from measured costs, pass
+      `specjax.drafters.adaptive.auto_num_draft(draft, calibration=DIR)`'s `num_draft` and
+      `widths`; to let every row draft its own `k` in `0 .. K` each round, pass
+      `specjax.adaptive_drafter(draft, calibration=DIR)` as `draft` (it brings `K` and its verify
+      widths; where drafting cannot beat a plain step, `AdaptivePlan.plain`, this runs
+      `specjax.generate`).
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is

@@ -79,7 +79,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   """Proposes `num_draft` tokens per row after each row's current sequence.
 
   Args:
-    drafter: a `specjax.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
+    drafter: a `specjax.drafters.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
     state: the decode state.
     num_draft: `k`.
     sampling: the sampling settings (identical to the target's).

@@ -63,7 +63,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
 
   Args:
     target: the target model.
-    drafter: a `specjax.Drafter`.
+    drafter: a `specjax.drafters.Drafter`.
     tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
     max_new_tokens: `[]` int32 (traced) number of new tokens per row at most.
     eos_ids: `[E]` int32 stop ids, `[-1]` for none.

@@ -40,9 +40,9 @@ class DefaultPair:
     target: the target `specjax.Model`.
     draft: the drafter (a `HybridDrafter` around an `EagleDrafter` for the default pair, a draft
       `specjax.Model` for the toy).
-    tokenizer: the `specjax.Tokenizer` (with the chat template for the default pair).
+    tokenizer: the `specjax.io.Tokenizer` (with the chat template for the default pair).
     calibration: the directory beside the head holding this backend's cost table and the drafter's
-      acceptance profile (`specjax calibrate`), for `specjax.auto_num_draft` /
+      acceptance profile (`specjax calibrate`), for `specjax.drafters.adaptive.auto_num_draft` /
       `specjax.adaptive_drafter`; None when no cost table was measured for this backend.
     num_draft: drafts per round that measured fastest for this pair (`benchmarks/self_draft.py`),
       or None (use a cost table or pick one).

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import KVCache
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters import tree_heads
 from specjax.drafters.eagle.drafter import EagleDrafter
@@ -118,7 +119,7 @@ def test_head_tree_logits_equal_chain_forward_on_every_path(target, batch, kind,
   for i, (b, path) in enumerate(cases):
     path_tokens[i, :len(path)] = np.asarray(tree.tokens[b])[path]
   cache = state.cache
-  cache = sj.KVCache(cache.k[:, rows], cache.v[:, rows], cache.lengths[rows])
+  cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.lengths[rows])
   hidden, logits = state.hidden[rows], state.logits[rows]
   chain = [logits]  # chain[j]: the draft logits of the depth-(j + 1) node
   for j in range(1, spec.depth):

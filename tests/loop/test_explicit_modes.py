@@ -1,5 +1,6 @@
-"""The explicit draft-length modes: `sj.adaptive_drafter` and `sj.auto_num_draft` (each with
-`calibration=DIR`) choose the draft length; `decode` takes only an int `num_draft`.
+"""The explicit draft-length modes: `sj.adaptive_drafter` and
+`specjax.drafters.adaptive.auto_num_draft` (each with `calibration=DIR`) choose the draft length;
+`decode` takes only an int `num_draft`.
 
 * Every entry point that takes `num_draft` (`decode`, `decode_stream`, `audit`) rejects a string
   with a ValueError before anything is traced (the jitted loops are replaced by functions that

@@ -1,12 +1,12 @@
 """Per-row adaptive draft length: `specjax.decode(target, adaptive_drafter(drafter, DIR),
 ...)`.
 
-`specjax.auto_num_draft` picks one `k` for every prompt before compiling, from an acceptance
-profile averaged over many prompts. But acceptance differs by an order of magnitude between
-prompts (a head that writes code well may rarely guess a translation), so the `k` that is best on
-average is too long for some rows and too short for others. `AdaptiveDrafter` wraps a drafter
-(`adaptive_drafter` builds one from a calibration) and, at the start of every round, gives each
-row its own limit `k_b` in `0 .. K`: the one that maximises expected tokens per millisecond,
+`specjax.drafters.adaptive.auto_num_draft` picks one `k` for every prompt before compiling, from
+an acceptance profile averaged over many prompts. But acceptance differs by an order of magnitude
+between prompts (a head that writes code well may rarely guess a translation), so the `k` that is
+best on average is too long for some rows and too short for others. `AdaptiveDrafter` wraps a
+drafter (`adaptive_drafter` builds one from a calibration) and, at the start of every round, gives
+each row its own limit `k_b` in `0 .. K`: the one that maximises expected tokens per millisecond,
 
     E[tokens | k] / round_ms[k],   E[tokens | k] = 1 + sum_{j <= k} prod_{i <= j} alpha_{b,i},
 

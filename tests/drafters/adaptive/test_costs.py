@@ -1,11 +1,11 @@
-"""Cost tables, acceptance profiles and `sj.auto_num_draft`.
+"""Cost tables, acceptance profiles and `auto_num_draft`.
 
 * `measure_costs` on a tiny model, saved as `cost_table_<backend>.json` and loaded back.
 * `AcceptanceProfile.from_counts` and `expected_tokens` against hand-worked numbers.
 * `choose_num_draft` picks the `k` that maximises `E[tokens | k] / (verify(k+1) + k * draft)` for
   a hand-written table and profile; the expected value is computed here independently, from the
   distribution of the number of accepted drafts.
-* `sj.auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
+* `auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
   `max_draft` and with narrower widths for a confidence stop, and `sj.decode` runs with it (greedy
   still equals `sj.generate`); without the files, or without a calibration, it raises a
   ValueError that names `specjax calibrate`, before compiling.
@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters.adaptive import auto_num_draft
 from specjax.tuning import calibrate
 from specjax.cli import main as cli
 from specjax.drafters.adaptive import costs
@@ -180,7 +181,7 @@ def test_decode_auto_runs_the_chosen_k(tiny, tmp_path):
   _profile(ALPHA).save(tmp_path)
   tokens = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
   lengths = jnp.array([5, 3], jnp.int32)
-  choice = sj.auto_num_draft(draft, calibration=tmp_path)
+  choice = auto_num_draft(draft, calibration=tmp_path)
   assert (choice.num_draft, choice.widths) == (3, (4,))  # as worked out above; no stop: k + 1
   out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
                   num_draft=choice.num_draft, verify_widths=choice.widths)
@@ -210,15 +211,15 @@ def test_auto_num_draft_reads_the_drafter(tmp_path):
   table.save(tmp_path)
   profile.save(tmp_path)
   measured = costs.Calibration(table, profile)
-  plain = sj.auto_num_draft(sj.NGramDrafter(), calibration=measured)
+  plain = auto_num_draft(sj.NGramDrafter(), calibration=measured)
   assert plain == costs.choose_num_draft(table, profile)
-  assert sj.auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
+  assert auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
   bounded = _Bounded()
-  assert sj.auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
+  assert auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
                                                                         max_draft=2)
-  assert sj.auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
+  assert auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
   stopping = _Stopping()
-  choice = sj.auto_num_draft(stopping, measured)
+  choice = auto_num_draft(stopping, measured)
   assert choice == costs.choose_num_draft(table, profile, confidence_stop=True)
   assert choice.widths == costs.choose_widths(table, choice.num_draft) != plain.widths
 
@@ -227,14 +228,14 @@ def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
   _, draft = tiny
   before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match="needs a calibration"):
-    sj.auto_num_draft(draft, calibration=None)
+    auto_num_draft(draft, calibration=None)
   with pytest.raises(ValueError, match=r"cost_table_\w+\.json, acceptance_profile\.json not "
                      r"found.*specjax calibrate --out"):
-    sj.auto_num_draft(draft, calibration=tmp_path)
+    auto_num_draft(draft, calibration=tmp_path)
   _profile(ALPHA).save(tmp_path)
   _table(VERIFY_MS, backend="some-other-backend").save(tmp_path)  # not this backend's
   with pytest.raises(ValueError, match=f"cost_table_{jax.default_backend()}.json not found"):
-    sj.auto_num_draft(draft, calibration=tmp_path)
+    auto_num_draft(draft, calibration=tmp_path)
   assert TRACE_COUNTS["decode"] == before
 
 
@@ -261,7 +262,7 @@ def test_calibrate_command_on_the_toy_pair(tmp_path, capsys):
                      "import os\n"])
   assert status == 0
   printed = capsys.readouterr().out
-  assert "specjax.auto_num_draft picks k =" in printed
+  assert "specjax.drafters.adaptive.auto_num_draft picks k =" in printed
   calibration = costs.load_calibration(tmp_path)
   assert len(calibration.costs.verify_ms) == 4 and len(calibration.profile.alpha) == 3
   assert calibration.profile.rounds > 0
