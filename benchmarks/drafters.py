@@ -283,7 +283,7 @@ def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
   draft = pair.draft
   if not hasattr(draft, "observe") or pair.target.config != target.config:
     return []  # the shipped draft is a model of its own, or a head for another target
-  k = min(num_draft, getattr(draft, "max_draft", None) or num_draft)  # None: no bound
+  k = min(num_draft, draft.max_draft or num_draft)  # None: no bound
   if not isinstance(draft, HybridDrafter):
     return [DrafterEntry(_head_name(draft), draft, k, None,
                          f"the shipped {type(draft).__name__} (specjax.load_default())")]

@@ -38,7 +38,7 @@ def _best_ms(thunks: dict, repeats: int) -> dict:
 
 def _without_stop(drafter):
   from specjax.drafters.base import with_confidence
-  if getattr(drafter, "confidence", None) is not None:
+  if drafter.confidence is not None:
     return with_confidence(drafter, None)
   return drafter
 
