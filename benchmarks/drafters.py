@@ -88,8 +88,8 @@ DRAFT_MODEL = "draft-int8"  # a separate draft model of the target, quantized to
 # The separate draft model's widths by name: `bits` of `specjax.pretrained.pairs.
 # packaged_draft_model` (int8 per 128; asymmetric int4 per 32, output projection included).
 DRAFT_MODELS = {DRAFT_MODEL: 8, "draft-q4": 4}
-# That draft model over the draft vocabulary (`specjax.with_draft_vocab`): its output projection
-# (Qwen2.5-Coder-0.5B: 136M of its 494M weights) read for those ids only.
+# That draft model over the draft vocabulary (`specjax.drafters.with_draft_vocab`): its output
+# projection (Qwen2.5-Coder-0.5B: 136M of its 494M weights) read for those ids only.
 DRAFT_MODEL_VOCAB = DRAFT_MODEL + "+vocab"
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
@@ -165,6 +165,7 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
   shipped one, made by the same recipe).
   """
   import specjax as sj
+  from specjax.drafters import with_draft_vocab
   from specjax.drafters.model import default_group
 
   entries = [DrafterEntry("ngram", sj.NGramDrafter(), num_draft, None,
@@ -210,7 +211,7 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
     entries += [_vocab_draft(target, name, ids, num_draft) for name in wanted]
     if with_model:
       entries.append(DrafterEntry(
-          DRAFT_MODEL_VOCAB, sj.with_draft_vocab(draft_model[0], ids, context=DRAFT_CONTEXT),
+          DRAFT_MODEL_VOCAB, with_draft_vocab(draft_model[0], ids, context=DRAFT_CONTEXT),
           num_draft, None, f"{draft_model[1]}, drafting over the {len(ids)} ids the target uses "
           f"most and each row's last {DRAFT_CONTEXT} tokens"))
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
@@ -273,7 +274,7 @@ def _head_name(drafter) -> str:
 def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
   """The shipped head pair's head ("smollm2-head"), if it was trained for this very target."""
   import specjax as sj
-  from specjax.drafters.hybrid import HybridDrafter
+  from specjax.drafters import HybridDrafter
 
   try:
     pair = sj.load_pair("smollm2-head")
@@ -282,7 +283,7 @@ def _shipped_heads(target, num_draft: int) -> list[DrafterEntry]:
   draft = pair.draft
   if not hasattr(draft, "observe") or pair.target.config != target.config:
     return []  # the shipped draft is a model of its own, or a head for another target
-  k = min(num_draft, getattr(draft, "max_draft", None) or num_draft)  # None: no bound
+  k = min(num_draft, draft.max_draft or num_draft)  # None: no bound
   if not isinstance(draft, HybridDrafter):
     return [DrafterEntry(_head_name(draft), draft, k, None,
                          f"the shipped {type(draft).__name__} (load_pair('smollm2-head'))")]

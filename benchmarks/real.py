@@ -38,6 +38,7 @@ import numpy as np
 
 from benchmarks.drafters import (CORPUS, DrafterEntry, base_names, library_drafters,
                                  with_adaptive, with_corpus)
+from specjax.drafters import as_drafter
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from benchmarks.models import environment
 from benchmarks.real_summary import summarize
@@ -75,6 +76,7 @@ def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, ma
   `history` conversations of the chosen categories (earlier requests of the same kind, never a
   timed prompt), generated before any timed call."""
   import specjax as sj
+  from specjax.drafters import SuffixCorpus
   from benchmarks.real_models import chat_ids
 
   history = json.loads(pathlib.Path(prompt_file).read_text()).get("history", {})
@@ -90,7 +92,7 @@ def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, ma
                       max_new_tokens=max_new_tokens, eos_id=eos)
     answers.append(np.asarray(out.tokens[0, :int(out.num_tokens[0])]))
   log(f"suffix corpus: {len(answers)} earlier answers, {sum(map(len, answers))} tokens")
-  return sj.SuffixCorpus.from_sequences(answers, capacity=max(4096, 2 * sum(map(len, answers))))
+  return SuffixCorpus.from_sequences(answers, capacity=max(4096, 2 * sum(map(len, answers))))
 
 
 def _bucket(length: int) -> int:
@@ -257,12 +259,14 @@ def measure_suite(target, cases, drafters, *, samplings, max_new_tokens, eos, re
   tokens, lengths = _padded(probe, target.config.pad_id)
   for entry in drafters:
     # An adaptive entry's round is priced as its inner drafter's fixed-K chain.
-    drafter = (entry.drafter.drafter if isinstance(entry.drafter, AdaptiveDrafter)
-               else entry.round_drafter(target))
+    drafter = as_drafter(entry.drafter.drafter if isinstance(entry.drafter, AdaptiveDrafter)
+                         else entry.round_drafter(target))
+    # The buffer the loop allocates (`specjax.loop.state.init_state`): the new tokens' bucket and
+    # the scratch slots one round writes.
     costs["draft_round_s"][entry.name] = draft_round_seconds(
         target, drafter, tokens, lengths,
-        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET) + entry.verify_k + 1
-        + getattr(drafter, "extra_slots", 0),
+        buffer_len=width + round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+        + drafter.extra_slots(entry.verify_k),
         num_draft=entry.num_draft, sampling=next(iter(samplings.values())),
         statistic=statistic)
   log(f"costs: target step {costs['target_step_s'] * 1e3:.1f} ms, verify " + ", ".join(

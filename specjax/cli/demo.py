@@ -176,6 +176,7 @@ def run(args) -> int:
     logits were not finite.
   """
   import specjax as sj
+  from specjax.drafters.adaptive import auto_num_draft
   from rich.console import Console
   from rich.markup import escape
 

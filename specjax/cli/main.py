@@ -43,10 +43,10 @@ def _add_train(subparsers):
         "(pip install 'specjax[train]')")))
     return
   tasks = parser.add_subparsers(dest="task", required=True, metavar="TASK")
-  from specjax import train
-  for task, text in train.TASKS.items():
+  from specjax.training import cli as train_cli
+  for task, text in train_cli.TASKS.items():
     sub = tasks.add_parser(task, help=text)
-    train.add_arguments(sub)
+    train_cli.add_arguments(sub)
     sub.set_defaults(func=_run_train)
   from specjax.training import head_cli
   for task, text in head_cli.TASKS.items():
@@ -60,8 +60,8 @@ def _raise(error):
 
 
 def _run_train(args):
-  from specjax import train
-  return train.run_cli(args)
+  from specjax.training import cli as train_cli
+  return train_cli.run_cli(args)
 
 
 def _run_head(args):

@@ -89,6 +89,7 @@ def load_pair(args):
   import pathlib
 
   import specjax as sj
+  from specjax.io import load_tokenizer
 
   if getattr(args, "gguf", None) is not None:
     if args.target is not None:
@@ -104,7 +105,7 @@ def load_pair(args):
     except FileNotFoundError as error:
       raise CliError(f"{error}; pass --target and --draft checkpoint directories") from None
     draft = sj.NGramDrafter() if args.draft == "ngram" else pair.draft
-    tokenizer = sj.load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
     return pair.target, draft, tokenizer
   target = load_model(args.target, args.dtype)
   draft = (sj.NGramDrafter() if args.draft in (None, "ngram")
@@ -113,4 +114,4 @@ def load_pair(args):
   if (not args.tokenizer and not is_gguf(source)
       and not (pathlib.Path(source) / "tokenizer.json").is_file()):
     raise CliError(f"no tokenizer.json in {source}: pass --tokenizer PATH")
-  return target, draft, sj.load_tokenizer(source)
+  return target, draft, load_tokenizer(source)

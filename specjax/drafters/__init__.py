@@ -1,17 +1,25 @@
-"""Drafters: the `Drafter` protocol and the built-in drafters (a draft model, prompt lookup).
+"""Drafters: the `Drafter` protocol and the built-in drafters.
 
-Feature heads live in `specjax.drafters.eagle.drafter`; `specjax.drafters.hybrid` puts prompt lookup in
-front of one."""
+A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt lookup
+(`NGramDrafter`), suffix drafting (`SuffixDrafter` over a `SuffixCorpus`), feature heads
+(`EagleDrafter`, `load_eagle3`, `MedusaDrafter`: `specjax.drafters.eagle`,
+`specjax.drafters.medusa`) and prompt lookup in front of one (`HybridDrafter`). Adaptive draft
+length is `specjax.drafters.adaptive`.
+"""
 
-from specjax.drafters.base import Drafter
+from specjax.drafters.base import DEFAULT_MEMBERS, REQUIRED_MEMBERS, Drafter
+from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.eagle.eagle3 import load_eagle3
+from specjax.drafters.hybrid import HybridDrafter
+from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.model import ModelDrafter, self_drafter, with_draft_vocab
 from specjax.drafters.ngram import NGramDrafter
-from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 from specjax.drafters.proposal import Proposal
+from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 
-__all__ = ["Drafter", "ModelDrafter", "NGramDrafter", "Proposal", "SuffixCorpus", "SuffixDrafter",
-           "as_drafter", "self_drafter",
-           "with_draft_vocab"]
+__all__ = ["Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter",
+           "NGramDrafter", "Proposal", "SuffixCorpus", "SuffixDrafter", "as_drafter",
+           "load_eagle3", "self_drafter", "with_draft_vocab"]
 
 
 def as_drafter(draft) -> Drafter:
@@ -25,9 +33,9 @@ def as_drafter(draft) -> Drafter:
   if hasattr(draft, "init_cache") and hasattr(draft, "vocab_size"):
     return ModelDrafter(draft)
   if hasattr(draft, "propose"):
-    missing = [name for name in ("vocab_size", "taps", "needs_hidden", "forwards_per_round",
-                                 "init", "propose", "observe") if not hasattr(draft, name)]
+    missing = [name for name in REQUIRED_MEMBERS + DEFAULT_MEMBERS if not hasattr(draft, name)]
     raise ValueError(f"draft {type(draft).__name__} does not follow the Drafter protocol: no "
-                     f"{', '.join(missing)} (see specjax.drafters.base)")
+                     f"{', '.join(missing)} (subclass specjax.drafters.Drafter for the defaults "
+                     "of the optional members; see specjax.drafters.base)")
   raise ValueError(f"draft must be a specjax.Model, a model following the specjax protocol, or a "
                    f"Drafter (e.g. specjax.NGramDrafter()), got {type(draft).__name__}")

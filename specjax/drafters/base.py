@@ -23,9 +23,25 @@ A drafter is a pytree (it crosses `jax.jit` as an argument) with:
   `count[b]`), `lengths` the lengths before the round. Features at block index `j < count` are
   the target's features of accepted tokens.
 
+and these members, which `Drafter` declares with defaults (every built-in drafter subclasses it;
+the loop reads them directly, so a drafter that does not subclass `Drafter` defines them all):
+
+* `max_len`: the longest sequence it can hold (None: no limit of its own, e.g. prompt lookup).
+* `max_draft`: the most drafts one round can propose (None: any `k`; Medusa: its heads).
+* `confidence`: its confidence stop (None: off; `specjax.drafters.model`).
+* `catches_up`: it drafts correctly after rounds in which it was not run, feeding the tokens it
+  missed (a draft model); `AdaptiveDrafter` may then skip it in rounds no row drafts.
+* `plain`: drafting cannot pay, so `decode` runs the target alone (`specjax.generate`; set by
+  `specjax.adaptive_drafter` from a calibration).
+* `extra_slots(num_draft)`: the scratch slots past a row's length that one round writes (a
+  chain: its last token and `k` drafts, `k + 1`).
+* `forwards_in_round(state, num_draft)`: the forward passes of the round whose `propose`
+  returned `state` (`forwards_per_round(num_draft)`, or `[B]` where a round may skip the drafter).
+
 A tree drafter (`specjax.drafters.tree`) follows the same protocol with a `Tree` for a
-proposal: it also has a static `spec` (its `TreeSpec`), `extra_slots` (the scratch slots past a
-row's length a round writes; a chain writes `k + 1`) and `observe_path` in place of `observe`.
+proposal: it also has a static `spec` (its `TreeSpec`) and its own `extra_slots` (the tree block).
+Its `observe` is the chain's: the loop hands it the accepted path `[root, path nodes]` as the
+block, with the target's features there.
 
 A drafter that proposes deterministically returns `Proposal.logits = None`: a point mass `q`, for
 which the verify rule is still exact. Rolling back after rejections is the drafter's own
@@ -48,14 +64,27 @@ __all__ = ["Drafter", "DrafterWrapper", "OwnModelDrafter", "Proposal", "TextOnly
 
 @runtime_checkable
 class Drafter(Protocol):
-  """See the module docstring."""
+  """See the module docstring. Subclass it for the defaults of the optional members."""
 
   vocab_size: int | None
   taps: tuple[int, ...]
   needs_hidden: bool
 
+  max_len: int | None = None
+  max_draft: int | None = None
+  confidence: float | None = None
+  catches_up: bool = False
+  plain: bool = False
+
   def forwards_per_round(self, num_draft: int) -> int:
     ...
+
+  def forwards_in_round(self, state: Any, num_draft: int) -> int | jax.Array:
+    del state
+    return self.forwards_per_round(num_draft)
+
+  def extra_slots(self, num_draft: int) -> int:
+    return num_draft + 1
 
   def init(self, tokens: jax.Array, lengths: jax.Array, buffer_len: int, prefill: Any) -> Any:
     ...
@@ -69,22 +98,43 @@ class Drafter(Protocol):
     ...
 
 
-class DrafterWrapper:
+# The members a drafter must define itself, and those `Drafter` gives defaults to.
+REQUIRED_MEMBERS = ("vocab_size", "taps", "needs_hidden", "forwards_per_round", "init", "propose",
+                    "observe")
+DEFAULT_MEMBERS = ("max_len", "max_draft", "confidence", "catches_up", "plain",
+                   "forwards_in_round", "extra_slots")
+
+
+class _Forwarded:
+  """A `DrafterWrapper` attribute that reads the wrapped drafter's attribute of the same name.
+
+  A non-data descriptor: a wrapper's own dataclass field of that name (`AdaptiveDrafter.max_draft`,
+  `AdaptiveDrafter.plain`) is stored on the instance and wins over it.
+  """
+
+  def __set_name__(self, owner, name):
+    self.name = name
+
+  def __get__(self, wrapper, owner=None):
+    if wrapper is None:
+      return self
+    return getattr(wrapper.drafter, self.name)
+
+
+class DrafterWrapper(Drafter):
   """Mixin for a drafter that wraps another one in a field named `drafter`: the protocol's
-  attributes, and any other attribute (`head`, `max_len`, `confidence`, `full_logits`, ...), are
-  the wrapped drafter's."""
+  attributes, and any other attribute (`head`, `full_logits`, ...), are the wrapped drafter's.
+  `extra_slots` and `forwards_in_round` are the wrapper's own (the protocol's defaults: its
+  rounds, its state)."""
 
-  @property
-  def vocab_size(self):
-    return self.drafter.vocab_size
-
-  @property
-  def taps(self):
-    return self.drafter.taps
-
-  @property
-  def needs_hidden(self):
-    return self.drafter.needs_hidden
+  vocab_size = _Forwarded()
+  taps = _Forwarded()
+  needs_hidden = _Forwarded()
+  max_len = _Forwarded()
+  max_draft = _Forwarded()
+  confidence = _Forwarded()
+  catches_up = _Forwarded()
+  plain = _Forwarded()
 
   def __getattr__(self, name):
     if name.startswith("__") or name == "drafter":
@@ -95,7 +145,7 @@ class DrafterWrapper:
     return self.drafter.forwards_per_round(num_draft)
 
 
-class OwnModelDrafter:
+class OwnModelDrafter(Drafter):
   """Mixin for a drafter that runs its own draft model, held in a field named `model`: the
   vocabulary and context length are the model's, and it reads no target features."""
 
@@ -111,10 +161,9 @@ class OwnModelDrafter:
     return self.model.max_len
 
 
-class TextOnlyDrafter:
+class TextOnlyDrafter(Drafter):
   """Mixin for a drafter that reads only the token buffer (prompt lookup, suffix drafting): no
-  target features, no forward passes, and an empty state that observing a round leaves alone
-  (`observe` for a chain drafter, `observe_path` for a tree one)."""
+  target features, no forward passes, and an empty state that observing a round leaves alone."""
 
   taps = ()
   needs_hidden = False
@@ -131,9 +180,6 @@ class TextOnlyDrafter:
     del scored, block, emitted, count, lengths
     return state
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    del scored, tree, root, path, emitted, count, lengths
-    return state
 
 
 def with_confidence(drafter, confidence: float | None):

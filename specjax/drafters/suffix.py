@@ -58,7 +58,7 @@ separator, so nothing runs from the newest into the oldest.
 leaves (`max_match`, ... and the corpus's capacity and depth are static), so `decode` with a new
 corpus of the same capacity reuses its compiled program:
 
-    corpus = sj.SuffixCorpus.from_sequences(earlier_outputs, capacity=100_000)
+    corpus = sj.drafters.SuffixCorpus.from_sequences(earlier_outputs, capacity=100_000)
     for ids, lengths in requests:
       out = sj.decode(target, sj.SuffixDrafter(corpus=corpus), ids, rng, lengths=lengths, ...)
       corpus = corpus.append(out.tokens, out.num_tokens)   # jitted, on device

@@ -91,9 +91,9 @@ class SuffixTreeDrafter(TextOnlyDrafter):
       raise ValueError(f"a SuffixDrafter drafts tries: use TreeSpec('ngram', depth=..., "
                        f"width=...), got builder {self.spec.builder!r}")
 
-  @property
-  def extra_slots(self) -> int:
+  def extra_slots(self, num_draft: int) -> int:
     """Scratch slots past a row's length that a round writes (as `tree.extra_slots`)."""
+    del num_draft  # the tree's depth
     return max(self.spec.size, self.spec.depth) + 2
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):

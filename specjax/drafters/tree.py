@@ -6,13 +6,13 @@ here by `tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs
 `forwards_per_round` and `init` (`specjax.drafters.base`), a tree drafter has
 
 * `spec`: its `specjax.TreeSpec` (static);
-* `extra_slots`: the scratch slots past a row's length that one round writes (the tree block and,
-  for a dynamic tree, its expansion pool);
+* `extra_slots(num_draft)`: the scratch slots past a row's length that one round writes (the tree
+  block and, for a dynamic tree, its expansion pool);
 * `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this round's
   `specjax.trees.structure.Tree` below each row's last token (`num_draft` is the tree's depth);
-* `observe_path(state, scored, tree, root, path, emitted, count, lengths) -> state`: after the
-  verify, with the target's `ForwardOutput` over the extended tree `[root, nodes]`, the accepted
-  node indices by depth `path [B, D]`, the emitted tokens and how many each row keeps.
+* `observe(state, scored, block, emitted, count, lengths) -> state`: the chain's `observe`. The
+  loop hands it the accepted path as a chain's block: `block [B, D + 1] = [root, path nodes]` at
+  positions `lengths - 1 ..`, with the target's features there (`specjax.loop.round.path_output`).
 
 Three drafters cover every builder:
 
@@ -21,8 +21,8 @@ Three drafters cover every builder:
   tree with tree-masked forwards that write only scratch slots past the committed length. Static
   trees take its greedy chain with the top-`K` candidates at every depth.
 * `HeadTreeDrafter`: a feature head (`EagleDrafter`: EAGLE-3 or MTP; `MedusaDrafter`) drafts
-  through `specjax.drafters.tree_heads`; after the verify it catches up on the accepted path with
-  the target's features (the chain `observe`), so its state keeps the chain invariant.
+  through `specjax.drafters.tree_heads`; after the verify the head's own `observe` catches up on
+  the accepted path with the target's features, so its state keeps the chain invariant.
 * `NGramTreeDrafter`: several earlier matches of the row's suffix merged into a trie; no model.
 """
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from specjax.trees import builders as tree_builders, structure as trees
 from specjax.drafters import tree_heads
-from specjax.drafters.base import DrafterWrapper, OwnModelDrafter, TextOnlyDrafter
+from specjax.drafters.base import Drafter, DrafterWrapper, OwnModelDrafter, TextOnlyDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.drafters.suffix_tree import SuffixTreeDrafter
@@ -55,19 +55,19 @@ def extra_slots(spec: TreeSpec) -> int:
   return max(spec.size, pool, spec.depth) + 2
 
 
-class _TreeDrafterBase:
+class _TreeDrafterBase(Drafter):
   """What every tree drafter shares: the static spec and its derived sizes."""
 
   spec: TreeSpec
 
-  @property
-  def extra_slots(self) -> int:
+  def extra_slots(self, num_draft: int) -> int:
+    del num_draft  # the tree's depth
     return extra_slots(self.spec)
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
+  def observe(self, state, scored, block, emitted, count, lengths):
     """Nothing to learn from the verify: a draft model rolls back lazily (the next round's
     catch-up starts at its cache's length), an n-gram trie has no state."""
-    del scored, tree, root, path, emitted, count, lengths
+    del scored, block, emitted, count, lengths
     return state
 
   def _finish(self, tree: Tree) -> Tree:
@@ -147,11 +147,10 @@ class HeadTreeDrafter(DrafterWrapper, _TreeDrafterBase):
     tree = tree_heads.draft_tree(self.drafter, state, spec=self.spec, root=root,
                                  sequence=sequence, lengths=lengths, sampling=sampling,
                                  seeds=seeds)
-    return state, self._finish(tree)  # the head catches up after the verify (`observe_path`)
+    return state, self._finish(tree)  # the head catches up after the verify (`observe`)
 
-  def observe_path(self, state, scored, tree, root, path, emitted, count, lengths):
-    return tree_heads.observe_path(self.drafter, state, scored, tree, root, path, emitted, count,
-                                   lengths)
+  def observe(self, state, scored, block, emitted, count, lengths):
+    return self.drafter.observe(state, scored, block, emitted, count, lengths)
 
 
 @jax.tree_util.register_dataclass

@@ -24,11 +24,12 @@ head's cache holds the pairs `(target feature_t, token_{t+1})` of slots `0 .. L 
 * **Drafts over the full vocabulary.** Head logits live on the reduced draft vocabulary and are
   mapped with `to_target_logits` (`-inf` outside), so a sampled child is drawn from, and verified
   against, the very `q` it came from.
-* **Catching up** (`observe_path`). The target's tree forward returns the head's taps (or final
-  hidden state) for every node; along the accepted path (the root, then the path nodes) they are
-  exactly the target's features of positions `L - 1 ..`, and the drafter's own chain `observe`
-  runs on them with the emitted tokens. Rejected branches never touched the head's cache, done
-  rows keep their state (`count == 0`), and the next round starts from the invariant again.
+* **Catching up** (the head's own `observe`). The target's tree forward returns the head's taps
+  (or final hidden state) for every node; along the accepted path (the root, then the path nodes)
+  they are exactly the target's features of positions `L - 1 ..`, and the loop hands them to the
+  drafter's chain `observe` with the emitted tokens (`specjax.loop.round.path_output`). Rejected
+  branches never touched the head's cache, done rows keep their state (`count == 0`), and the
+  next round starts from the invariant again.
 
 Per round an `EagleDrafter` runs `D - 1` head forwards to draft (depth `D` nodes are never
 expanded) plus one to catch up: `D`, as its chain of `D` drafts; with a parallel head, two (one
@@ -45,12 +46,11 @@ from specjax.drafters.eagle.tree import (EagleTreeExpand, ParallelTreeExpand,
                                          eagle_chain_candidates, parallel_chain_candidates)
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.medusa.tree import medusa_logits
-from specjax.models.transformer import ForwardOutput, check_taps
+from specjax.models.transformer import check_taps
 from specjax.trees import builders as tree_builders, structure as trees
 from specjax.trees.structure import Tree, TreeSpec
 
-__all__ = ["check_tree_drafter", "draft_tree", "forwards_per_round", "is_head_drafter",
-           "observe_path", "path_output"]
+__all__ = ["check_tree_drafter", "draft_tree", "forwards_per_round", "is_head_drafter"]
 
 
 def is_head_drafter(drafter) -> bool:
@@ -66,7 +66,7 @@ def _draft_vocab_size(drafter) -> int:
 def check_tree_drafter(target, drafter, spec: TreeSpec) -> None:
   """Raises a clear `ValueError` (before tracing) for a head/tree combination that cannot run."""
   name = type(drafter).__name__
-  if getattr(drafter, "confidence", None) is not None:
+  if drafter.confidence is not None:
     raise ValueError(f"{name}(confidence=...) stops a chain early; a tree ignores it: leave it "
                      "None and use TreeSpec(builder='dynamic', min_prob=...) for a per-row stop")
   if drafter.vocab_size != target.vocab_size:
@@ -152,37 +152,3 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
   return tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
                                   lengths=lengths, sampling=sampling, seeds=seeds,
                                   chain_candidates=chain_candidates)
-
-
-def path_output(scored: ForwardOutput, index: jax.Array) -> ForwardOutput:
-  """The target's features at extended nodes `index [B, W]` (hidden `[B, W, E]`, taps
-  `[n, B, W, E]`), as a `ForwardOutput` without logits or cache."""
-  hidden = taps = None
-  if scored.hidden is not None:
-    hidden = jnp.take_along_axis(scored.hidden, index[..., None], axis=1)
-  if scored.taps is not None:
-    taps = jnp.take_along_axis(scored.taps, index[None, ..., None], axis=2)
-  return ForwardOutput(None, hidden, taps, None)
-
-
-def observe_path(drafter, state, scored: ForwardOutput, tree: Tree, root, path, emitted, count,
-                 lengths):
-  """The head catches up on the accepted path with the *target's* features.
-
-  Block index `j` is position `L - 1 + j`: the root for `j = 0`, path node `j - 1` after it.
-
-  Args:
-    drafter: the head drafter; state: its state before the round.
-    scored: the target's `ForwardOutput` over the extended tree (with the head's features).
-    tree: the scored tree; root: `[B]`.
-    path: `[B, D]` accepted node indices; emitted: `[B, D + 1]` the tokens the row emitted
-      (`emitted[j]` is token `L + j`); count: `[B]` how many it keeps (0 for done rows).
-    lengths: `[B]` lengths before the round.
-
-  Returns:
-    The drafter's state after `drafter.observe` on the path (the chain's catch-up).
-  """
-  index = jnp.concatenate([jnp.zeros_like(path[:, :1]), path + 1], axis=1)  # [B, D + 1]
-  block = jnp.take_along_axis(tree.ext_tokens(root), index, axis=1)
-  return drafter.observe(state, path_output(scored, index), block, emitted.astype(jnp.int32),
-                         count, lengths)

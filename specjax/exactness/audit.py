@@ -117,7 +117,7 @@ def audit(target, draft, prompts, *, sampling: Sampling = Sampling(temperature=1
     seed: PRNG seed of the sampled run.
     alpha: family-wise significance level of the sampled check (Bonferroni-corrected).
     tie_tolerance: greedy divergences with a top-2 logit gap below this are float32 near-ties.
-    tokenizer: encodes string prompts (`specjax.Tokenizer`).
+    tokenizer: encodes string prompts (`specjax.io.Tokenizer`).
     verify_impl: the verify implementation under audit ("auto", "reference", "kernel",
       "interpret"), or a rule callable with the signature of `specjax.verify.rule.verify_reference`
       (the report names it; `specjax.testing.rules` holds broken rules the audit must reject).

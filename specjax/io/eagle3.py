@@ -31,7 +31,7 @@ head feeds itself when it drafts on. Taps are the residual stream *entering* the
 layers (default `(2, L // 2, L - 3)` for an `L`-layer target), as in vLLM.
 
 `read_eagle3` reads and checks such a directory into NumPy arrays; `specjax.drafters.eagle.eagle3` builds
-the `EagleHead` and the `EagleDrafter` (`specjax.load_eagle3`) from them.
+the `EagleHead` and the `EagleDrafter` (`specjax.drafters.load_eagle3`) from them.
 """
 
 from __future__ import annotations

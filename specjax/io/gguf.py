@@ -223,7 +223,7 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
   Args:
     path: the `.gguf` file.
     dtype: the dtype of the returned weights (float32, bfloat16, float16).
-    sharding: where the weights go; as for `specjax.load` (None, a Sharding, a pytree of
+    sharding: where the weights go; as for `specjax.io.load` (None, a Sharding, a pytree of
       shardings or a Mesh).
     progress: called as `progress(done, total, name)` after each tensor is read.
     platform: None: the canonical layout (stacked layers); a platform name ("cpu", "tpu", ...):

@@ -221,7 +221,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
       file, or a `.gguf` file.
 
   Returns:
-    A `specjax.Tokenizer`.
+    A `specjax.io.Tokenizer`.
 
   Raises:
     FileNotFoundError: no tokenizer.json at `path`.

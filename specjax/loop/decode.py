@@ -24,9 +24,8 @@ from specjax.core import validation
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
 from specjax.drafters.tree import tree_drafter
-from specjax.loop.generate import generate
-from specjax.loop.precompile import precompilable, run_jitted
-from specjax.parallel.mesh import call_context
+from specjax.loop.generate import prepare_generate
+from specjax.loop.program import Program
 from specjax.parallel.rules import rules_scope
 from specjax.loop.round import check_verify_widths, draft_step, round_step, verify_block
 from specjax.core.sampling import GREEDY, Sampling, row_seeds
@@ -37,7 +36,7 @@ from specjax.verify.dispatch import check_verify_impl
 from specjax.trees.structure import TreeSpec
 
 __all__ = ["DecodeState", "NEW_TOKEN_BUCKET", "decode", "draft_step", "init_state",
-           "verify_block"]
+           "prepare_decode", "verify_block"]
 
 
 class DecodeArguments(NamedTuple):
@@ -55,29 +54,6 @@ class DecodeArguments(NamedTuple):
 
 
 DEFAULT_NUM_DRAFT = 4
-
-# The string modes `decode` took before they became explicit calls.
-REPLACED_MODES = {
-    "auto": "num_draft='auto' was replaced by specjax.auto_num_draft(drafter, calibration=DIR): "
-            "choice = specjax.auto_num_draft(drafter, calibration=DIR), then decode(..., "
-            "num_draft=choice.num_draft, verify_widths=choice.widths)",
-    "adaptive": "num_draft='adaptive' was replaced by specjax.adaptive_drafter(drafter, "
-                "calibration=DIR): decode(target, specjax.adaptive_drafter(drafter, "
-                "calibration=DIR), ...), which brings its own K and verify widths",
-}
-
-
-def check_mode(num_draft, calibration) -> None:
-  """Rejects the string modes and `calibration=` that `decode` no longer takes (a ValueError
-  naming the call that replaced them)."""
-  if isinstance(num_draft, str):
-    raise ValueError(REPLACED_MODES.get(num_draft, f"num_draft must be an int >= 1, got "
-                                        f"{num_draft!r} (the string modes became "
-                                        "specjax.auto_num_draft and specjax.adaptive_drafter)"))
-  if calibration is not None:
-    raise ValueError("calibration= was removed from decode: choose k with "
-                     "specjax.auto_num_draft(drafter, calibration=DIR), or wrap the drafter in "
-                     "specjax.adaptive_drafter(drafter, calibration=DIR)")
 
 
 def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, tuple[int, ...]]:
@@ -106,13 +82,12 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, t
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
                            sampling, eos_id, verify_impl, verify_widths=None,
-                           calibration=None, tree: TreeSpec | None = None) -> DecodeArguments:
+                           tree: TreeSpec | None = None) -> DecodeArguments:
   """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
 
   Raises:
     ValueError: naming the problem (see `decode`).
   """
-  check_mode(num_draft, calibration)
   validation.check_model(target, "target")
   if tree is None:
     drafter = as_drafter(draft)
@@ -125,7 +100,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                        f"num_draft={num_draft!r})")
     drafter = tree_drafter(target, draft, tree)
     num_draft, widths = tree.depth, (tree.depth + 1,)
-    scratch = drafter.extra_slots  # a round's tree block lies past the new tokens
+    scratch = drafter.extra_slots(num_draft)  # a round's tree block lies past the new tokens
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:
@@ -137,7 +112,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                                                                                     num_draft)
   validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch, target.max_len,
                            "target", reserve(target))
-  if hasattr(drafter, "max_len"):
+  if drafter.max_len is not None:
     validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch,
                              drafter.max_len, "draft", reserve(getattr(drafter, "model", None)))
   rng = validation.check_rng(rng, tokens.shape[0])
@@ -149,13 +124,12 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                          capacity, widths)
 
 
-@precompilable
 def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
            num_draft: int | None = None, sampling: Sampling = GREEDY,
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
-           tree: TreeSpec | None = None, verify_widths: tuple[int, ...] | None = None,
-           calibration=None) -> DecodeOutput:
+           tree: TreeSpec | None = None,
+           verify_widths: tuple[int, ...] | None = None) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -172,11 +146,12 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     lengths: `[B]` prompt lengths; None = every row is `T` long.
     max_new_tokens: new tokens per row at most.
     num_draft: draft tokens per round (`k`), an int; None: 4, or the `max_draft` (`K`) of a
-      `specjax.drafters.adaptive.drafter.AdaptiveDrafter`. To pick `k` from measured costs, pass
-      `specjax.auto_num_draft(draft, calibration=DIR)`'s `num_draft` and `widths`; to let every
-      row draft its own `k` in `0 .. K` each round, pass `specjax.adaptive_drafter(draft,
-      calibration=DIR)` as `draft` (it brings `K` and its verify widths; where drafting cannot
-      beat a plain step, `AdaptivePlan.plain`, this runs `specjax.generate`).
+      `specjax.drafters.adaptive.AdaptiveDrafter`. To pick `k` from measured costs, pass
+      `specjax.drafters.adaptive.auto_num_draft(draft, calibration=DIR)`'s `num_draft` and
+      `widths`; to let every row draft its own `k` in `0 .. K` each round, pass
+      `specjax.adaptive_drafter(draft, calibration=DIR)` as `draft` (it brings `K` and its verify
+      widths; where drafting cannot beat a plain step, `AdaptivePlan.plain`, this runs
+      `specjax.generate`).
     sampling: applied identically to target and draft; temperature 0 is greedy and returns exactly
       `specjax.generate`'s tokens.
     eos_id: a row stops after emitting it (or any id of a sequence of them); the stop token is
@@ -198,8 +173,6 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
       None = `k + 1` only (an `AdaptiveDrafter`'s own widths, which these must equal).
-    calibration: removed (a ValueError names `specjax.auto_num_draft` and
-      `specjax.adaptive_drafter`, which take it now).
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -207,30 +180,43 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   Works on one device and on any mesh the weights live on (`jax.make_mesh` with Explicit axes,
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
   """
+  return prepare_decode(target, draft, tokens, rng, lengths=lengths,
+                        max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
+                        eos_id=eos_id, pad_id=pad_id, verify_impl=verify_impl, tree=tree,
+                        verify_widths=verify_widths).run()
+
+
+def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                   num_draft: int | None = None, sampling: Sampling = GREEDY,
+                   eos_id: int | tuple[int, ...] | None = None, pad_id: int | None = None,
+                   verify_impl: str = "auto", tree: TreeSpec | None = None,
+                   verify_widths: tuple[int, ...] | None = None) -> Program:
+  """`decode`'s checks, and the program the call runs (`specjax.precompile` compiles it).
+
+  Takes `decode`'s arguments. Where the drafter is `plain` (drafting cannot beat a plain step:
+  `AdaptivePlan.plain`) the program is `specjax.generate`'s: the target's own loop, which is the
+  target's distribution by definition.
+
+  Raises:
+    ValueError: naming the problem (see `decode`), before anything is traced.
+  """
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, calibration=calibration, tree=tree)
-  if getattr(args.drafter, "plain", False):
-    # The calibration says drafting cannot beat a plain step here (`AdaptivePlan.plain`): the
-    # target's own loop, which is the target's distribution by definition.
-    return generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-                    sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+                                verify_widths=verify_widths, tree=tree)
+  if args.drafter.plain:
+    return prepare_generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                            sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+  static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
+                pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
+                widths=args.widths, classes=validation.pytree_classes(target, args.drafter))
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
-  with call_context(inputs) as call:
-    target, drafter, tokens, lengths, rng, eos_ids = call.inputs
-    static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
-                  pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
-                  widths=args.widths, rules=call.rules,
-                  classes=validation.pytree_classes(target, drafter))
-    out = run_jitted(_decode, static, target, drafter, tokens, lengths, rng,
-                     jnp.int32(args.max_new_tokens), eos_ids)
-    out = DecodeOutput(out.tokens[:, :args.max_new_tokens], out.num_tokens, out.stats)
-    return call.output(out)
+  return Program(_decode, inputs, static, args.max_new_tokens)
+
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
                                              "verify_impl", "widths", "rules", "classes"))
-def _decode(target, drafter, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling,
+def _decode(target, drafter, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling,
             num_draft, capacity, pad_id, verify_impl, widths=None, rules=None,
             classes=()) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)

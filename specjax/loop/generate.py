@@ -8,15 +8,16 @@ sampling settings are static.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from specjax.core import validation
 from specjax.core.outputs import DecodeOutput, DecodeStats
-from specjax.loop.precompile import precompilable, run_jitted
-from specjax.parallel.mesh import call_context
+from specjax.loop.program import Program
 from specjax.parallel.rules import rules_scope
 from specjax.core.sampling import (GREEDY, PURPOSE_SAMPLE, Sampling, no_distribution, row_seeds,
                                    sample_token)
@@ -25,7 +26,10 @@ from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
 from specjax.models.prefill import prefill
 
-@precompilable
+__all__ = ["GenerateState", "generate", "generate_start", "generate_step", "last_logits",
+           "prepare_generate"]
+
+
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
              pad_id: int | None = None) -> DecodeOutput:
@@ -44,9 +48,21 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
     pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
 
   Returns:
-    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`; `stats.nonfinite [B]` is
-    set for rows that sampled a token from logits holding a NaN or an infinity (broken weights or
-    an overflow), as `decode` sets it.
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+  """
+  return prepare_generate(model, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                          sampling=sampling, eos_id=eos_id, pad_id=pad_id).run()
+
+
+def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
+                     sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
+                     pad_id: int | None = None) -> Program:
+  """`generate`'s checks, and the program the call runs (`specjax.precompile` compiles it).
+
+  Takes `generate`'s arguments.
+
+  Raises:
+    ValueError: naming the problem, before anything is traced.
   """
   validation.check_model(model)
   tokens, lengths = validation.check_tokens(tokens, lengths, model.vocab_size)
@@ -57,15 +73,11 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
   validation.check_sampling(sampling)
   pad = validation.resolve_pad_id(model, pad_id)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
+  static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad),
+                classes=validation.pytree_classes(model))
   inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
-  with call_context(inputs) as call:
-    model, tokens, lengths, rng, eos_ids = call.inputs
-    static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad), rules=call.rules,
-                  classes=validation.pytree_classes(model))
-    out = run_jitted(_generate, static, model, tokens, lengths, rng, jnp.int32(max_new_tokens),
-                     eos_ids)
-    out = DecodeOutput(out.tokens[:, :max_new_tokens], out.num_tokens, out.stats)
-    return call.output(out)
+  return Program(_generate, inputs, static, max_new_tokens)
+
 
 def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
   """The logits at each row's last prompt token: `[B, T, V]` -> `[B, V]`."""
@@ -74,22 +86,68 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
                                              "classes"))
-def _generate(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+def _generate(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
               capacity: int, pad_id: int, rules=None, classes=()) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["generate"] += 1
   with rules_scope(rules):
-    return _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids,
+    return _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens,
                           sampling=sampling, capacity=capacity, pad_id=pad_id)
 
 
-def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, sampling: Sampling,
+def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
                    capacity: int, pad_id: int) -> DecodeOutput:
+  state = generate_start(model, tokens, lengths, row_seeds(rng, tokens.shape[0]), eos_ids,
+                         max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id)
+  state = jax.lax.while_loop(lambda state: ~jnp.all(state.done),
+                             lambda state: generate_step(model, state, sampling=sampling,
+                                                         pad_id=pad_id),
+                             state)
+  return DecodeOutput(state.tokens, state.num_tokens, state.stats)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GenerateState:
+  """What `generate`'s loop carries from one step to the next (`decode_stream` steps it from the
+  host where an `AdaptiveDrafter` plans plain steps)."""
+
+  cache: Any  # the model's cache; lengths = each row's prompt and new tokens but the last one
+  token: jax.Array  # [B] int32 each row's last token, fed at the next step
+  tokens: jax.Array  # [B, capacity] int32 the new tokens, `pad_id` past `num_tokens`
+  num_tokens: jax.Array  # [B] int32
+  done: jax.Array  # [B] bool
+  seeds: jax.Array  # [B] uint32 per-row random-stream seeds (`sampling.row_seeds`)
+  eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
+  max_new_tokens: jax.Array  # [] int32
+  nonfinite: jax.Array  # [B] bool: the logits a row sampled from held a NaN or an infinity
+
+  @property
+  def stats(self) -> DecodeStats:
+    """The counters `generate` reports: one round and one target call per token, no drafts."""
+    zeros = jnp.zeros_like(self.num_tokens)
+    return DecodeStats(rounds=self.num_tokens, drafted=zeros, accepted=zeros,
+                       accepted_per_position=jnp.zeros((self.num_tokens.shape[0], 0), jnp.int32),
+                       target_calls=self.num_tokens, draft_calls=zeros, emitted=self.num_tokens,
+                       nonfinite=self.nonfinite)
+
+
+def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sampling: Sampling,
+                   capacity: int, pad_id: int) -> GenerateState:
+  """The prefill and each row's first token: the state before `generate`'s first step.
+
+  Args:
+    model: the model.
+    tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
+    seeds: `[B]` uint32 per-row seeds (`specjax.core.sampling.row_seeds`).
+    eos_ids: `[E]` int32 stop ids, `[-1]` for none.
+    max_new_tokens: `[]` int32 (traced) new tokens per row at most.
+    sampling: the sampling settings.
+    capacity: static upper bound on `max_new_tokens` (the buffers' size).
+    pad_id: fills `GenerateState.tokens` past each row's end.
+  """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
-  rows = jnp.arange(batch, dtype=jnp.int32)
-  seeds = row_seeds(rng, batch)  # [B]
-
   cache = model.init_cache(batch, width + capacity)
   # The prefill `decode` runs too (its cache is the same); where the model selects logit rows it
   # scores only each row's last prompt token.
@@ -98,36 +156,34 @@ def _generate_body(model, tokens, lengths, rng, max_new_tokens, eos_ids, *, samp
     logits = out.logits[:, 0]
   else:
     logits = last_logits(out.logits, lengths)
-  cache = out.cache.with_lengths(lengths)
   first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
-  nonfinite = no_distribution(logits)  # [B]: a row's sampled logits held a NaN or an inf
-
-  out = jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first)
   num_tokens = jnp.ones((batch,), jnp.int32)
-  done = validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens)
+  return GenerateState(
+      cache=out.cache.with_lengths(lengths), token=first,
+      tokens=jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first),
+      num_tokens=num_tokens,
+      done=validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens),
+      seeds=seeds, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
+      nonfinite=no_distribution(logits))
 
-  def cond(state):
-    return ~jnp.all(state[4])  # done
 
-  def body(state):
-    cache, token, out, num_tokens, done, nonfinite = state
-    step = model(token[:, None], cache.lengths, cache)
-    positions = cache.lengths + 1  # absolute position of the token being sampled
-    new_token = sample_token(step.logits[:, 0], sampling, seeds, positions, PURPOSE_SAMPLE)
-    live = ~done
-    nonfinite = nonfinite | (live & no_distribution(step.logits[:, 0]))
-    cache = step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths))
-    out = out.at[rows, num_tokens].set(jnp.where(live, new_token, pad_id), mode="drop")
-    num_tokens = num_tokens + live
-    done = done | validation.is_eos(new_token, eos_ids) | (num_tokens >= max_new_tokens)
-    token = jnp.where(live, new_token, token)
-    return cache, token, out, num_tokens, done, nonfinite
-
-  _, _, out, num_tokens, _, nonfinite = jax.lax.while_loop(
-      cond, body, (cache, first, out, num_tokens, done, nonfinite))
-  zeros = jnp.zeros((batch,), jnp.int32)
-  stats = DecodeStats(rounds=num_tokens, drafted=zeros, accepted=zeros,
-                      accepted_per_position=jnp.zeros((batch, 0), jnp.int32),
-                      target_calls=num_tokens, draft_calls=zeros, emitted=num_tokens,
-                      nonfinite=nonfinite)
-  return DecodeOutput(out, num_tokens, stats)
+def generate_step(model, state: GenerateState, *, sampling: Sampling,
+                  pad_id: int) -> GenerateState:
+  """One token per live row: the model's forward over each row's last token, then a sample from
+  its distribution at the next position. Done rows are left unchanged."""
+  cache = state.cache
+  step = model(state.token[:, None], cache.lengths, cache)
+  positions = cache.lengths + 1  # absolute position of the token being sampled
+  new_token = sample_token(step.logits[:, 0], sampling, state.seeds, positions, PURPOSE_SAMPLE)
+  live = ~state.done
+  rows = jnp.arange(new_token.shape[0], dtype=jnp.int32)
+  num_tokens = state.num_tokens + live
+  return dataclasses.replace(
+      state, cache=step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths)),
+      token=jnp.where(live, new_token, state.token),
+      tokens=state.tokens.at[rows, state.num_tokens].set(jnp.where(live, new_token, pad_id),
+                                                         mode="drop"),
+      num_tokens=num_tokens,
+      nonfinite=state.nonfinite | (live & no_distribution(step.logits[:, 0])),
+      done=(state.done | validation.is_eos(new_token, state.eos_ids)
+            | (num_tokens >= state.max_new_tokens)))

@@ -13,52 +13,24 @@ count in the same bucket of 64 (`specjax.core.validation.NEW_TOKEN_BUCKET`) reus
 
 from __future__ import annotations
 
-import contextvars
-import functools
-
 import jax
 
-from specjax.parallel.mesh import under_auto_axes
+from specjax.loop.decode import decode, prepare_decode
+from specjax.loop.generate import generate, prepare_generate
 
-_COMPILING: contextvars.ContextVar[bool] = contextvars.ContextVar("specjax_precompile",
-                                                                  default=False)
-_PRECOMPILABLE: set = set()  # `specjax.decode` and `specjax.generate` (`precompilable`)
+__all__ = ["precompile"]
 
-
-def precompilable(fn):
-  """Marks `fn` (an entry point whose program runs through `run_jitted`) as one `precompile`
-  takes."""
-  _PRECOMPILABLE.add(fn)
-  return fn
-
-
-class _Compiled(Exception):
-  """Carries the compiled executable out of the call `precompile` made."""
-
-  def __init__(self, compiled):
-    super().__init__("specjax.precompile")
-    self.compiled = compiled
-
-
-def run_jitted(jitted, static: dict, *args):
-  """`jitted(*args, **static)` (under `jax.sharding.auto_axes` where `under_auto_axes` says so),
-  or, inside `precompile`, its compiled executable handed to `precompile` without running it."""
-  fn = functools.partial(jitted, **static)
-  wrapped = under_auto_axes(fn)
-  if not _COMPILING.get():
-    return wrapped(*args)
-  if wrapped is not fn:
-    raise ValueError("specjax.precompile: inside a trace on a mesh with Explicit axes the "
-                     "caller's own jit compiles the program; call precompile outside it")
-  raise _Compiled(jitted.lower(*args, **static).compile())
+# Each entry point and the step it shares with `precompile`: its checks and the program it runs.
+_PREPARE = {decode: prepare_decode, generate: prepare_generate}
 
 
 def precompile(fn, *args, **kwargs) -> jax.stages.Compiled:
   """Compiles the program `fn(*args, **kwargs)` would run (`fn` is `specjax.decode` or
   `specjax.generate`) and caches it for that call, without running it.
 
-  The arguments are checked as the call checks them. Where the call would run no program of its
-  own (a `specjax.decode` whose `AdaptiveDrafter` plans plain steps runs `specjax.generate`), the
+  The arguments are checked as the call checks them (the call's own preparation step,
+  `prepare_decode` or `prepare_generate`). Where the call would run no program of its own (a
+  `specjax.decode` whose `AdaptiveDrafter` plans plain steps runs `specjax.generate`), the
   program it does run is compiled.
 
   Returns:
@@ -69,16 +41,10 @@ def precompile(fn, *args, **kwargs) -> jax.stages.Compiled:
     ValueError: called inside a trace (the caller's `jax.jit` compiles the program there), or
       what the call itself raises for its arguments.
   """
-  if fn not in _PRECOMPILABLE:
+  prepare = _PREPARE.get(fn)
+  if prepare is None:
     raise TypeError(f"precompile takes specjax.decode or specjax.generate, got {fn!r}")
   if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
     raise ValueError("specjax.precompile is called outside jax.jit: inside a trace the caller's "
                      "own jit compiles the program")
-  token = _COMPILING.set(True)
-  try:
-    fn(*args, **kwargs)
-  except _Compiled as done:
-    return done.compiled
-  finally:
-    _COMPILING.reset(token)
-  raise AssertionError(f"{fn.__name__} returned without reaching its compiled program")
+  return prepare(*args, **kwargs).compile()

@@ -21,7 +21,8 @@ A tree drafter (`specjax.drafters.tree`, `decode(..., tree=TreeSpec(...))`) runs
 a tree proposal: `draft_step` returns a `specjax.trees.structure.Tree` of continuations below each
 row's last token, and `verify_block` scores `[last token, nodes]` in one forward with an ancestor
 mask, walks the exact tree rule (`specjax.verify.tree_rule`), moves the accepted path's keys/values
-to contiguous slots (`specjax.core.cache.compact`) and lets the drafter observe the path.
+to contiguous slots (`specjax.core.cache.compact`) and lets the drafter observe the path as a
+chain's block (`path_output`): one `Drafter.observe` for both shapes.
 
 Verify widths: with `widths=(w_1, .., k + 1)` the target's forward is compiled once per width and
 each round runs the smallest one that holds every live row's `num_drafted + 1` positions, picked
@@ -49,7 +50,8 @@ from specjax.core.sequence import gather_tokens
 from specjax.trees.structure import Tree, TreeSpec
 from specjax.core.validation import is_eos as is_eos_token
 
-__all__ = ["check_verify_widths", "draft_step", "round_step", "score_tree", "verify_block"]
+__all__ = ["check_verify_widths", "draft_step", "path_output", "round_step", "score_tree",
+           "verify_block"]
 
 
 def check_verify_widths(widths, num_draft: int) -> tuple[int, ...]:
@@ -77,7 +79,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   """Proposes `num_draft` tokens per row after each row's current sequence.
 
   Args:
-    drafter: a `specjax.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
+    drafter: a `specjax.drafters.Drafter` (wrap a draft model with `specjax.drafters.as_drafter`).
     state: the decode state.
     num_draft: `k`.
     sampling: the sampling settings (identical to the target's).
@@ -89,10 +91,7 @@ def draft_step(drafter, state: DecodeState, *, num_draft: int,
   draft_state, proposal = drafter.propose(
       state.draft_state, state.tokens, state.lengths, num_draft=num_draft, sampling=sampling,
       seeds=state.seeds)
-  calls = drafter.forwards_per_round(num_draft)
-  skipped = getattr(draft_state, "skipped", None)  # an AdaptiveDrafter's round without it
-  if skipped is not None:
-    calls = jnp.where(skipped, 0, calls)
+  calls = drafter.forwards_in_round(draft_state, num_draft)  # [B] or one count for every row
   live = (~state.done).astype(jnp.int32)
   stats = dataclasses.replace(state.stats, draft_calls=state.stats.draft_calls + calls * live)
   return dataclasses.replace(state, draft_state=draft_state, stats=stats), proposal
@@ -295,13 +294,26 @@ def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **
   return jax.lax.switch(choice, [branch(w) for w in spec.widths], cache)
 
 
+def path_output(scored, index: jax.Array):
+  """The target's features at extended tree nodes `index [B, W]` (the root is node 0): `scored`
+  with hidden `[B, W, E]` and taps `[n, B, W, E]` gathered there, logits and cache None. Along the
+  accepted path (the root, then the path nodes) these are the target's features of positions
+  `L - 1 ..`, as a chain's verify forward gives them for its block."""
+  hidden = taps = None
+  if scored.hidden is not None:
+    hidden = jnp.take_along_axis(scored.hidden, index[..., None], axis=1)
+  if scored.taps is not None:
+    taps = jnp.take_along_axis(scored.taps, index[None, ..., None], axis=2)
+  return scored._replace(logits=None, hidden=hidden, taps=taps, cache=None)
+
+
 def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampling: Sampling,
                        impl) -> DecodeState:
   """`verify_block` for a tree proposal: the target scores `[root, nodes]` in one forward with an
   ancestor mask, the exact tree rule walks down the tree and emits the accepted path plus one
   target token (cut at EOS and at the row's limit), the path's keys/values move to contiguous
-  slots `[L, L + a)` (`specjax.core.cache.compact`), and the drafter observes the path
-  (`observe_path`)."""
+  slots `[L, L + a)` (`specjax.core.cache.compact`), and the drafter observes the path as a
+  chain's block: `[root, path nodes]` with the target's features there (`path_output`)."""
   spec = drafter.spec
   lengths = state.lengths
   root = gather_tokens(state.tokens, lengths - 1, 1)[:, 0]
@@ -311,15 +323,17 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
                        positions=lengths, impl=impl)
   accepted = result.num_accepted
   count, hit_eos = _keep(result.tokens, accepted, state)
-  # Emitted token j comes from the logits of the root (j = 0) or of path node j - 1 (row j).
+  # Emitted token j comes from the logits of the root (j = 0) or of path node j - 1 (extended
+  # node rows[j]), at position L - 1 + j.
   rows = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path + 1], axis=1)
   bad = jnp.take_along_axis(no_distribution(scored.logits), rows, axis=1)  # [B, D + 1]
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
   cache = compact(scored.cache, lengths[:, None] + result.path, lengths, moved)
   cache = cache.with_lengths(lengths + count - 1)  # a done row (count 0) keeps its length
-  draft_state = drafter.observe_path(state.draft_state, scored, tree, root, result.path,
-                                     result.tokens, count, lengths)
+  block = jnp.take_along_axis(tree.ext_tokens(root), rows, axis=1)  # [B, D + 1]
+  draft_state = drafter.observe(state.draft_state, path_output(scored, rows), block,
+                                result.tokens.astype(jnp.int32), count, lengths)
   return _advance(state, result.tokens, accepted=accepted, count=count, hit_eos=hit_eos,
                   drafted=jnp.sum(tree.valid, axis=1).astype(jnp.int32),
                   nonfinite=_nonfinite_emitted(bad, count), target_cache=cache,

@@ -63,7 +63,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
 
   Args:
     target: the target model.
-    drafter: a `specjax.Drafter`.
+    drafter: a `specjax.drafters.Drafter`.
     tokens: `[B, T]` int32 right-padded prompts; `lengths` `[B]` their lengths.
     max_new_tokens: `[]` int32 (traced) number of new tokens per row at most.
     eos_ids: `[E]` int32 stop ids, `[-1]` for none.
@@ -78,8 +78,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
   """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
-  # Verification writes k + 1 slots past a row's length (a tree drafter: its `extra_slots`).
-  buffer_len = width + capacity + getattr(drafter, "extra_slots", num_draft + 1)
+  # Verification writes k + 1 slots past a row's length (a tree drafter: its tree block).
+  buffer_len = width + capacity + drafter.extra_slots(num_draft)
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   out = prefill(target, tokens, target.init_cache(batch, buffer_len), lengths,
                 **target_features(drafter))

@@ -329,8 +329,8 @@ def dequantize_model(model):
 
 def quantization_of(model) -> dict | None:
   """`{"bits", "group", "embeddings", "asymmetric", "embed_bits"}` of a model made by `quantize`,
-  or None for a float model (what `specjax.save` records so that `specjax.load` can rebuild the
-  leaf types)."""
+  or None for a float model (what `specjax.io.save` records so that `specjax.io.load` can rebuild
+  the leaf types)."""
   is_leaf = lambda x: isinstance(x, QuantizedWeight)
   found = [leaf for leaf in jax.tree.leaves(model.params["layers"], is_leaf=is_leaf)
            if isinstance(leaf, QuantizedWeight)]

@@ -8,3 +8,7 @@ copy, and needs nothing from this folder.
 `toy/` is the 7M toy pair (`specjax.testing.models.load_toy()`), a test fixture of the source
 checkout that the wheel leaves out. README.md in this folder says how they were made.
 """
+
+from specjax.pretrained.pairs import PAIRS, DefaultPair, load_default, load_pair
+
+__all__ = ["DefaultPair", "PAIRS", "load_default", "load_pair"]

@@ -45,9 +45,9 @@ class DefaultPair:
     draft: the drafter (a `ModelDrafter` over the target's quantized copy for the default pair,
       a `HybridDrafter` around an `EagleDrafter` for "smollm2-head", a draft `specjax.Model` for
       the toy).
-    tokenizer: the `specjax.Tokenizer` (with the chat template for the shipped pairs).
+    tokenizer: the `specjax.io.Tokenizer` (with the chat template for the shipped pairs).
     calibration: the directory beside the head holding this backend's cost table and the drafter's
-      acceptance profile (`specjax calibrate`), for `specjax.auto_num_draft` /
+      acceptance profile (`specjax calibrate`), for `specjax.drafters.adaptive.auto_num_draft` /
       `specjax.adaptive_drafter`; None when no cost table was measured for this backend.
     num_draft: drafts per round that measured fastest for this pair (`benchmarks/self_draft.py`),
       or None (use a cost table or pick one).

@@ -196,7 +196,7 @@ class Compiled:
 
 def compile_call(fn: Callable, *args, mesh: jax.sharding.Mesh | None = None,
                  static_argnames=(), **kwargs) -> Compiled:
-  """`jax.jit(fn).lower(*args, **kwargs).compile()` for TPU (inside `sj.use_mesh(mesh)` when
+  """`jax.jit(fn).lower(*args, **kwargs).compile()` for TPU (inside `specjax.parallel.mesh.use_mesh(mesh)` when
   given).
 
   Raises:

@@ -415,8 +415,8 @@ def _adaptive_case(setup: Setup) -> Program:
   return _decode_program(setup, make_draft=lambda t, d: _adaptive(d), num_draft=None)
 
 
-@_register("draft_vocab", f"sj.decode with sj.with_draft_vocab(draft model, {DRAFT_VOCAB} ids): "
-           "the draft's output projection restricted in the program")
+@_register("draft_vocab", f"sj.decode with sj.drafters.with_draft_vocab(draft model, "
+           f"{DRAFT_VOCAB} ids): the draft's output projection restricted in the program")
 def _draft_vocab(setup: Setup) -> Program:
   ids = _draft_ids(setup.target_model().config.vocab_size)
   return _decode_program(setup, make_draft=lambda t, d: with_draft_vocab(ModelDrafter(d),

@@ -71,7 +71,7 @@ class SelfWrittenConversations(Sequence):
 
   Args:
     target: the `specjax.Model` that writes (and, for multi-turn, answers) the requests.
-    tokenizer: its `specjax.Tokenizer` (chat template, EOS ids).
+    tokenizer: its `specjax.io.Tokenizer` (chat template, EOS ids).
     count: number of conversations.
     batch_size: conversations per batch (= rows per self-distillation chunk).
     seed: the generator's seed.

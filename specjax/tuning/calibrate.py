@@ -3,10 +3,10 @@
 `measure_costs` times, on this backend, the target's forward over 1..W positions, the drafter's
 draft steps, one plain generate step and whole decode rounds (`cost_table_<backend>.json`);
 `measure_acceptance` measures the drafter's per-position acceptance on a few prompts
-(`acceptance_profile.json`; greedy by default, or the given sampling). `specjax.auto_num_draft`
-and `specjax.adaptive_drafter` read them; `specjax calibrate` (`specjax.cli.calibrate`) writes
-them beside a checkpoint. Heavy imports happen inside the functions, so importing this module
-is instant.
+(`acceptance_profile.json`; greedy by default, or the given sampling).
+`specjax.drafters.adaptive.auto_num_draft` and `specjax.adaptive_drafter` read them; `specjax
+calibrate` (`specjax.cli.calibrate`) writes them beside a checkpoint. Heavy imports happen inside
+the functions, so importing this module is instant.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _best_ms(thunks: dict, repeats: int) -> dict:
 
 def _without_stop(drafter):
   from specjax.drafters.base import with_confidence
-  if getattr(drafter, "confidence", None) is not None:
+  if drafter.confidence is not None:
     return with_confidence(drafter, None)
   return drafter
 
@@ -54,7 +54,8 @@ def measure_costs(target, drafter, *, batch: int = 1, max_width: int = 9, contex
 
   Args:
     target: the target model.
-    drafter: a `specjax.Drafter` (a draft `Model` is wrapped with `as_drafter` by the caller).
+    drafter: a `specjax.drafters.Drafter` (a draft `Model` is wrapped with `as_drafter` by the
+      caller).
       Its confidence stop, if any, is switched off to time full steps.
     batch: rows per forward.
     max_width: W, the widest verify block timed.

@@ -23,7 +23,7 @@ def frequent_vocab(target, tokenizer, size: int, *, prompts=None, count: int = 2
 
   Args:
     target: the target `specjax.Model`.
-    tokenizer: its `specjax.Tokenizer` (chat template, end-of-turn ids).
+    tokenizer: its `specjax.io.Tokenizer` (chat template, end-of-turn ids).
     size: how many ids to keep, in `[1, V]`. Ids never seen fill the rest in id order.
     prompts: texts to answer; default `count` training-template conversations
       (`specjax.tuning.calibrate.profile_prompts`), chat-templated with the tokenizer's own

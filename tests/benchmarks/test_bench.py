@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import SuffixCorpus
+from specjax.models import RopeScaling
 from benchmarks import bound, cli as bench_cli, plots, real, real_models, report, synthetic, timing
 from benchmarks import drafters as drafters_module
 from benchmarks.models import environment
@@ -111,7 +113,7 @@ def test_first_divergence():
 @pytest.mark.parametrize("tied", [False, True])
 def test_export_hf_round_trip(tmp_path, tied):
   config = tiny_config(vocab_size=96, bos_id=1, eos_id=2, tie_embeddings=tied,
-                       rope_scaling=sj.RopeScaling() if tied else None)
+                       rope_scaling=RopeScaling() if tied else None)
   model = sj.init_params(config, jax.random.key(0))
   export_hf(model, tmp_path / "hf")
   back = sj.from_hf(tmp_path / "hf")
@@ -195,7 +197,7 @@ def test_suffix_drafters_of_the_suite_with_a_corpus():
   lengths = jnp.asarray([8], jnp.int32)
   reference = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
   answer = np.asarray(reference.tokens[0, :int(reference.num_tokens[0])])
-  corpus = sj.SuffixCorpus.from_sequences([np.concatenate([[5, 6, 7, 8, 9, 10, 11], answer])],
+  corpus = SuffixCorpus.from_sequences([np.concatenate([[5, 6, 7, 8, 9, 10, 11], answer])],
                                           capacity=256)
   with_corpus = drafters_module.with_corpus(entries[1], corpus)
   assert with_corpus.drafter.corpus is corpus and entries[1].drafter.corpus is None

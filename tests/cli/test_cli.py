@@ -1,6 +1,6 @@
 """Every `specjax` subcommand at a tiny size, in process, and bad arguments as one clear line.
 
-The pair is random tiny models saved as Orbax checkpoints with `sj.save` in a temporary directory,
+The pair is random tiny models saved as Orbax checkpoints with `save` in a temporary directory,
 with a byte-level BPE tokenizer trained on a few lines by the `tokenizers` library.
 """
 
@@ -13,6 +13,7 @@ import pytest
 
 import specjax as sj
 from specjax.cli import demo
+from specjax.io import load, load_tokenizer, save
 from specjax.cli import main as cli
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_without_residual
@@ -41,8 +42,8 @@ def pair_dirs(tmp_path_factory):
   # order), a different q, so the ratio test and the residual both matter and a deliberately
   # broken residual is visible.
   draft = sj.Model(dict(target.params, lm_head=target.params["lm_head"] * 0.3), target.config)
-  sj.save(target, root / "target")
-  sj.save(draft, root / "draft")
+  save(target, root / "target")
+  save(draft, root / "draft")
   tokenizer.save(str(root / "target" / "tokenizer.json"))
   _write_tiny_gguf(root / "tiny.gguf", target, tokenizer)
   return root
@@ -124,9 +125,9 @@ def test_generate_streams_exactly_what_decode_returns(pair_dirs, capsys):
                    "--ignore-eos"] + pair_args(pair_dirs))
   assert code == 0
   captured = capsys.readouterr()
-  target = sj.load(pair_dirs / "target")
-  draft = sj.load(pair_dirs / "draft")
-  tokenizer = sj.load_tokenizer(pair_dirs / "target")
+  target = load(pair_dirs / "target")
+  draft = load(pair_dirs / "draft")
+  tokenizer = load_tokenizer(pair_dirs / "target")
   ids, lengths = tokenizer.encode_batch([prompt])
   out = sj.decode(target, draft, ids, jax.random.key(0), lengths=lengths, max_new_tokens=12,
                   num_draft=3)
@@ -271,7 +272,7 @@ def test_generate_chat_from_gguf_and_its_conversion(pair_dirs, tmp_path, capsys)
   assert cli.main(["generate", "--gguf", str(pair_dirs / "tiny.gguf"), *args]) == 0
   reply = capsys.readouterr().out
   target = sj.from_gguf(pair_dirs / "tiny.gguf")
-  tokenizer = sj.load_tokenizer(pair_dirs / "tiny.gguf")
+  tokenizer = load_tokenizer(pair_dirs / "tiny.gguf")
   ids = tokenizer.apply_chat_template([{"role": "user", "content": "def add(a, b):"}])
   assert tokenizer.decode(ids, skip_special_tokens=False).startswith("<bos>user\ndef add")
   out = sj.generate(target, np.asarray([ids], np.int32), jax.random.key(0), max_new_tokens=12,
@@ -283,7 +284,7 @@ def test_generate_chat_from_gguf_and_its_conversion(pair_dirs, tmp_path, capsys)
   assert "llama, 2 layers" in capsys.readouterr().out
   assert cli.main(["generate", "--model", str(out_dir), *args]) == 0
   assert capsys.readouterr().out == reply
-  assert sj.load_tokenizer(out_dir).chat_template == CHATML
+  assert load_tokenizer(out_dir).chat_template == CHATML
 
 
 def test_generate_chat_stops_at_the_models_end_of_turn(capsys):

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import with_draft_vocab
 from specjax.drafters.model import restrict_output
 from specjax.models import quant
 from specjax.testing.models import tiny_config
@@ -124,7 +125,7 @@ def test_a_separate_draft_model_over_a_draft_vocabulary_equals_generate(target, 
   key = jax.random.key(0)
   want = sj.generate(target, tokens, key, lengths=lengths, max_new_tokens=24)
   vocab = np.arange(0, 96, 3)
-  drafter = sj.with_draft_vocab(sj.ModelDrafter(draft), vocab, context=context)
+  drafter = with_draft_vocab(sj.ModelDrafter(draft), vocab, context=context)
   assert drafter.model.params["lm_head"].values.shape[0] == len(vocab)
   assert not drafter.share_prompt and drafter.context_vocab == context
   out = sj.decode(target, drafter, tokens, key, lengths=lengths, max_new_tokens=24, num_draft=4)
@@ -150,7 +151,7 @@ def test_an_untied_draft_model_scores_its_context_through_its_own_head(target, q
   untied = sj.init_params(tiny_config(vocab_size=96, tie_embeddings=False, num_layers=1),
                           jax.random.key(9))
   untied = sj.quantize(untied, 8, 32) if quantized else untied
-  drafter = sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=3)
+  drafter = with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=3)
   assert drafter.context_head is not None and drafter.context_vocab == 3
   tokens = jnp.array([[5, 9, 2, 7, 1, 3, 8], [3, 8, 4, 0, 0, 0, 0]], jnp.int32)
   lengths = jnp.array([7, 3], jnp.int32)
@@ -170,8 +171,8 @@ def test_an_untied_draft_model_scores_its_context_through_its_own_head(target, q
   got = sj.decode(target, drafter, tokens, key, lengths=lengths, max_new_tokens=16, num_draft=3)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   with pytest.raises(ValueError, match="context must be an int"):
-    sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=-1)
-  assert sj.with_draft_vocab(sj.ModelDrafter(untied), SUBSET).context_head is None
+    with_draft_vocab(sj.ModelDrafter(untied), SUBSET, context=-1)
+  assert with_draft_vocab(sj.ModelDrafter(untied), SUBSET).context_head is None
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +194,7 @@ def _untied_model_drafter(target):
   del target
   small = sj.init_params(tiny_config(vocab_size=VOCAB, tie_embeddings=False, num_layers=1),
                          jax.random.key(11))
-  return sj.with_draft_vocab(sj.ModelDrafter(sj.quantize(small, 8, 32)), SMALL_SUBSET, context=2)
+  return with_draft_vocab(sj.ModelDrafter(sj.quantize(small, 8, 32)), SMALL_SUBSET, context=2)
 
 
 DRAFTERS = {"self": _small_drafter, "untied_model": _untied_model_drafter}

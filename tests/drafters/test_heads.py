@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import Drafter
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.medusa import network as medusa
 from specjax.drafters.eagle.eagle3 import load_eagle3
@@ -91,7 +92,7 @@ def test_greedy_equals_generate_ragged_batch(target, batch, kind):
 
 def test_forwards_per_round_and_protocol(target):
   eagle3, mtp, heads = (make_drafter(target, kind) for kind in ("eagle3", "mtp", "medusa"))
-  assert isinstance(eagle3, sj.Drafter) and isinstance(heads, sj.Drafter)
+  assert isinstance(eagle3, Drafter) and isinstance(heads, Drafter)
   assert eagle3.taps == (2, 2, 1) and not eagle3.needs_hidden
   assert mtp.taps == () and mtp.needs_hidden
   assert heads.taps == () and heads.needs_hidden

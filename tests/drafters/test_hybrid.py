@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import draft_step, init_state, row_seeds, verify_block
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.ngram import lookup
@@ -119,8 +120,8 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   hybrid = HybridDrafter(test_heads.make_drafter(target, "eagle3"))
   drafter = AdaptiveDrafter(hybrid, k, (20.0, 21.0, 22.0, 40.0), (0.5, 0.5, 0.5),
                             copy_prior=(0.5, 0.5, 0.5))
-  seeds = sj.row_seeds(jax.random.key(0), 3)
-  state = sj.init_state(target, drafter, tokens, lengths, lengths + 8, jnp.int32(-1), seeds,
+  seeds = row_seeds(jax.random.key(0), 3)
+  state = init_state(target, drafter, tokens, lengths, lengths + 8, jnp.int32(-1), seeds,
                         num_draft=k, capacity=16)
   held = jnp.array([[40.0, 40.0, 40.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
   reached = jnp.array([[40.0, 40.0, 40.0], [40.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -128,7 +129,7 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   state = dataclasses.replace(state, draft_state=start)
   before = state
   # Each piece jitted, as callers run them (eagerly every op of the round dispatches alone).
-  state, proposal = jax.jit(lambda drafter, state: sj.draft_step(
+  state, proposal = jax.jit(lambda drafter, state: draft_step(
       drafter, state, num_draft=k, sampling=sj.Sampling()))(drafter, state)
   ds = state.draft_state
   np.testing.assert_array_equal(ds.found, [True, True, False])
@@ -137,7 +138,7 @@ def test_adaptive_hybrid_copies_where_copies_held_and_keeps_counts_apart(target)
   # above 0.99 at every slot: about 3 tokens for 22 ms (k = 2) beats 4 for 40 ms (k = 3).
   np.testing.assert_array_equal(proposal.tokens[0], [2, 7, 5])
   assert int(proposal.num_drafted[0]) == 2
-  state = jax.jit(lambda target, drafter, state, proposal: sj.verify_block(
+  state = jax.jit(lambda target, drafter, state, proposal: verify_block(
       target, drafter, state, proposal, sampling=sj.Sampling()))(target, drafter, state, proposal)
   after = state.draft_state
   emitted = np.asarray(state.tokens)

@@ -38,6 +38,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import KVCache
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.parallel import parallel_inputs
 from specjax.drafters.eagle.drafter import EagleDrafter
@@ -251,7 +252,7 @@ def test_tree_logits_equal_the_chain_forward_of_the_depth_one_ancestor(target, b
   checked = wrong_slot = 0
   for b in range(3):
     cache = state.cache
-    cache = sj.KVCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1], cache.lengths[b:b + 1])
+    cache = KVCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1], cache.lengths[b:b + 1])
     stored = np.asarray(drafter.full_logits(state.logits[b]))
     groups = {}
     for path in all_paths(tree, b):

@@ -1,4 +1,4 @@
-"""The suffix drafter (`specjax.SuffixDrafter`, `specjax.SuffixCorpus`).
+"""The suffix drafter (`specjax.SuffixDrafter`, `specjax.drafters.SuffixCorpus`).
 
 * The matcher against a plain-Python reference written here (brute force over the row's text and
   the corpus's sequences, the ring buffer modelled as "the last C slots of the stream"): the
@@ -49,6 +49,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import SuffixCorpus
 from specjax.drafters import suffix, suffix_tree
 from specjax.testing import harness
 from specjax.core.tracing import TRACE_COUNTS
@@ -185,7 +186,7 @@ def check_against_reference(row, sequences, capacity, *, corpus=None, **kwargs):
   `from_sequences(sequences, capacity)`. Returns `(m, drafted)`."""
   text = None if sequences is None else ring_text(sequences, capacity)
   if corpus is None and sequences is not None:
-    corpus = sj.SuffixCorpus.from_sequences(sequences, capacity, depth=MAX_MATCH)
+    corpus = SuffixCorpus.from_sequences(sequences, capacity, depth=MAX_MATCH)
   buffer, length = _buffer(row)
   # Every position's match length in the row.
   run = np.asarray(_row_match(buffer, length))
@@ -261,7 +262,7 @@ def test_corpus_hit_picks_the_most_frequent_continuation():
 
 
 def test_empty_corpus_and_no_match_draft_nothing():
-  for corpus in (sj.SuffixCorpus.empty(16, depth=MAX_MATCH), None):
+  for corpus in (SuffixCorpus.empty(16, depth=MAX_MATCH), None):
     drafter = _drafter(corpus)
     draft, drafted = _draft(drafter, *_buffer([1, 2, 3]))
     assert int(drafted) == 0
@@ -272,12 +273,12 @@ def test_empty_corpus_and_no_match_draft_nothing():
 def test_full_corpus_drops_the_oldest():
   # Capacity 8: "1 2 3 | 4 5 6 | 7 8 9 |" is 12 slots; the last 8 are "4 5 6 | 7 8 9 |".
   sequences = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
-  corpus = sj.SuffixCorpus.from_sequences(sequences, 8, depth=MAX_MATCH)
+  corpus = SuffixCorpus.from_sequences(sequences, 8, depth=MAX_MATCH)
   np.testing.assert_array_equal(corpus.tokens, [4, 5, 6, SEP, 7, 8, 9, SEP])
   assert check_against_reference([0, 2], sequences, 8)[0] == 0  # "2" was dropped
   assert check_against_reference([0, 5], sequences, 8)[2][0] == 6
   # Appending wraps: "7 8 9 |" fills slots 4-7 of a corpus holding "4 5 6 |", "1 2 |" slots 0-2.
-  corpus = sj.SuffixCorpus.from_sequences([[4, 5, 6]], 8, depth=MAX_MATCH)
+  corpus = SuffixCorpus.from_sequences([[4, 5, 6]], 8, depth=MAX_MATCH)
   corpus = jax.jit(lambda c, t, n: c.append(t, n))(
       corpus, jnp.asarray([[7, 8, 9], [1, 2, 0]]), jnp.asarray([3, 2]))
   np.testing.assert_array_equal(corpus.tokens, [1, 2, SEP, SEP, 7, 8, 9, SEP])
@@ -300,7 +301,7 @@ def test_random_rows_and_corpora_match_the_reference(seed):
     row = rng.integers(0, vocab, rng.integers(1, 30)).tolist()
     if case % 2:  # half the corpora grown by a jitted append (the ring wraps in some)
       split = len(sequences) // 2
-      corpus = sj.SuffixCorpus.from_sequences(sequences[:split], capacity, depth=MAX_MATCH)
+      corpus = SuffixCorpus.from_sequences(sequences[:split], capacity, depth=MAX_MATCH)
       rest = sequences[split:] or [[]]
       width = max(1, max(len(s) for s in rest))
       padded = np.zeros((len(rest), width), np.int32)
@@ -343,7 +344,7 @@ def world():
   rng = np.random.default_rng(7)
   earlier = [p + np.asarray(greedy.tokens[i]).tolist() for i, p in enumerate(prompts)]
   earlier += [rng.integers(0, harness.VOCAB, 40).tolist() for _ in range(4)]
-  corpus = sj.SuffixCorpus.from_sequences(earlier, capacity=1024)
+  corpus = SuffixCorpus.from_sequences(earlier, capacity=1024)
   return dict(target=target, prompts=prompts, tokens=tokens, lengths=lengths, greedy=greedy,
               corpus=corpus, scorer=harness.Scorer(target))
 
@@ -438,7 +439,7 @@ def test_one_while_loop_no_callbacks(world):
 
 def test_new_corpus_does_not_retrace(world):
   tokens, lengths = world["tokens"], world["lengths"]
-  corpus = sj.SuffixCorpus.from_sequences(world["prompts"], capacity=777)
+  corpus = SuffixCorpus.from_sequences(world["prompts"], capacity=777)
   decode = lambda c: sj.decode(world["target"], sj.SuffixDrafter(corpus=c), tokens,
                                jax.random.key(1), lengths=lengths, max_new_tokens=NEW,
                                num_draft=3)
@@ -464,19 +465,19 @@ def test_new_corpus_does_not_retrace(world):
     (lambda: sj.SuffixDrafter(spec_factor=0.0), "spec_factor > 0"),
     (lambda: sj.SuffixDrafter(min_prob=1.5), "min_prob"),
     (lambda: sj.SuffixDrafter(corpus=jnp.zeros((8,), jnp.int32)), "must be a SuffixCorpus"),
-    (lambda: sj.SuffixDrafter(corpus=sj.SuffixCorpus.empty(8, depth=4), max_match=8), "depth"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=0),
+    (lambda: sj.SuffixDrafter(corpus=SuffixCorpus.empty(8, depth=4), max_match=8), "depth"),
+    (lambda: SuffixCorpus.from_sequences([[1, 2]], capacity=0),
      "SuffixCorpus capacity must be >= 1"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1, 2]], capacity=2.5),
+    (lambda: SuffixCorpus.from_sequences([[1, 2]], capacity=2.5),
      "SuffixCorpus capacity must be an int"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1.0, 2.0]], capacity=8), "integer token ids"),
-    (lambda: sj.SuffixCorpus.from_sequences([[[1, 2]]], capacity=8), "1-D integer"),
-    (lambda: sj.SuffixCorpus.from_sequences([[1, -2]], capacity=8), "negative token id"),
-    (lambda: sj.SuffixCorpus(jnp.zeros((8,), jnp.float32), jnp.zeros((8,), jnp.int32),
+    (lambda: SuffixCorpus.from_sequences([[1.0, 2.0]], capacity=8), "integer token ids"),
+    (lambda: SuffixCorpus.from_sequences([[[1, 2]]], capacity=8), "1-D integer"),
+    (lambda: SuffixCorpus.from_sequences([[1, -2]], capacity=8), "negative token id"),
+    (lambda: SuffixCorpus(jnp.zeros((8,), jnp.float32), jnp.zeros((8,), jnp.int32),
                              jnp.int32(0), jnp.int32(0)), "rank-1 int32"),
-    (lambda: sj.SuffixCorpus(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+    (lambda: SuffixCorpus(jnp.zeros((2, 4), jnp.int32), jnp.zeros((2, 4), jnp.int32),
                              jnp.int32(0), jnp.int32(0)), "rank-1 int32"),
-    (lambda: sj.SuffixCorpus.empty(8).append(jnp.zeros((4,), jnp.int32), jnp.zeros((1,))),
+    (lambda: SuffixCorpus.empty(8).append(jnp.zeros((4,), jnp.int32), jnp.zeros((1,))),
      "tokens \\[B, T\\]"),
 ])
 def test_bad_arguments_raise_before_compiling(build, message):
@@ -533,7 +534,7 @@ def test_tree_keeps_the_most_frequent_paths(seed):
   for case in range(40):
     sequences = [rng.integers(0, 3, rng.integers(0, 12)).tolist() for _ in range(6)]
     row = rng.integers(0, 3, rng.integers(1, 30)).tolist()
-    corpus = sj.SuffixCorpus.from_sequences(sequences, 64, depth=MAX_MATCH)
+    corpus = SuffixCorpus.from_sequences(sequences, 64, depth=MAX_MATCH)
     drafter = suffix_tree.SuffixTreeDrafter(_drafter(corpus, min_prob=0.13), spec)
     m, found, in_row, in_corpus = candidates(row, ring_text(sequences, 64), MAX_MATCH,
                                              spec.depth)

@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import KVCache
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters import tree_heads
 from specjax.drafters.eagle.drafter import EagleDrafter
@@ -37,7 +38,7 @@ from specjax.core.sampling import row_seeds
 from specjax.testing.models import tiny_config
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.drafters.tree import tree_drafter
-from specjax.loop.round import round_step, score_tree
+from specjax.loop.round import path_output, round_step, score_tree
 from specjax.loop.state import init_state
 from specjax.trees.structure import TreeSpec
 from tests.exactness.test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
@@ -118,7 +119,7 @@ def test_head_tree_logits_equal_chain_forward_on_every_path(target, batch, kind,
   for i, (b, path) in enumerate(cases):
     path_tokens[i, :len(path)] = np.asarray(tree.tokens[b])[path]
   cache = state.cache
-  cache = sj.KVCache(cache.k[:, rows], cache.v[:, rows], cache.lengths[rows])
+  cache = KVCache(cache.k[:, rows], cache.v[:, rows], cache.lengths[rows])
   hidden, logits = state.hidden[rows], state.logits[rows]
   chain = [logits]  # chain[j]: the draft logits of the depth-(j + 1) node
   for j in range(1, spec.depth):
@@ -163,7 +164,7 @@ def test_target_tree_features_equal_causal_forward_on_every_path(target, batch):
         [np.asarray(tokens[b, :length]), np.asarray(tree.tokens[b])[path]])
   rows = np.asarray([b for b, _ in cases])
   scored_rows = scored._replace(hidden=scored.hidden[rows], taps=scored.taps[:, rows])
-  along = tree_heads.path_output(scored_rows, jnp.asarray(index))
+  along = path_output(scored_rows, jnp.asarray(index))
   plain = jax.jit(functools.partial(forward, taps=drafter.taps, return_hidden=True))(
       target, jnp.asarray(sequences), jnp.zeros(len(cases), jnp.int32))
   for i, (b, path) in enumerate(cases):

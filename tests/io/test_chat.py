@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import specjax as sj
+from specjax.io import load_tokenizer
 from specjax.io import chat
 
 TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] + '\\n' }}"
@@ -27,7 +27,7 @@ def hf_dir(chatml_tokenizer_dir):
 def test_matches_transformers_apply_chat_template(hf_dir):
   transformers = pytest.importorskip("transformers")
   reference = transformers.AutoTokenizer.from_pretrained(hf_dir)
-  tokenizer = sj.load_tokenizer(hf_dir)
+  tokenizer = load_tokenizer(hf_dir)
   assert tokenizer.chat_template == TEMPLATE
   for add in (True, False):
     want = reference.apply_chat_template(CONVERSATION, add_generation_prompt=add, tokenize=True)
@@ -93,6 +93,6 @@ def test_errors(hf_dir, tmp_path):
   with pytest.raises(ValueError, match="no built-in chat template 'zephyr'"):
     chat.builtin_template("zephyr")
   (tmp_path / "tokenizer.json").write_bytes((hf_dir / "tokenizer.json").read_bytes())
-  tokenizer = sj.load_tokenizer(tmp_path)  # tokenizer.json alone: no template
+  tokenizer = load_tokenizer(tmp_path)  # tokenizer.json alone: no template
   with pytest.raises(ValueError, match="has no chat template.*chat_template="):
     tokenizer.apply_chat_template(CONVERSATION)

@@ -17,6 +17,7 @@ pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 import specjax as sj
+from specjax.io import load_tokenizer
 from specjax.io.chat import builtin_template
 from specjax.io.gguf import find_packaged_gguf, from_gguf
 
@@ -46,7 +47,7 @@ def real(request):
   start = time.perf_counter()
   model = from_gguf(path)
   seconds = time.perf_counter() - start
-  tokenizer = sj.load_tokenizer(path)
+  tokenizer = load_tokenizer(path)
   hf_model = transformers.AutoModelForCausalLM.from_pretrained(
       str(path.parent), gguf_file=path.name, dtype=torch.float32)
   hf_tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -23,6 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
+from specjax.io import load, load_tokenizer, save
+from specjax.models import RopeScaling
 from specjax.io import orbax as checkpoint
 
 torch = pytest.importorskip("torch", reason="the transformers peer needs torch (install the "
@@ -227,7 +229,7 @@ def test_weights_are_transposed_hf_tensors(llama):
                                 state["model.layers.1.self_attn.q_proj.weight"].T)
   np.testing.assert_array_equal(model.params["layers"]["mlp_norm"][2],
                                 state["model.layers.2.post_attention_layernorm.weight"])
-  assert model.config.rope_scaling == sj.RopeScaling(
+  assert model.config.rope_scaling == RopeScaling(
       kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
       original_max_position_embeddings=16)
   assert model.config.rope_theta == 500_000.0
@@ -261,8 +263,8 @@ def test_import_into_2x4_mesh_then_save_and_load(llama, tmp_path):
   for name, leaf in checkpoint.flatten(model.params).items():
     np.testing.assert_array_equal(leaf, checkpoint.flatten(reference.params)[name])
     assert leaf.addressable_shards[0].data.shape[-1] == leaf.shape[-1] // 4, name
-  sj.save(model, tmp_path / "orbax")
-  restored = sj.load(tmp_path / "orbax", sharding=shardings)
+  save(model, tmp_path / "orbax")
+  restored = load(tmp_path / "orbax", sharding=shardings)
   tokens = jnp.asarray(_prompts(model.vocab_size)[0])
   starts = jnp.zeros((tokens.shape[0],), jnp.int32)
   np.testing.assert_allclose(restored(tokens, starts).logits, reference(tokens, starts).logits,
@@ -396,18 +398,18 @@ def test_convert_command(llama, tmp_path, capsys):
   assert cli.main(["convert", str(hf_dir), str(out)]) == 0
   printed = capsys.readouterr()
   assert "llama, 3 layers" in printed.out and "tokenizer.json" in printed.out
-  converted, direct = sj.load(out), sj.from_hf(hf_dir)
+  converted, direct = load(out), sj.from_hf(hf_dir)
   assert converted.config == direct.config
   for name, leaf in checkpoint.flatten(direct.params).items():
     np.testing.assert_array_equal(checkpoint.flatten(converted.params)[name], leaf)
-  assert sj.load_tokenizer(out).encode("w4 w7 w1") == [7, 10, 4]
+  assert load_tokenizer(out).encode("w4 w7 w1") == [7, 10, 4]
   assert (hf_model.config.bos_token_id, hf_model.config.eos_token_id) == (
       converted.config.bos_id, converted.config.eos_id)
 
   assert cli.main(["convert", str(hf_dir), str(out)]) == 2
   assert "already exists" in capsys.readouterr().err
   assert cli.main(["convert", str(hf_dir), str(out), "--overwrite", "--dtype", "bfloat16"]) == 0
-  assert sj.load(out).dtype == jnp.bfloat16
+  assert load(out).dtype == jnp.bfloat16
 
   _edit_config(hf_dir, model_type="falcon")
   assert cli.main(["convert", str(hf_dir), str(tmp_path / "other")]) == 2

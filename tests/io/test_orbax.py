@@ -13,6 +13,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import specjax as sj
+from specjax.io import load, save
+from specjax.models import RopeScaling
 from specjax.io import orbax as checkpoint
 from specjax.models import gemma_style
 from specjax.testing.models import tiny_config
@@ -34,7 +36,7 @@ def _assert_bitwise_equal(a: sj.Model, b: sj.Model):
 
 
 CONFIGS = {
-    "llama_scaled_rope": tiny_config(rope_theta=500_000.0, rope_scaling=sj.RopeScaling(
+    "llama_scaled_rope": tiny_config(rope_theta=500_000.0, rope_scaling=RopeScaling(
         factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
         original_max_position_embeddings=64), bos_id=1, eos_id=2),
     "qwen_bias_qk_norm": tiny_config(qkv_bias=True, qk_norm=True, tie_embeddings=True,
@@ -52,8 +54,8 @@ def test_round_trip_is_bitwise(tmp_path, name, dtype):
                                                                model.params["layers"]["bq"].shape,
                                                                dtype))
     model = sj.Model(dict(model.params, layers=layers), model.config)
-  sj.save(model, tmp_path / "ckpt")
-  restored = sj.load(tmp_path / "ckpt")
+  save(model, tmp_path / "ckpt")
+  restored = load(tmp_path / "ckpt")
   _assert_bitwise_equal(model, restored)
   assert checkpoint.read_config(tmp_path / "ckpt") == model.config
 
@@ -62,14 +64,14 @@ def test_saving_the_cpu_layout_writes_the_stacked_checkpoint(tmp_path):
   """A model in CPU's layout (per-layer, fused projections, an output copy) saves as the plain
   stacked checkpoint: bitwise the same weights as saving the model it came from."""
   model = sj.init_params(CONFIGS["llama_scaled_rope"], jax.random.key(5))
-  sj.save(model.for_platform("cpu"), tmp_path / "ckpt")
-  _assert_bitwise_equal(model, sj.load(tmp_path / "ckpt"))
+  save(model.for_platform("cpu"), tmp_path / "ckpt")
+  _assert_bitwise_equal(model, load(tmp_path / "ckpt"))
 
 
 def test_restored_model_runs_identically(tmp_path):
   model = sj.init_params(CONFIGS["llama_scaled_rope"], jax.random.key(0))
-  sj.save(model, tmp_path / "ckpt")
-  restored = sj.load(tmp_path / "ckpt")
+  save(model, tmp_path / "ckpt")
+  restored = load(tmp_path / "ckpt")
   tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6)
   starts = jnp.zeros((2,), jnp.int32)
   np.testing.assert_array_equal(model(tokens, starts).logits, restored(tokens, starts).logits)
@@ -77,8 +79,8 @@ def test_restored_model_runs_identically(tmp_path):
 
 def test_load_casts_dtype(tmp_path):
   model = sj.init_params(CONFIGS["gemma2"], jax.random.key(1), jnp.bfloat16)
-  sj.save(model, tmp_path / "ckpt")
-  restored = sj.load(tmp_path / "ckpt", dtype=jnp.float32)
+  save(model, tmp_path / "ckpt")
+  restored = load(tmp_path / "ckpt", dtype=jnp.float32)
   for name, leaf in checkpoint.flatten(restored.params).items():
     assert leaf.dtype == jnp.float32, name
     np.testing.assert_array_equal(
@@ -94,7 +96,7 @@ def _mesh_2x4():
 def test_restore_into_2x4_mesh(tmp_path):
   mesh = _mesh_2x4()
   model = sj.init_params(CONFIGS["llama_scaled_rope"], jax.random.key(2), jnp.bfloat16)
-  sj.save(model, tmp_path / "ckpt")
+  save(model, tmp_path / "ckpt")
   spec = {
       "embed": P("model", None), "final_norm": P(), "lm_head": P(None, "model"),
       "layers": {"attn_norm": P(), "mlp_norm": P(), "wq": P("data", None, "model"),
@@ -104,7 +106,7 @@ def test_restore_into_2x4_mesh(tmp_path):
   }
   shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), spec,
                            is_leaf=lambda x: isinstance(x, P))
-  restored = sj.load(tmp_path / "ckpt", sharding=shardings)
+  restored = load(tmp_path / "ckpt", sharding=shardings)
   _assert_bitwise_equal(model, restored)
   flat_shardings = checkpoint.flatten(shardings)
   for name, leaf in checkpoint.flatten(restored.params).items():
@@ -120,21 +122,21 @@ def test_restore_into_2x4_mesh(tmp_path):
 def test_restore_with_one_sharding_for_every_leaf(tmp_path):
   mesh = _mesh_2x4()
   model = sj.init_params(CONFIGS["qwen_bias_qk_norm"], jax.random.key(5))
-  sj.save(model, tmp_path / "ckpt")
+  save(model, tmp_path / "ckpt")
   replicated = NamedSharding(mesh, P())
-  restored = sj.load(tmp_path / "ckpt", sharding=replicated)
+  restored = load(tmp_path / "ckpt", sharding=replicated)
   _assert_bitwise_equal(model, restored)
   assert all(leaf.sharding == replicated for leaf in jax.tree.leaves(restored.params))
 
 
 def test_save_refuses_to_overwrite(tmp_path):
   model = sj.init_params(tiny_config(), jax.random.key(0))
-  sj.save(model, tmp_path / "ckpt")
+  save(model, tmp_path / "ckpt")
   with pytest.raises(ValueError, match="already exists"):
-    sj.save(model, tmp_path / "ckpt")
+    save(model, tmp_path / "ckpt")
   other = sj.init_params(tiny_config(), jax.random.key(1))
-  sj.save(other, tmp_path / "ckpt", overwrite=True)
-  _assert_bitwise_equal(other, sj.load(tmp_path / "ckpt"))
+  save(other, tmp_path / "ckpt", overwrite=True)
+  _assert_bitwise_equal(other, load(tmp_path / "ckpt"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,36 +146,36 @@ def test_save_refuses_to_overwrite(tmp_path):
 @pytest.fixture(name="saved")
 def _saved(tmp_path) -> pathlib.Path:
   model = sj.init_params(tiny_config(), jax.random.key(0))
-  return sj.save(model, tmp_path / "ckpt")
+  return save(model, tmp_path / "ckpt")
 
 
 def test_missing_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="no checkpoint directory"):
-    sj.load(tmp_path / "nowhere")
+    load(tmp_path / "nowhere")
 
 
 def test_interrupted_save_without_config(saved):
   (saved / checkpoint.CONFIG_FILE).unlink()
   with pytest.raises(ValueError, match="not a complete specjax checkpoint.*specjax_model.json"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_hugging_face_directory_is_pointed_to_from_hf(tmp_path):
   (tmp_path / "config.json").write_text("{}")
   with pytest.raises(ValueError, match="from_hf"):
-    sj.load(tmp_path)
+    load(tmp_path)
 
 
 def test_missing_params_directory(saved):
   shutil.rmtree(saved / checkpoint.PARAMS_DIR)
   with pytest.raises(ValueError, match="params/ is missing"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_corrupt_config_json(saved):
   (saved / checkpoint.CONFIG_FILE).write_text('{"format_version": 1, "config": {"vocab_')
   with pytest.raises(ValueError, match="corrupt"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_config_with_unknown_field(saved):
@@ -181,13 +183,13 @@ def test_config_with_unknown_field(saved):
   record["config"]["mixture_of_experts"] = 8
   (saved / checkpoint.CONFIG_FILE).write_text(json.dumps(record))
   with pytest.raises(ValueError, match="mixture_of_experts"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_corrupt_orbax_metadata(saved):
   (saved / checkpoint.PARAMS_DIR / "_METADATA").write_text("not json")
   with pytest.raises(ValueError, match="corrupt checkpoint"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_missing_array_data(saved):
@@ -197,7 +199,7 @@ def test_missing_array_data(saved):
   for p in data_files:
     p.unlink()
   with pytest.raises(ValueError, match="corrupt checkpoint"):
-    sj.load(saved)
+    load(saved)
 
 
 def _rewrite_config(path, **changes):
@@ -210,36 +212,36 @@ def test_shape_mismatch(saved):
   _rewrite_config(saved, mlp_dim=96)
   with pytest.raises(ValueError, match=r"shape mismatch: layers/w_down: expected \(2, 96, 32\), "
                      r"found \(2, 64, 32\)"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_missing_tensor(tmp_path):
   model = sj.init_params(tiny_config(), jax.random.key(0))
   layers = {k: v for k, v in model.params["layers"].items() if k != "wk"}
-  sj.save(sj.Model(dict(model.params, layers=layers), model.config), tmp_path / "ckpt")
+  save(sj.Model(dict(model.params, layers=layers), model.config), tmp_path / "ckpt")
   with pytest.raises(ValueError, match=r"missing tensors \['layers/wk'\]"):
-    sj.load(tmp_path / "ckpt")
+    load(tmp_path / "ckpt")
 
 
 def test_config_expects_tensors_the_checkpoint_lacks(saved):
   _rewrite_config(saved, qkv_bias=True)
   with pytest.raises(ValueError, match=r"missing tensors \['layers/bk', 'layers/bq', 'layers/bv'\]"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_unexpected_tensor(saved):
   _rewrite_config(saved, tie_embeddings=True)
   with pytest.raises(ValueError, match=r"unexpected tensors \['lm_head'\]"):
-    sj.load(saved)
+    load(saved)
 
 
 def test_bad_sharding_argument(saved):
   with pytest.raises(ValueError, match="sharding"):
-    sj.load(saved, sharding={"embed": None})
+    load(saved, sharding={"embed": None})
 
 
 def test_config_dict_round_trip():
-  config = dataclasses.replace(CONFIGS["gemma2"], rope_scaling=sj.RopeScaling(kind="linear",
+  config = dataclasses.replace(CONFIGS["gemma2"], rope_scaling=RopeScaling(kind="linear",
                                                                               factor=2.0))
   assert checkpoint.config_from_dict(json.loads(json.dumps(
       checkpoint.config_to_dict(config)))) == config
@@ -249,8 +251,8 @@ def test_restore_onto_a_mesh_by_logical_axis_rules(tmp_path):
   from specjax import parallel as sharding_lib
   mesh = _mesh_2x4()
   model = sj.init_params(CONFIGS["gemma2"], jax.random.key(6))
-  sj.save(model, tmp_path / "ckpt")
-  restored = sj.load(tmp_path / "ckpt", sharding=mesh)
+  save(model, tmp_path / "ckpt")
+  restored = load(tmp_path / "ckpt", sharding=mesh)
   _assert_bitwise_equal(model, restored)
   expected = checkpoint.flatten(sharding_lib.param_shardings(model, mesh))
   for name, leaf in checkpoint.flatten(restored.params).items():

@@ -1,4 +1,4 @@
-"""`sj.load_tokenizer`: a byte-level BPE trained here on stdlib sources, raw and as saved by
+"""`load_tokenizer`: a byte-level BPE trained here on stdlib sources, raw and as saved by
 `transformers`; batch encoding, decoding and special ids."""
 
 import json
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import specjax as sj
+from specjax.io import load_tokenizer
 
 SPECIALS = ["<pad>", "<s>", "</s>"]  # ids 0, 1, 2
 TEXTS = ["def fib(n):\n    return n", "import os\n", "x", "class Tokenizer(object):\n  pass  # é ✓"]
@@ -40,7 +40,7 @@ def _trained(tmp_path_factory) -> pathlib.Path:
 
 
 def test_special_ids_from_tokenizer_json(trained):
-  tok = sj.load_tokenizer(trained)
+  tok = load_tokenizer(trained)
   assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
   assert tok.eos_ids == (2,)
   assert tok.vocab_size == 600
@@ -48,13 +48,13 @@ def test_special_ids_from_tokenizer_json(trained):
 
 
 def test_file_or_directory(trained):
-  a = sj.load_tokenizer(trained)
-  b = sj.load_tokenizer(trained / "tokenizer.json")
+  a = load_tokenizer(trained)
+  b = load_tokenizer(trained / "tokenizer.json")
   assert a.encode(TEXTS[0]) == b.encode(TEXTS[0])
 
 
 def test_encode_decode_round_trip(trained):
-  tok = sj.load_tokenizer(trained)
+  tok = load_tokenizer(trained)
   for text in TEXTS:
     ids = tok.encode(text, add_bos=False)
     assert all(isinstance(i, int) for i in ids)
@@ -68,7 +68,7 @@ def test_encode_decode_round_trip(trained):
 
 
 def test_encode_batch(trained):
-  tok = sj.load_tokenizer(trained)
+  tok = load_tokenizer(trained)
   ids, lengths = tok.encode_batch(TEXTS, add_bos=True)
   assert ids.dtype == np.int32 and lengths.dtype == np.int32
   assert ids.shape == (len(TEXTS), lengths.max())
@@ -85,7 +85,7 @@ def test_encode_batch(trained):
 
 
 def test_decode_arrays_and_special_tokens(trained):
-  tok = sj.load_tokenizer(trained)
+  tok = load_tokenizer(trained)
   ids, lengths = tok.encode_batch(TEXTS[:2])
   # NumPy rows, JAX rows and a whole padded [B, T] batch (pad and <s> are special: skipped).
   assert tok.decode(ids[1, :lengths[1]]) == TEXTS[1]
@@ -98,7 +98,7 @@ def test_decode_arrays_and_special_tokens(trained):
 
 
 def test_errors(trained, tmp_path):
-  tok = sj.load_tokenizer(trained)
+  tok = load_tokenizer(trained)
   with pytest.raises(ValueError, match="at least one"):
     tok.encode_batch([])
   with pytest.raises(ValueError, match="integer ids"):
@@ -106,10 +106,10 @@ def test_errors(trained, tmp_path):
   with pytest.raises(ValueError, match="expects a str"):
     tok.encode(123)
   with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
-    sj.load_tokenizer(tmp_path)
+    load_tokenizer(tmp_path)
   (tmp_path / "tokenizer.json").write_text('{"version": "1.0", "model": ')
   with pytest.raises(ValueError, match="corrupt tokenizer file"):
-    sj.load_tokenizer(tmp_path)
+    load_tokenizer(tmp_path)
 
 
 def test_config_files_set_special_ids(trained, tmp_path):
@@ -117,13 +117,13 @@ def test_config_files_set_special_ids(trained, tmp_path):
   (tmp_path / "tokenizer_config.json").write_text(json.dumps(
       {"bos_token": {"content": "</s>"}, "eos_token": "<s>", "pad_token": None,
        "add_bos_token": False}))
-  tok = sj.load_tokenizer(tmp_path)
+  tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id, tok.add_bos) == (2, 1, False)
   assert tok.pad_id == 0  # named <pad> in tokenizer.json
   # generation_config.json wins for ids; a list of stop ids is kept whole.
   (tmp_path / "generation_config.json").write_text(json.dumps(
       {"bos_token_id": 1, "eos_token_id": [2, 0], "pad_token_id": 2}))
-  tok = sj.load_tokenizer(tmp_path)
+  tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id, tok.eos_ids, tok.pad_id) == (1, 2, (2, 0), 2)
   assert tok.encode("x") == tok.encode("x", add_bos=False)  # add_bos_token: false
 
@@ -131,10 +131,10 @@ def test_config_files_set_special_ids(trained, tmp_path):
 def test_save_keeps_config_files(trained, tmp_path):
   shutil.copy(trained / "tokenizer.json", tmp_path / "tokenizer.json")
   (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 1]}))
-  sj.load_tokenizer(tmp_path).save(tmp_path / "copy")
-  copy = sj.load_tokenizer(tmp_path / "copy")
+  load_tokenizer(tmp_path).save(tmp_path / "copy")
+  copy = load_tokenizer(tmp_path / "copy")
   assert copy.eos_ids == (2, 1)
-  assert copy.encode(TEXTS[3]) == sj.load_tokenizer(tmp_path).encode(TEXTS[3])
+  assert copy.encode(TEXTS[3]) == load_tokenizer(tmp_path).encode(TEXTS[3])
 
 
 def test_matches_transformers_saved_tokenizer(trained, tmp_path):
@@ -147,7 +147,7 @@ def test_matches_transformers_saved_tokenizer(trained, tmp_path):
       bos_token="<s>", eos_token="</s>", pad_token="<pad>", padding_side="right")
   hf.save_pretrained(tmp_path)
   assert (tmp_path / "tokenizer_config.json").is_file()
-  tok = sj.load_tokenizer(tmp_path)
+  tok = load_tokenizer(tmp_path)
   assert (tok.bos_id, tok.eos_id, tok.pad_id) == (hf.bos_token_id, hf.eos_token_id,
                                                    hf.pad_token_id)
   assert tok.vocab_size == len(hf)
@@ -170,9 +170,9 @@ def test_gguf_tokenizer_saves_as_a_directory(tmp_path):
     path = find_packaged_gguf("smollm2")
   except FileNotFoundError as error:
     pytest.skip(str(error))
-  built = sj.load_tokenizer(path)
+  built = load_tokenizer(path)
   built.save(tmp_path)
-  again = sj.load_tokenizer(tmp_path)
+  again = load_tokenizer(tmp_path)
   for text in ("Hello  world\n\n", "<|im_start|>user\nçà 123<|im_end|>", "def f():\n\treturn 1"):
     assert again.encode(text) == built.encode(text)
   assert (again.bos_id, again.eos_ids, again.pad_id, again.add_bos) == (

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import Proposal
+from specjax.loop import DecodeStats, draft_step, init_state, round_step, row_seeds, verify_block
 from specjax.loop.decode import NEW_TOKEN_BUCKET
 from specjax.testing.models import tiny_config
 from specjax.core.tracing import TRACE_COUNTS
@@ -112,20 +114,20 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   tokens, lengths = batch
   expected = _greedy(target, batch, max_new=8).tokens
   k = 3
-  seeds = sj.row_seeds(jax.random.key(0), 3)
+  seeds = row_seeds(jax.random.key(0), 3)
   drafter = sj.ModelDrafter(draft)
-  state = sj.init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
+  state = init_state(target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds,
                         num_draft=k, capacity=NEW_TOKEN_BUCKET)
   wrong = (expected + 1) % VOCAB
   drafts = jnp.stack([expected[0, :3],
                       jnp.array([wrong[1, 0], expected[1, 1], expected[1, 2]]),
                       jnp.array([expected[2, 0], wrong[2, 1], expected[2, 2]])])
   # The pieces run jitted, as callers run them (eagerly every op of a round dispatches alone).
-  verify = jax.jit(lambda target, drafter, state, proposal: sj.verify_block(
+  verify = jax.jit(lambda target, drafter, state, proposal: verify_block(
       target, drafter, state, proposal, sampling=sj.Sampling()))
-  draft_step = jax.jit(lambda drafter, state: sj.draft_step(drafter, state, num_draft=k,
-                                                            sampling=sj.Sampling()))
-  state = verify(target, drafter, state, sj.Proposal(drafts, None))
+  propose = jax.jit(lambda drafter, state: draft_step(drafter, state, num_draft=k,
+                                                         sampling=sj.Sampling()))
+  state = verify(target, drafter, state, Proposal(drafts, None))
   np.testing.assert_array_equal(state.stats.accepted, [3, 0, 1])
   np.testing.assert_array_equal(state.lengths - lengths, [4, 1, 2])
   for b, count in enumerate([4, 1, 2]):
@@ -134,7 +136,7 @@ def test_ragged_acceptance_rows_advance_independently(target, draft, batch):
   np.testing.assert_array_equal(state.target_cache.lengths, state.lengths - 1)
   # Keep going with the draft model from this ragged state: still exactly greedy.
   for _ in range(8):
-    state, proposal = draft_step(drafter, state)
+    state, proposal = propose(drafter, state)
     state = verify(target, drafter, state, proposal)
   assert bool(jnp.all(state.done))
   for b in range(3):
@@ -182,7 +184,7 @@ def test_sampled_decode_is_seeded_and_bit_identical(target, draft, batch):
                                max_new_tokens=30, num_draft=3, sampling=sampling)
   a, b, c = run(11), run(11), run(12)
   np.testing.assert_array_equal(a.tokens, b.tokens)
-  for field in dataclasses.fields(sj.DecodeStats):
+  for field in dataclasses.fields(DecodeStats):
     np.testing.assert_array_equal(getattr(a.stats, field.name), getattr(b.stats, field.name))
   assert not np.array_equal(a.tokens, c.tokens)
 
@@ -308,9 +310,9 @@ class _TapReader(sj.ModelDrafter):
 def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batch):
   tokens, lengths = batch
   drafter = _TapReader(draft)
-  seeds = sj.row_seeds(jax.random.key(0), 3)
+  seeds = row_seeds(jax.random.key(0), 3)
   # The pieces jitted, as the loop runs them (eagerly every op dispatches alone).
-  state = jax.jit(lambda target, drafter, tokens, lengths, seeds: sj.init_state(
+  state = jax.jit(lambda target, drafter, tokens, lengths, seeds: init_state(
       target, drafter, tokens, lengths, jnp.int32(8), jnp.int32(-1), seeds, num_draft=3,
       capacity=NEW_TOKEN_BUCKET))(target, drafter, tokens, lengths, seeds)
   _, taps, hidden, _ = state.draft_state
@@ -321,7 +323,7 @@ def test_drafter_protocol_gets_prefill_and_verified_features(target, draft, batc
   np.testing.assert_allclose(taps, prefill.taps[:, :, -1], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(hidden, prefill.hidden[:, -1], rtol=1e-6, atol=1e-6)
   before = state.lengths
-  state = jax.jit(lambda target, drafter, state: sj.round_step(
+  state = jax.jit(lambda target, drafter, state: round_step(
       target, drafter, state, num_draft=3, sampling=sj.Sampling()))(target, drafter, state)
   _, taps, hidden, seen = state.draft_state
   # The target's features at the block's first slot (the row's last token before the round).

@@ -1,19 +1,21 @@
-"""The explicit draft-length modes: `sj.adaptive_drafter` and `sj.auto_num_draft` replace
-`decode`'s former `num_draft="adaptive"` / `num_draft="auto"` with `calibration=DIR`.
+"""The explicit draft-length modes: `sj.adaptive_drafter` and
+`specjax.drafters.adaptive.auto_num_draft` (each with `calibration=DIR`) choose the draft length;
+`decode` takes only an int `num_draft`.
 
-* Every entry point that takes `num_draft` (`decode`, `decode_stream`, `audit`) rejects the old
-  strings, and `decode` / `decode_stream` reject `calibration=`, with a ValueError that names the
-  call that replaced them, before anything is traced (the jitted loops are replaced by functions
-  that fail the test if they are reached).
-* `sj.adaptive_drafter` builds the wrapper the string mode built from the same calibration (its
-  plan's K, round costs, priors, copy priors and `plain` flag), now carrying the plan's verify
-  widths; `max_draft` and the drafter's own `max_draft` bound K.
+* Every entry point that takes `num_draft` (`decode`, `decode_stream`, `audit`) rejects a string
+  with a ValueError before anything is traced (the jitted loops are replaced by functions that
+  fail the test if they are reached).
+* `sj.adaptive_drafter` builds the wrapper from a calibration (its plan's K, round costs, priors,
+  copy priors, `plain` flag and verify widths); `max_draft` and the drafter's own `max_draft`
+  bound K.
 * `decode` takes K and the widths from the wrapper; a `num_draft` or `verify_widths` beside it must
   equal them, anything else raises before tracing.
 * Greedy `decode` and `decode_stream` with the wrapper equal `sj.generate` on a ragged batch, and
   the loop runs at the wrapper's K.
+* A wrapper that plans plain steps (`plain`): `decode` runs `sj.generate`, and so does
+  `decode_stream`, so at temperature > 0 its tokens (and final counters) are `decode`'s for the
+  same key.
 """
-
 import dataclasses
 
 import jax
@@ -70,7 +72,7 @@ def ragged():
   return tokens, jnp.array([8, 2, 5], jnp.int32)
 
 
-# --- The old strings ---------------------------------------------------------------------------
+# --- num_draft is an int ----------------------------------------------------------------------
 
 def _decode(target, draft, tokens, lengths, **kwargs):
   return sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,
@@ -88,11 +90,6 @@ def _audit(target, draft, tokens, lengths, **kwargs):
 
 
 ENTRY_POINTS = {"decode": _decode, "decode_stream": _stream, "audit": _audit}
-AUTO = r"num_draft='auto' was replaced by specjax\.auto_num_draft\(drafter, calibration=DIR\)"
-ADAPTIVE = (r"num_draft='adaptive' was replaced by specjax\.adaptive_drafter\(drafter, "
-            r"calibration=DIR\)")
-CALIBRATION = (r"calibration= was removed from decode: .*specjax\.auto_num_draft.*"
-               r"specjax\.adaptive_drafter")
 
 
 @pytest.fixture
@@ -109,33 +106,13 @@ def nothing_traced(monkeypatch):
   assert dict(TRACE_COUNTS) == before
 
 
-OLD_MODES = [
-    (dict(num_draft="auto"), AUTO),
-    (dict(num_draft="adaptive"), ADAPTIVE),
-    (dict(num_draft="adaptive", calibration="DIR"), ADAPTIVE),
-    (dict(num_draft=4, calibration="DIR"), CALIBRATION),
-    (dict(num_draft="often"), r"num_draft must be an int >= 1, got 'often'"),
-]
-
-
-@pytest.mark.parametrize("entry, kwargs, message", [
-    (entry, kwargs, message) for entry in sorted(ENTRY_POINTS) for kwargs, message in OLD_MODES
-    if not (entry == "audit" and "calibration" in kwargs)])  # audit never took calibration=
-def test_old_modes_raise_naming_their_replacement(target, draft, ragged, nothing_traced, entry,
-                                                  kwargs, message):
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("num_draft", ["auto", "adaptive", "4"])
+def test_a_string_num_draft_raises_before_tracing(target, draft, ragged, nothing_traced, entry,
+                                                  num_draft):
   tokens, lengths = ragged
-  with pytest.raises(ValueError, match=message):
-    ENTRY_POINTS[entry](target, draft, tokens, lengths, **kwargs)
-
-
-def test_old_modes_raise_with_a_tree_too(target, draft, ragged, nothing_traced):
-  """The tree path names the replacement too, not its own "leave num_draft out"."""
-  tokens, lengths = ragged
-  tree = sj.TreeSpec("static", depth=2, width=1)
-  with pytest.raises(ValueError, match=ADAPTIVE):
-    _decode(target, draft, tokens, lengths, num_draft="adaptive", tree=tree)
-  with pytest.raises(ValueError, match=CALIBRATION):
-    _decode(target, draft, tokens, lengths, calibration="DIR", tree=tree)
+  with pytest.raises(ValueError, match=f"num_draft must be an int, got '{num_draft}'"):
+    ENTRY_POINTS[entry](target, draft, tokens, lengths, num_draft=num_draft)
 
 
 # --- adaptive_drafter --------------------------------------------------------------------------
@@ -145,10 +122,10 @@ def _fields(wrapper) -> dict:
           if f.name != "drafter"}
 
 
-def test_adaptive_drafter_is_the_wrapper_the_string_mode_built(draft):
-  """What `decode(..., num_draft="adaptive", calibration=c)` built inside, plus the widths it
-  compiled: `AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
-  copy_prior=plan.copy_prior, plain=plan.plain)` and `plan.widths`."""
+def test_adaptive_drafter_is_the_wrapper_of_the_plan(draft):
+  """`AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,
+  copy_prior=plan.copy_prior, plain=plan.plain, widths=plan.widths)` for the calibration's
+  `costs.adaptive_plan`."""
   measured = _calibration([10.0, 12.0, 12.0, 12.5, 13.0, 13.2], [0.6, 0.5, 0.5, 0.4, 0.4],
                           lookup=[0.9, 0.9, 0.8, 0.8, 0.7])
   plan = costs.adaptive_plan(measured.costs, measured.profile)
@@ -252,3 +229,23 @@ def test_greedy_with_the_wrapper_equals_generate(target, draft, ragged):
                     jax.random.key(0), lengths=lengths, max_new_tokens=20)
   np.testing.assert_array_equal(noisy.tokens, ref.tokens)
   assert noisy.stats.accepted_per_position.shape == (3, 4)
+
+
+def test_stream_with_a_plain_wrapper_samples_decode_s_tokens(target, draft, ragged):
+  """At temperature 1 a plain wrapper's `decode` is `sj.generate`; the stream's tokens are the same
+  (a stream of width-1 verify rounds would draw them from the verify's random streams instead)."""
+  tokens, lengths = ragged
+  plain = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5), plain=True)
+  common = dict(lengths=lengths, max_new_tokens=12, sampling=sj.Sampling(temperature=1.0),
+                eos_id=3)
+  out = sj.decode(target, plain, tokens, jax.random.key(5), **common)
+  ref = sj.generate(target, tokens, jax.random.key(5), **common)
+  np.testing.assert_array_equal(out.tokens, ref.tokens)
+  streamed, last = [[] for _ in range(3)], None
+  for new, state in sj.decode_stream(target, plain, tokens, jax.random.key(5), **common):
+    for b, row in enumerate(new):
+      streamed[b].extend(int(t) for t in row)
+    last = state.stats.summary()
+  for b in range(3):
+    assert streamed[b] == np.asarray(out.tokens[b, :int(out.num_tokens[b])]).tolist()
+  assert last == out.stats.summary()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import row_seeds
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import forward
@@ -117,7 +118,7 @@ def test_sample_token_frequencies_match_softmax():
   from scipy import stats as scipy_stats
   logits = jnp.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
   n = 40_000
-  seeds = sj.row_seeds(jax.random.key(123), n)  # [n] one stream per draw
+  seeds = row_seeds(jax.random.key(123), n)  # [n] one stream per draw
   draws = sj.core.sampling.sample_token(jnp.broadcast_to(logits, (n, 6)), sj.Sampling(1.0), seeds,
                                    jnp.zeros(n, jnp.int32))
   counts = np.bincount(np.asarray(draws), minlength=6)

@@ -86,6 +86,25 @@ def test_the_call_after_precompile_neither_traces_nor_compiles(models, compiles,
   np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(fresh.num_tokens))
 
 
+def test_precompile_of_a_plain_adaptive_decode_compiles_generate(models, compiles):
+  """Where the drafter plans plain steps `decode` runs `generate`'s program: precompile compiles
+  that one, and the call then neither traces nor compiles."""
+  from specjax.drafters.adaptive.drafter import AdaptiveDrafter
+  target, draft = models
+  plain = AdaptiveDrafter(sj.ModelDrafter(draft), 2, (1.0, 1.4, 1.5), (0.5, 0.5), plain=True)
+  common = dict(lengths=LENGTHS, sampling=sj.Sampling(temperature=0.8), max_new_tokens=9)
+  before = dict(TRACE_COUNTS)
+  compiled = sj.precompile(sj.decode, target, plain, TOKENS, jax.random.key(0), **common)
+  assert isinstance(compiled, jax.stages.Compiled)
+  assert TRACE_COUNTS["generate"] == before["generate"] + 1
+  assert TRACE_COUNTS["decode"] == before["decode"]
+  out = sj.decode(target, plain, TOKENS, jax.random.key(0), **common)
+  assert TRACE_COUNTS["generate"] == before["generate"] + 1
+  assert len(_of(compiles, "_generate")) == 1 and not _of(compiles, "_decode")
+  ref = sj.generate(target, TOKENS, jax.random.key(0), **common)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+
+
 def test_precompile_checks_the_arguments_first(models, compiles):
   """Bad input is the call's own clear error, raised before anything is traced or compiled."""
   target, draft = models

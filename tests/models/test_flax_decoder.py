@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 
 import specjax as sj
+from specjax.loop import KVCache
 from specjax.models.adapter import CacheSpec, LinenModel, NNXModel, from_linen, from_nnx
 from specjax.models.flax_decoder import DecoderConfig, LinenDecoder, NNXDecoder
 
@@ -54,7 +55,7 @@ def _models():
   spec = CacheSpec.from_config(config)
   nnx_model = from_nnx(NNXDecoder(config, rngs=nnx.Rngs(0)), spec)
   module = LinenDecoder(config)
-  cache = sj.KVCache.create(config.num_layers, 1, 4, config.num_heads, config.head_dim)
+  cache = KVCache.create(config.num_layers, 1, 4, config.num_heads, config.head_dim)
   params = module.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1,), jnp.int32),
                        cache)
   return {"nnx": (nnx_model, nnx.split(NNXDecoder(config, rngs=nnx.Rngs(0)))[1]),
@@ -115,7 +116,7 @@ def _template(kind, seed, *, finite_past_max_len=True):
   if kind == "unclipped":
     return from_nnx(UnclippedNNXDecoder(FULL, rngs=nnx.Rngs(seed)), spec)
   module = LinenDecoder(FULL)
-  cache = sj.KVCache.create(FULL.num_layers, 1, 4, FULL.num_heads, FULL.head_dim)
+  cache = KVCache.create(FULL.num_layers, 1, 4, FULL.num_heads, FULL.head_dim)
   params = module.init(jax.random.key(seed), jnp.zeros((1, 4), jnp.int32),
                        jnp.zeros((1,), jnp.int32), cache)
   return from_linen(module, params, spec)

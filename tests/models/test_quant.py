@@ -26,6 +26,9 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.io import load, save
+from specjax.models import dequantize_model, QuantizedWeight
+from specjax.pretrained import PAIRS
 from specjax.models.cpu import kernel as cpu_gemv
 from specjax.models import quant, transformer
 from specjax.testing.models import random_quantized, tiny_config
@@ -123,11 +126,11 @@ def test_layouts_agree_and_stay_near_the_float_model(target, bits):
   zeros = jnp.zeros(2, jnp.int32)
   stacked = sj.quantize(target, bits)
   cpu = sj.quantize(target.for_platform("cpu"), bits)
-  assert isinstance(stacked.params["embed"], sj.QuantizedWeight)
+  assert isinstance(stacked.params["embed"], QuantizedWeight)
   if target.config.tie_embeddings:
     assert "lm_head" not in cpu.params  # one (quantized) copy of the tied table
   else:
-    assert isinstance(cpu.params["lm_head"], sj.QuantizedWeight)
+    assert isinstance(cpu.params["lm_head"], QuantizedWeight)
   assert not any(name.endswith("_halves") for name in cpu.params["layers"][0])
   a = forward(stacked, tokens, zeros).logits
   b = forward(cpu, tokens, zeros).logits
@@ -138,7 +141,7 @@ def test_layouts_agree_and_stay_near_the_float_model(target, bits):
   error = float(jnp.abs(a - exact).max()) / float(jnp.abs(exact).max())
   assert error < (0.05 if bits == 8 else 0.5)  # int4 of random normal weights is coarse
   # the dequantized float model computes the same weights with float activations
-  dense = forward(sj.dequantize_model(stacked), tokens, zeros).logits
+  dense = forward(dequantize_model(stacked), tokens, zeros).logits
   assert float(jnp.abs(dense - a).max()) < 0.05 * float(jnp.abs(exact).max())
 
 
@@ -146,8 +149,8 @@ def test_orbax_round_trip(target, tmp_path):
   untied = sj.init_params(tiny_config(vocab_size=96, tie_embeddings=False), jax.random.key(5))
   for i, model in enumerate((sj.quantize(target, 4), sj.quantize(untied.for_platform("cpu"), 8),
                              sj.quantize(target, 8, 32, embeddings=False))):
-    sj.save(model, tmp_path / str(i))
-    restored = sj.load(tmp_path / str(i))
+    save(model, tmp_path / str(i))
+    restored = load(tmp_path / str(i))
     ref = model.stacked()
     assert jax.tree.structure(restored) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
@@ -327,7 +330,7 @@ def test_bad_weights_and_models_raise(target):
 def test_an_unknown_pair_name_lists_the_known_ones():
   with pytest.raises(ValueError, match="unknown pair 'nope'; known: smollm2-int8"):
     sj.load_pair("nope")
-  assert {"smollm2-int8", "smollm2-head", "qwen2.5-coder"} <= set(sj.PAIRS)
+  assert {"smollm2-int8", "smollm2-head", "qwen2.5-coder"} <= set(PAIRS)
 
 
 @pytest.mark.costly

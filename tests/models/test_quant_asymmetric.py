@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.io import load, save
 from specjax.io.orbax import CONFIG_FILE
 from specjax.models import quant, transformer
 from specjax.models.cpu import kernel as cpu_gemv
@@ -174,20 +175,20 @@ def test_orbax_round_trip_and_an_earlier_checkpoint(target, tmp_path):
   untied = sj.init_params(tiny_config(vocab_size=96, tie_embeddings=False), jax.random.key(5))
   for i, model in enumerate((_copy(target), _copy(untied.for_platform("cpu")),
                              sj.quantize(target, 4, 32, asymmetric=True))):
-    sj.save(model, tmp_path / str(i))
-    restored, ref = sj.load(tmp_path / str(i)), model.stacked()
+    save(model, tmp_path / str(i))
+    restored, ref = load(tmp_path / str(i)), model.stacked()
     assert jax.tree.structure(restored) == jax.tree.structure(ref)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
       assert a.dtype == b.dtype
       np.testing.assert_array_equal(a, b)
   # A checkpoint written before `asymmetric` and `embed_bits` were recorded: symmetric, one width.
-  sj.save(sj.quantize(target, 8, 32), tmp_path / "old")
+  save(sj.quantize(target, 8, 32), tmp_path / "old")
   config = tmp_path / "old" / CONFIG_FILE
   record = json.loads(config.read_text())
   for key in ("asymmetric", "embed_bits"):
     del record["quantization"][key]
   config.write_text(json.dumps(record))
-  restored = sj.load(tmp_path / "old")
+  restored = load(tmp_path / "old")
   assert quant.quantization_of(restored)["embed_bits"] == 8
   assert not quant.quantization_of(restored)["asymmetric"]
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import with_draft_vocab
 from specjax.models import quant
 from specjax.testing.models import tiny_config
 
@@ -246,7 +247,7 @@ def test_a_self_drafter_over_a_draft_vocabulary_builds_inside_jit(policy, untied
   assert differences((inside.model.params, inside.draft_ids, inside.context_head),
                      (outside.model.params, outside.draft_ids, outside.context_head)) == []
   # and a float drafter restricted inside jit (`with_draft_vocab`: the float rows, transposed)
-  restrict = lambda m: sj.with_draft_vocab(sj.ModelDrafter(m), vocab, context=context)
+  restrict = lambda m: with_draft_vocab(sj.ModelDrafter(m), vocab, context=context)
   assert differences(jax.jit(restrict)(model).model.params, restrict(model).model.params) == []
 
 

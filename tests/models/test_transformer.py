@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import KVCache
+from specjax.models import RopeScaling
 from specjax.models import gemma_style, transformer
 from specjax.testing.models import tiny_config
 
@@ -20,7 +22,7 @@ CONFIGS = {
                                           qk_norm=True, num_kv_heads=1),
     "gemma2": gemma_style(tiny_config(vocab_size=97), sliding_window=5),
     "llama31_rope": tiny_config(vocab_size=97, rope_theta=500_000.0,
-                                rope_scaling=sj.RopeScaling(factor=8.0,
+                                rope_scaling=RopeScaling(factor=8.0,
                                                             original_max_position_embeddings=16)),
 }
 
@@ -140,7 +142,7 @@ def test_stale_slots_past_length_are_never_read():
   model = _model("llama")
   tokens = _tokens(1, 6, model.vocab_size, seed=6)
   cache = model.init_cache(1, 12)
-  poisoned = sj.KVCache(cache.k.at[:, :, :, 6:].set(1e4), cache.v.at[:, :, :, 6:].set(-1e4),
+  poisoned = KVCache(cache.k.at[:, :, :, 6:].set(1e4), cache.v.at[:, :, :, 6:].set(-1e4),
                         cache.lengths)
   a = forward(model, tokens, jnp.zeros(1, jnp.int32), cache).logits
   b = forward(model, tokens, jnp.zeros(1, jnp.int32), poisoned).logits
@@ -160,7 +162,7 @@ def test_sliding_window_limits_attention():
 
 
 def test_cache_room_and_write_bounds():
-  cache = sj.KVCache.create(2, 3, 10, 1, 4)
+  cache = KVCache.create(2, 3, 10, 1, 4)
   cache = cache.with_lengths(jnp.array([0, 4, 10]))
   np.testing.assert_array_equal(cache.room(), [10, 6, 0])
 

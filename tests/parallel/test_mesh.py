@@ -19,6 +19,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import specjax as sj
+from specjax.io import load, save
+from specjax.loop import row_seeds
+from specjax.parallel import ShardingRules
 from specjax import parallel as sh
 from specjax.verify import sharded as parallel_verify
 from specjax.loop.decode import _decode, decode
@@ -73,7 +76,7 @@ def single_device(models, prompts):
 # --------------------------------------------------------------------------------------------
 
 def test_rules_fallback_rule():
-  rules = sj.ShardingRules()
+  rules = ShardingRules()
   mesh_shape = {"data": 2, "model": 4}
   # fsdp is not in the mesh: batch uses data only, embed is replicated.
   assert rules.spec(("batch", "embed"), (8, 32), mesh_shape) == P("data", None)
@@ -101,7 +104,7 @@ def test_logical_axes_by_name():
   assert sh.logical_axes("model/embed_tokens/embedding", 2) == ("vocab", "embed")
   assert sh.logical_axes("model/layers_0/input_layernorm/scale", 1) == (None,)
   assert sh.logical_axes("something/else", 2) == (None, None)
-  rules = sj.ShardingRules(param_axes=(("my_proj", ("embed", "mlp")),))
+  rules = ShardingRules(param_axes=(("my_proj", ("embed", "mlp")),))
   assert sh.logical_axes("block/my_proj/kernel", 2, rules) == ("embed", "mlp")
 
 
@@ -180,7 +183,7 @@ def test_compiled_generate_holds_a_sharded_cache(models, prompts):
   mesh = sj.make_mesh((2, 4))
   with sh.use_mesh(mesh):
     compiled = _generate.lower(sj.shard(target, mesh), jnp.asarray(tokens), jnp.asarray(lengths),
-                               jax.random.key(0), jnp.int32(4), jnp.int32(-1), sampling=Sampling(),
+                               jax.random.key(0), jnp.int32(-1), jnp.int32(4), sampling=Sampling(),
                                capacity=64, pad_id=0).compile()
   text = compiled.as_text()
   assert "f32[2,4,1,70,8]" in text  # S = 6 prompt + 64 capacity
@@ -224,13 +227,13 @@ def test_generate_with_sharded_params_and_no_mesh_context(models, prompts, singl
 
 
 def test_fsdp_mesh_restoring_a_checkpoint_into_it(models, prompts, single_device, tmp_path):
-  """sj.load(path, sharding=mesh) lays weights out by these rules; on a (data, fsdp, model) mesh
+  """load(path, sharding=mesh) lays weights out by these rules; on a (data, fsdp, model) mesh
   the embedding dimension of the weights is split over fsdp as well."""
   target, _ = models
   tokens, lengths = prompts
   mesh = sj.make_mesh((2, 2, 2), ("data", "fsdp", "model"))
-  sj.save(target, tmp_path / "target")
-  restored = sj.load(tmp_path / "target", sharding=mesh)
+  save(target, tmp_path / "target")
+  restored = load(tmp_path / "target", sharding=mesh)
   assert restored.params["layers"]["wq"].sharding.spec == P(None, "fsdp", "model")
   assert sh.per_device_bytes(restored.params) == _param_bytes_per_device(TARGET_CONFIG, 4)
   with sh.use_mesh(mesh):
@@ -421,7 +424,7 @@ def test_rules_are_part_of_the_compiled_program_key(models, prompts):
   tokens, lengths = prompts
   mesh = sj.make_mesh((2, 4))
   target = sj.shard(target, mesh)
-  replicated_rows = sj.ShardingRules(batch=None)
+  replicated_rows = ShardingRules(batch=None)
   with sh.use_mesh(mesh):
     first = sj.generate(target, tokens, jax.random.key(2), lengths=lengths, max_new_tokens=4)
   with sh.use_mesh(mesh, replicated_rows):
@@ -467,7 +470,7 @@ def _verify_inputs(seed: int, batch: int = 8, k: int = 4, vocab: int = 128):
   draft = target[:, :k] + 0.5 * jax.random.normal(keys[1], (batch, k, vocab))
   draft_tokens = jax.random.categorical(keys[2], draft).astype(jnp.int32)
   positions = 3 * jnp.arange(batch, dtype=jnp.int32) + 5
-  return target, draft, draft_tokens, sj.row_seeds(jax.random.key(seed), batch), positions
+  return target, draft, draft_tokens, row_seeds(jax.random.key(seed), batch), positions
 
 
 @pytest.mark.parametrize("sampling", VERIFY_SAMPLINGS, ids=str)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.io import load_tokenizer
 from specjax.testing.models import tiny_config
 from specjax.core.sampling import GREEDY, Sampling
 from specjax.training import self_prompts
@@ -23,7 +24,7 @@ def pair(chatml_tokenizer_dir):
   """A tiny random target and a byte-level BPE tokenizer with a ChatML template."""
   directory = chatml_tokenizer_dir(
       TEMPLATE, "Translate this text. Summarize the article, step by step.")
-  tokenizer = sj.load_tokenizer(directory)
+  tokenizer = load_tokenizer(directory)
   config = tiny_config(vocab_size=tokenizer.vocab_size, pad_id=tokenizer.pad_id,
                        eos_id=tokenizer.eos_id, max_len=1024)
   target = sj.init_params(config, jax.random.key(0))

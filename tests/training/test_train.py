@@ -7,7 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 from specjax.training import corpus
-from specjax import train as T
+from specjax.training.evaluate import evaluate
+from specjax.training.loop import train
+from specjax.training.losses import tv_distance
+from specjax.training.state import TrainConfig, init_state, state_model
 from specjax.testing.models import tiny_config
 from specjax.models.transformer import Model
 
@@ -27,17 +30,17 @@ def _stream(length=4000, vocab=64, seed=0):
 def _config(**overrides):
   base = dict(steps=40, batch_size=8, seq_len=SEQ_LEN, learning_rate=1e-2, warmup_steps=5)
   base.update(overrides)
-  return T.TrainConfig(**base)
+  return TrainConfig(**base)
 
 
 def test_lm_loss_goes_down():
   stream = _stream()
   model_config = tiny_config()
   windows = corpus.eval_windows(stream, SEQ_LEN, 16)
-  before = T.evaluate(Model(T.init_state(model_config, _config())["params"], model_config),
+  before = evaluate(Model(init_state(model_config, _config())["params"], model_config),
                       windows)["loss"]
-  state = T.train(model_config, _config(), stream, progress=False)
-  after = T.evaluate(T.state_model(state, model_config), windows)["loss"]
+  state = train(model_config, _config(), stream, progress=False)
+  after = evaluate(state_model(state, model_config), windows)["loss"]
   assert int(state["step"]) == 40
   assert after < before - 0.4, (before, after)
 
@@ -48,11 +51,11 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   stream = _stream()
   model_config = tiny_config()
   config = _config(steps=10)
-  straight = T.train(model_config, config, stream, progress=False)
-  partial = T.train(model_config, config, stream, checkpoint_dir=tmp_path, stop_at=5,
+  straight = train(model_config, config, stream, progress=False)
+  partial = train(model_config, config, stream, checkpoint_dir=tmp_path, stop_at=5,
                     progress=False)
   assert int(partial["step"]) == 5
-  resumed = T.train(model_config, config, stream, checkpoint_dir=tmp_path, progress=False)
+  resumed = train(model_config, config, stream, checkpoint_dir=tmp_path, progress=False)
   assert int(resumed["step"]) == 10
   for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -74,8 +77,8 @@ def test_batch_order_depends_only_on_step():
 @pytest.fixture(scope="module")
 def tiny_target():
   target_config = tiny_config(embed_dim=48)
-  target_state = T.train(target_config, _config(steps=30), _stream(), progress=False)
-  return T.state_model(target_state, target_config)
+  target_state = train(target_config, _config(steps=30), _stream(), progress=False)
+  return state_model(target_state, target_config)
 
 
 @pytest.mark.parametrize("loss,on_policy", [("tv", 0.0), ("fkl", 0.25)])
@@ -86,10 +89,10 @@ def test_distillation_moves_draft_to_target(loss, on_policy, tiny_target):
   draft_config = tiny_config(num_layers=1, embed_dim=16, mlp_dim=32)
   config = _config(task="distill", steps=30, seed=1, distill_loss=loss, on_policy=on_policy,
                    on_policy_prefix=4)
-  fresh = Model(T.init_state(draft_config, config)["params"], draft_config)
-  before = T.evaluate(fresh, windows, target=target)
-  state = T.train(draft_config, config, stream, target=target, progress=False)
-  after = T.evaluate(T.state_model(state, draft_config), windows, target=target)
+  fresh = Model(init_state(draft_config, config)["params"], draft_config)
+  before = evaluate(fresh, windows, target=target)
+  state = train(draft_config, config, stream, target=target, progress=False)
+  after = evaluate(state_model(state, draft_config), windows, target=target)
   assert after["tv"] < before["tv"] - 0.1, (before, after)
   assert after["greedy_agreement"] > before["greedy_agreement"] + 0.1, (before, after)
 
@@ -98,8 +101,8 @@ def test_tv_distance_is_one_minus_overlap():
   p = jnp.log(jnp.array([0.5, 0.3, 0.2]))
   q = jnp.log(jnp.array([0.2, 0.3, 0.5]))
   # min = 0.2 + 0.3 + 0.2 = 0.7, so TV = 0.3.
-  np.testing.assert_allclose(T.tv_distance(p, q), 0.3, atol=1e-6)
-  np.testing.assert_allclose(T.tv_distance(p, p), 0.0, atol=1e-6)
+  np.testing.assert_allclose(tv_distance(p, q), 0.3, atol=1e-6)
+  np.testing.assert_allclose(tv_distance(p, p), 0.0, atol=1e-6)
 
 
 def test_corpus_split_is_deterministic_and_disjoint_by_module(tmp_path):

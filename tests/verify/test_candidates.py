@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.loop import row_seeds
 from jax.sharding import PartitionSpec as P
 from specjax.core.sampling import VerifyResult, warp_logits
 from specjax.verify import candidates, sharded
@@ -42,7 +43,7 @@ def _case(vocab, seed=0, batch=8, k=5, with_draft=True):
   noise = jnp.asarray(rng.gumbel(size=(batch, k, vocab)), jnp.float32)
   tokens = jnp.argmax(warp_logits(draft, SETTINGS[0]) + noise, axis=-1).astype(jnp.int32)
   return dict(target_logits=target, draft_logits=draft if with_draft else None,
-              draft_tokens=tokens, seeds=sj.row_seeds(jax.random.key(seed), batch),
+              draft_tokens=tokens, seeds=row_seeds(jax.random.key(seed), batch),
               positions=jnp.asarray(rng.integers(0, 50, size=batch), jnp.int32),
               num_drafted=jnp.asarray(rng.integers(0, k + 1, size=batch), jnp.int32))
 
@@ -146,7 +147,7 @@ def _long_tail_case(seed=11, batch=64, k=2, vocab=16000, head=40):
   draft = jnp.asarray(logits[:, k + 1:], jnp.float32)
   tokens = jnp.argmax(draft + jnp.asarray(rng.gumbel(size=draft.shape), jnp.float32), axis=-1)
   return dict(target_logits=target, draft_logits=draft, draft_tokens=tokens.astype(jnp.int32),
-              seeds=sj.row_seeds(jax.random.key(seed), batch),
+              seeds=row_seeds(jax.random.key(seed), batch),
               positions=jnp.asarray(rng.integers(0, 50, size=batch), jnp.int32),
               num_drafted=jnp.full((batch,), k, jnp.int32))
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import specjax as sj
@@ -29,6 +30,7 @@ from specjax.core import sampling as S
 from specjax.verify.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes,
                                     fused_verify, fused_verify_gpu, fused_verify_reference,
                                     local_verify)
+from specjax.verify.kernels.common import tile_argmax
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -114,6 +116,23 @@ class TestFusedVerify:
     got = self._verify(case, S.GREEDY)
     np.testing.assert_array_equal(got.tokens, [[3, 1, 4]])
     np.testing.assert_array_equal(got.num_accepted, [2])
+
+  def test_greedy_nan_is_the_maximum_across_tiles(self):
+    # V = 300 in tiles of 128, k = 2. A NaN is the maximum and the first NaN wins, as in
+    # jnp.argmax (the reference's `first_argmax`). Position 0: 50 at id 10 (tile 0), NaN at 200
+    # (tile 1): argmax 200 = draft 200 -> accept. Position 1: NaNs at 260 (tile 2) and 5 (tile 0):
+    # argmax 5 != draft 7 -> reject, the correction is 5. Position 2 is never reached.
+    target = np.zeros((1, 3, 300), np.float32)
+    target[0, 0, 10] = 50.0
+    target[0, 0, 200] = np.nan
+    target[0, 1, [5, 260]] = np.nan
+    case = dict(target_logits=jnp.asarray(target), draft_logits=None,
+                draft_tokens=jnp.array([[200, 7]]), positions=jnp.array([4]),
+                seeds=S.row_seeds(SEED_KEY, 1))
+    got = self._verify(case, S.GREEDY, BlockSizes(128))
+    np.testing.assert_array_equal(got.num_accepted, [1])
+    np.testing.assert_array_equal(got.tokens, [[200, 5, 0]])
+    self._check(case, S.GREEDY, BlockSizes(128))
 
   def test_top_k_one_is_greedy_for_any_seed(self):
     # top_k = 1 keeps only the argmax, so p is a point mass: a draft equal to it has
@@ -328,6 +347,31 @@ class TestFusedVerifyGpuCompiled(TestFusedVerifyGpuInterpret):
 
 def _next_power_of_two(x: int) -> int:
   return 1 << (x - 1).bit_length()
+
+
+def test_tile_argmax_takes_a_nan_as_the_maximum():
+  """`tile_argmax` inside a Pallas kernel (interpret mode) gives `jnp.argmax`'s answer and the max:
+  a NaN is the maximum and the first NaN wins; ties give the first id; an all -inf row its 0."""
+  x = np.random.default_rng(11).normal(size=(8, 256)).astype(np.float32)
+  x[1, [70, 20]] = np.nan  # the first NaN: 20
+  x[2, 5], x[2, 100] = np.nan, 1e30  # a NaN beats a larger number: 5
+  x[3] = -np.inf  # 0
+  x[4, [200, 9]] = 1e3  # a tie: 9
+  x[5, 255] = np.nan  # the last lane: 255
+
+  def kernel(x_ref, best_ref, token_ref):
+    ids = jax.lax.broadcasted_iota(jnp.int32, x_ref.shape, 1)
+    best, token = tile_argmax(x_ref[...], ids)
+    best_ref[...] = jnp.broadcast_to(best, best_ref.shape)
+    token_ref[...] = jnp.broadcast_to(token, token_ref.shape)
+
+  best, token = pl.pallas_call(
+      kernel, out_shape=(jax.ShapeDtypeStruct((8, 128), jnp.float32),
+                         jax.ShapeDtypeStruct((8, 128), jnp.int32)), interpret=True)(
+                             jnp.asarray(x))
+  np.testing.assert_array_equal(token[:, 0], jnp.argmax(jnp.asarray(x), axis=1))
+  want = np.where(np.isnan(x).any(axis=1), np.nan, np.max(np.where(np.isnan(x), -np.inf, x), 1))
+  np.testing.assert_array_equal(best[:, 0], want)  # NaN where the row has one
 
 
 def test_gpu_block_sizes_are_powers_of_two():

@@ -22,6 +22,7 @@ import pytest
 from scipy import stats
 
 import specjax as sj
+from specjax.loop import row_seeds
 from specjax.verify.rule import verify_reference
 from specjax.core.sampling import PURPOSE_ACCEPT, uniform
 from specjax.testing.rules import rule_without_residual
@@ -29,7 +30,7 @@ from specjax.testing.rules import rule_without_residual
 N = 50_000
 ALPHA = 1e-3
 POWER_ALPHA = 1e-6
-SEEDS = sj.row_seeds(jax.random.key(2024), N)  # [N] one stream per row
+SEEDS = row_seeds(jax.random.key(2024), N)  # [N] one stream per row
 P_LOGITS = np.log(np.array([0.30, 0.25, 0.20, 0.15, 0.07, 0.03]))
 Q_LOGITS = np.log(np.array([0.05, 0.10, 0.40, 0.30, 0.05, 0.10]))
 BONUS_LOGITS = np.log(np.array([0.05, 0.05, 0.10, 0.20, 0.30, 0.30]))  # p one past the drafts

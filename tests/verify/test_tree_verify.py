@@ -12,6 +12,7 @@ variants (one random stream shared by all nodes; `s` or the residual not renorma
 the same equality check. The default selection keeps a handful of cases; `-m slow` runs the grid.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -181,6 +182,31 @@ def test_greedy_hand_worked(mode):
   got = tree_rule.verify_tree(hand_logits([2, 5, 0, 1, 4]), HAND_TREE, **kwargs)
   np.testing.assert_array_equal(got.tokens, [[2, 5, 1, 4]])
   np.testing.assert_array_equal(got.num_accepted, [3])
+
+
+# HAND_TREE's shape with tokens in three tiles of 128 (V = 300).
+NAN_TREE = dataclasses.replace(HAND_TREE, tokens=jnp.array([[130, 4, 260, 1]], jnp.int32))
+
+
+@pytest.mark.parametrize("mode", ["interpret", "gpu_interpret"])
+def test_greedy_nan_is_the_maximum_across_tiles(mode):
+  # A NaN is the maximum and the first NaN wins, as in the reference's `first_argmax`. Root: 50 at
+  # id 4 (tile 0, node 1's token), NaN at 130 (tile 1): argmax 130 = node 0's token, accept. Node
+  # 0: 40 at id 0, NaNs at 260 and 270 (tile 2): argmax 260 = node 2's token, accept. Node 2:
+  # NaNs at 7 and 9: argmax 7 != node 3's token 1, stop. path [0, 2], tokens [130, 260, 7, 0].
+  logits = np.zeros((1, 5, 300), np.float32)
+  logits[0, 0, 4], logits[0, 0, 130] = 50.0, np.nan
+  logits[0, 1, 0], logits[0, 1, [260, 270]] = 40.0, np.nan
+  logits[0, 3, [9, 7]] = np.nan
+  kwargs = dict(rule="match", sampling=Sampling(), seeds=jnp.zeros(1, jnp.uint32),
+                positions=jnp.array([7]), max_depth=3)
+  got = tree_rule.verify_tree(jnp.asarray(logits), NAN_TREE, impl=kernel_impl(mode, 128, 1),
+                              **kwargs)
+  np.testing.assert_array_equal(got.num_accepted, [2])
+  np.testing.assert_array_equal(got.path, [[0, 2, 0]])
+  np.testing.assert_array_equal(got.tokens, [[130, 260, 7, 0]])
+  assert_same(got, tree_rule.verify_tree(jnp.asarray(logits), NAN_TREE, impl="reference",
+                                         **kwargs))
 
 
 @pytest.mark.parametrize("rule", [pytest.param("iid", marks=pytest.mark.slow),

@@ -1,4 +1,4 @@
-"""Measured costs and acceptance profiles: what `specjax.auto_num_draft` and
+"""Measured costs and acceptance profiles: what `specjax.drafters.adaptive.auto_num_draft` and
 `specjax.adaptive_drafter` read.
 
 A **cost table** is measured once per backend (`specjax.tuning.calibrate.measure_costs`, or `specjax
@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from specjax.core.sampling import Sampling
+from specjax.drafters import as_drafter
 
 __all__ = ["AcceptanceProfile", "AdaptivePlan", "AutoChoice", "Calibration", "CostTable",
            "PROFILE_FILE", "adaptive_plan", "adaptive_widths", "auto_num_draft", "choose_num_draft",
@@ -298,7 +299,7 @@ def auto_num_draft(drafter, calibration) -> AutoChoice:
   `choose_num_draft` for this drafter: its `max_draft` (e.g. a Medusa drafter's heads) bounds `k`,
   and a confidence stop (`confidence=`) makes narrower verify widths worth compiling. Usage:
 
-      choice = specjax.auto_num_draft(drafter, calibration="DIR")
+      choice = specjax.drafters.adaptive.auto_num_draft(drafter, calibration="DIR")
       specjax.decode(target, drafter, ..., num_draft=choice.num_draft,
                      verify_widths=choice.widths)
 
@@ -310,10 +311,10 @@ def auto_num_draft(drafter, calibration) -> AutoChoice:
   Raises:
     ValueError: no calibration, a missing file, or one that covers no `k >= 1`.
   """
+  drafter = as_drafter(drafter)
   measured = resolve_calibration(calibration)
-  return choose_num_draft(measured.costs, measured.profile,
-                          max_draft=getattr(drafter, "max_draft", None),
-                          confidence_stop=getattr(drafter, "confidence", None) is not None)
+  return choose_num_draft(measured.costs, measured.profile, max_draft=drafter.max_draft,
+                          confidence_stop=drafter.confidence is not None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -443,5 +444,5 @@ def resolve_calibration(calibration) -> Calibration:
                      "written by `specjax calibrate --out DIR` (there is no unmeasured default)")
   if isinstance(calibration, (str, pathlib.Path)):
     return load_calibration(calibration)
-  raise ValueError(f"calibration must be a directory or a specjax.Calibration, got "
-                   f"{type(calibration).__name__}")
+  raise ValueError(f"calibration must be a directory or a "
+                   f"specjax.drafters.adaptive.Calibration, got {type(calibration).__name__}")

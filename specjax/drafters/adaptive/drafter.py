@@ -1,12 +1,12 @@
 """Per-row adaptive draft length: `specjax.decode(target, adaptive_drafter(drafter, DIR),
 ...)`.
 
-`specjax.auto_num_draft` picks one `k` for every prompt before compiling, from an acceptance
-profile averaged over many prompts. But acceptance differs by an order of magnitude between
-prompts (a head that writes code well may rarely guess a translation), so the `k` that is best on
-average is too long for some rows and too short for others. `AdaptiveDrafter` wraps a drafter
-(`adaptive_drafter` builds one from a calibration) and, at the start of every round, gives each
-row its own limit `k_b` in `0 .. K`: the one that maximises expected tokens per millisecond,
+`specjax.drafters.adaptive.auto_num_draft` picks one `k` for every prompt before compiling, from
+an acceptance profile averaged over many prompts. But acceptance differs by an order of magnitude
+between prompts (a head that writes code well may rarely guess a translation), so the `k` that is
+best on average is too long for some rows and too short for others. `AdaptiveDrafter` wraps a
+drafter (`adaptive_drafter` builds one from a calibration) and, at the start of every round, gives
+each row its own limit `k_b` in `0 .. K`: the one that maximises expected tokens per millisecond,
 
     E[tokens | k] / round_ms[k],   E[tokens | k] = 1 + sum_{j <= k} prod_{i <= j} alpha_{b,i},
 
@@ -256,12 +256,16 @@ class AdaptiveDrafter(DrafterWrapper):
   @property
   def skips(self) -> bool:
     """Whether rounds in which no row drafts skip the drafter (it catches up later)."""
-    return bool(getattr(self.drafter, "catches_up", False)) and not self.copies
+    return bool(self.drafter.catches_up) and not self.copies
 
   @property
   def copies(self) -> bool:
     """Whether the wrapped drafter copies where the text repeats (a `HybridDrafter`)."""
     return isinstance(self.drafter, HybridDrafter)
+
+  def forwards_in_round(self, state: AdaptiveState, num_draft: int) -> jax.Array:
+    """`[B]`: the wrapped drafter's forwards, none in a round that skipped it."""
+    return jnp.where(state.skipped, 0, self.drafter.forwards_per_round(num_draft))
 
   def confidence_shift(self, state: AdaptiveState) -> jax.Array:
     """`[B]` the log-odds of the row's acceptance rate over its tested slots minus the mean
@@ -441,8 +445,7 @@ def adaptive_drafter(drafter, calibration, *, max_draft: int | None = None,
   """
   drafter = as_drafter(drafter)
   measured = costs.resolve_calibration(calibration)
-  bounds = [check_count(b, "max_draft") for b in (max_draft, getattr(drafter, "max_draft", None))
-            if b is not None]
+  bounds = [check_count(b, "max_draft") for b in (max_draft, drafter.max_draft) if b is not None]
   plan = costs.adaptive_plan(measured.costs, measured.profile,
                              max_draft=min(bounds) if bounds else None)
   return AdaptiveDrafter(drafter, plan.max_draft, plan.round_ms, plan.prior,

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.core.cache import KVCache
+from specjax.drafters.base import Drafter
 from specjax.drafters.draft_vocab import draft_tokens, take_rows
 from specjax.drafters.model import draft_chain
 from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
@@ -65,7 +66,7 @@ class EagleState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class EagleDrafter:
+class EagleDrafter(Drafter):
   """An EAGLE-3 head (taps) or an MTP head (final hidden state) as a `Drafter`.
 
   Attributes:

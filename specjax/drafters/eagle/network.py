@@ -71,7 +71,7 @@ class HeadConfig:
       (stored output, first draft) and the placeholders follow it (True: specjax's own heads,
       up to `P + 2` drafts a round, later drafts conditioned on the first), or every slot is a
       placeholder, right after the last verified pair (False: vLLM's P-EAGLE layout, which
-      `specjax.load_eagle3` imports; up to `P + 1` drafts, none conditioned on another).
+      `specjax.drafters.load_eagle3` imports; up to `P + 1` drafts, none conditioned on another).
   """
 
   embed_dim: int
@@ -179,7 +179,7 @@ class EagleHead(_DraftVocabHead):
   config: HeadConfig = dataclasses.field(metadata=dict(static=True))
 
   def init_cache(self, batch: int, max_len: int | None = None, dtype=None) -> KVCache:
-    """An empty one-layer cache (`specjax.KVCache`, one layer, the target cache's layout)."""
+    """An empty one-layer cache (`specjax.loop.KVCache`, one layer, the target cache's layout)."""
     c = self.config
     return KVCache.create(1, batch, max_len or c.max_len, c.num_kv_heads, c.head_dim,
                           dtype or self.params["fc"].dtype)

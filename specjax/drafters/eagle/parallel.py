@@ -7,8 +7,8 @@ A head with `HeadConfig.parallel = P > 0` carries two `[P, E]` parameters, `para
 `parallel_embed[j - 1]` in place of a token's embedding and `parallel_feature[j - 1]` in place of
 a feature, so every draft of a round comes out of one forward, before any of the drafts it
 follows exist. A head in vLLM's P-EAGLE layout (`HeadConfig.parallel_reads_first=False`, imported
-by `specjax.load_eagle3`) has no first-draft slot: its slot `j >= 0` reads placeholder `j`, every
-row the embedding of its `ptd_token_id` and its projected `mask_hidden`.
+by `specjax.drafters.load_eagle3`) has no first-draft slot: its slot `j >= 0` reads placeholder
+`j`, every row the embedding of its `ptd_token_id` and its projected `mask_hidden`.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.base import Drafter
 from specjax.drafters.draft_vocab import draft_tokens, take_rows
 from specjax.drafters.proposal import (Proposal, check_confidence, proposed_count,
                                        top_probability)
@@ -31,7 +32,7 @@ class MedusaState:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
   """Medusa heads as a `Drafter`: all `k` drafts from one forward over the target's final
   hidden state. `num_draft` may not exceed the number of heads.
 

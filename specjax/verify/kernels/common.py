@@ -111,10 +111,26 @@ def schedule_for(sampling: Sampling, vocab: int) -> Schedule:
 
 
 def tile_argmax(scores, vocab_ids):
-  """Per row: (max [..., 1], first vocab id attaining it [..., 1]) of a tile."""
-  best = jnp.max(scores, axis=-1, keepdims=True)
-  token = jnp.min(jnp.where(scores == best, vocab_ids, _INT32_MAX), axis=-1, keepdims=True)
-  return best, token
+  """Per row: (max [..., 1], first vocab id attaining it [..., 1]) of a tile.
+
+  A NaN counts as the maximum, as in `jnp.argmax` (`specjax.core.sampling.first_argmax`): a row
+  holding one gives NaN and the id of its first NaN. The NaN is found with `x != x`, not left to
+  the max reduction, whose NaN handling differs between XLA:CPU (interpret mode), Mosaic and
+  Triton. Tiles combine with `replaces`.
+  """
+  is_nan = scores != scores
+  has_nan = jnp.max(is_nan.astype(jnp.int32), axis=-1, keepdims=True) > 0
+  best = jnp.max(jnp.where(is_nan, _NEG_INF, scores), axis=-1, keepdims=True)
+  hit = (is_nan & has_nan) | ((scores == best) & ~has_nan)
+  token = jnp.min(jnp.where(hit, vocab_ids, _INT32_MAX), axis=-1, keepdims=True)
+  return jnp.where(has_nan, jnp.nan, best), token
+
+
+def replaces(tile_best, best):
+  """Whether a later tile's maximum `tile_best` (`tile_argmax`) takes over the running `best` of
+  the tiles before it: it is larger, or NaN where `best` is not. Ties keep the earlier tile's
+  token, so the first maximum (the first NaN) wins, as in `jnp.argmax`."""
+  return (tile_best > best) | ((tile_best != tile_best) & (best == best))
 
 
 def select_row(values, n):

@@ -56,7 +56,8 @@ from specjax.verify.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM
                                            vmem_budget_for, vmem_limit_for)
 from specjax.verify.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms,
                                            check_verify_args, drafted_tokens, leading_ones,
-                                           schedule_for, select_row, tile_argmax)
+                                           replaces, schedule_for, select_row,
+                                           tile_argmax)
 from specjax.verify.rule import verify_reference
 from specjax.core.sampling import Sampling, VerifyResult
 
@@ -273,10 +274,10 @@ def _chunk_body(draft_column_ref, uniform_column_ref, row_columns_ref, target_re
       x = load(ref)
       old_max = _column(stats["max"])
       tile_max, tile_token = tile_argmax(x, vocab_ids)
-      new_max = jnp.maximum(old_max, tile_max)
+      later = replaces(tile_max, old_max)
+      new_max = jnp.where(later, tile_max, old_max)
       if schedule.greedy:
-        _set_column(stats["argmax"], jnp.where(tile_max > old_max,
-                                               tile_token, _column(stats["argmax"])))
+        _set_column(stats["argmax"], jnp.where(later, tile_token, _column(stats["argmax"])))
       else:
         # Online log-sum-exp; the where()s keep all -inf prefixes from producing NaN.
         rescale = jnp.where(old_max == new_max, 1.0, jnp.exp(old_max - new_max))
@@ -442,9 +443,9 @@ def _chunk_body(draft_column_ref, uniform_column_ref, row_columns_ref, target_re
       scores = jnp.where(weights > 0, jnp.log(weights), _NEG_INF) + noise
       tile_best, tile_token = tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
       old_best = _column(race[best_key])
-      _set_column(race[token_key], jnp.where(tile_best > old_best, tile_token,
-                                             _column(race[token_key])))
-      _set_column(race[best_key], jnp.maximum(old_best, tile_best))
+      later = replaces(tile_best, old_best)
+      _set_column(race[token_key], jnp.where(later, tile_token, _column(race[token_key])))
+      _set_column(race[best_key], jnp.where(later, tile_best, old_best))
     tile_has_mass = jnp.max((residual > 0).astype(jnp.int32), axis=-1, keepdims=True)
     _set_column(race["has_mass"], jnp.maximum(_column(race["has_mass"]), tile_has_mass))
 

@@ -38,7 +38,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from specjax.core import sampling as sampling_lib
 from specjax.verify.kernels.common import (Schedule, accept_uniforms, check_verify_args,
-                                           drafted_tokens, schedule_for, select_row, tile_argmax)
+                                           drafted_tokens, replaces, schedule_for, select_row,
+                                           tile_argmax)
 from specjax.core.sampling import Sampling, VerifyResult
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
@@ -201,9 +202,10 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
     for (ref, valid_rows), (max_, sum_, draft_logit, argmax) in zip(sets, carry):
       x, vocab_ids = load(ref, valid_rows, tile)
       tile_max, tile_token = tile_argmax(x, vocab_ids)
-      new_max = jnp.maximum(max_, tile_max)
+      later = replaces(tile_max, max_)
+      new_max = jnp.where(later, tile_max, max_)
       if schedule.greedy:
-        argmax = jnp.where(tile_max > max_, tile_token, argmax)
+        argmax = jnp.where(later, tile_token, argmax)
       else:  # online log-sum-exp; the where()s keep all -inf prefixes from producing NaN
         rescale = jnp.where(max_ == new_max, 1.0, jnp.exp(max_ - new_max))
         terms = jnp.where(x == _NEG_INF, 0.0, jnp.exp(x - new_max))
@@ -284,7 +286,8 @@ def _fused_verify_gpu_kernel(draft_column_ref, uniform_column_ref, row_columns_r
                                  (p, fallback_best, fallback_token)):
       scores = jnp.where(weights > 0, jnp.log(weights), _NEG_INF) + noise
       tile_best, tile_token = tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
-      out += [jnp.maximum(best, tile_best), jnp.where(tile_best > best, tile_token, token)]
+      later = replaces(tile_best, best)
+      out += [jnp.where(later, tile_best, best), jnp.where(later, tile_token, token)]
     has_mass = jnp.maximum(has_mass, jnp.max((residual > 0).astype(jnp.int32), axis=-1,
                                              keepdims=True))
     return (*out, has_mass)

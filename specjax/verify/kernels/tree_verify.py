@@ -47,7 +47,7 @@ from specjax.verify.kernels.blocks import (CHUNK_TEMPORARIES, DEFAULT_MAX_BLOCK_
                                            INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
                                            SUBLANES, BlockSizes, Chunk, compile_device_kind,
                                            over_chunks, vmem_budget_for, vmem_limit_for)
-from specjax.verify.kernels.common import tile_argmax
+from specjax.verify.kernels.common import replaces, tile_argmax
 from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
                                                 log_weights, node_results, replay, sibling_sums,
                                                 tree_kernel_setup)
@@ -263,10 +263,10 @@ def _chunk_body(columns_ref, child_tokens_ref, uniforms_ref, out_ref, row_sets, 
         x = load(ref)
         old_max = column(stats["max"])
         tile_max, tile_token = tile_argmax(x, vocab_ids)
-        new_max = jnp.maximum(old_max, tile_max)
+        later = replaces(tile_max, old_max)
+        new_max = jnp.where(later, tile_max, old_max)
         if "argmax" in stats:
-          set_column(stats["argmax"], jnp.where(tile_max > old_max, tile_token,
-                                                 column(stats["argmax"])))
+          set_column(stats["argmax"], jnp.where(later, tile_token, column(stats["argmax"])))
         if schedule.sampled:  # online log-sum-exp; the where()s keep -inf prefixes from NaN
           rescale = jnp.where(old_max == new_max, 1.0, jnp.exp(old_max - new_max))
           terms = jnp.where(x == _NEG_INF, 0.0, jnp.exp(x - new_max))
@@ -310,9 +310,9 @@ def _chunk_body(columns_ref, child_tokens_ref, uniforms_ref, out_ref, row_sets, 
   def race_step(scores, best_key, token_key):
     tile_best, tile_token = tile_argmax(jnp.where(in_vocab, scores, _NEG_INF), vocab_ids)
     old_best = column(race[best_key])
-    set_column(race[token_key], jnp.where(tile_best > old_best, tile_token,
-                                           column(race[token_key])))
-    set_column(race[best_key], jnp.maximum(old_best, tile_best))
+    later = replaces(tile_best, old_best)
+    set_column(race[token_key], jnp.where(later, tile_token, column(race[token_key])))
+    set_column(race[best_key], jnp.where(later, tile_best, old_best))
 
   def init_race():
     for name in race_names:

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax.trees import structure as trees
-from specjax.verify.kernels.common import tile_argmax
+from specjax.verify.kernels.common import replaces, tile_argmax
 from specjax.verify.kernels.fused_verify_gpu import GpuBlockSizes, threshold_floors
 from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
                                                 log_weights, node_results, replay, sibling_sums,
@@ -125,8 +125,9 @@ def _tree_verify_gpu_kernel(columns_ref, target_ref, *refs, sampling: Sampling,
     for ref, (max_, sum_, argmax) in zip(sets, carry):
       x, vocab_ids = load(ref, tile)
       tile_max, tile_token = tile_argmax(x, vocab_ids)
-      new_max = jnp.maximum(max_, tile_max)
-      argmax = jnp.where(tile_max > max_, tile_token, argmax)
+      later = replaces(tile_max, max_)
+      new_max = jnp.where(later, tile_max, max_)
+      argmax = jnp.where(later, tile_token, argmax)
       if schedule.sampled:  # online log-sum-exp; the where()s keep -inf prefixes from NaN
         rescale = jnp.where(max_ == new_max, 1.0, jnp.exp(max_ - new_max))
         terms = jnp.where(x == _NEG_INF, 0.0, jnp.exp(x - new_max))
@@ -154,7 +155,8 @@ def _tree_verify_gpu_kernel(columns_ref, target_ref, *refs, sampling: Sampling,
 
   def race(scores, vocab_ids, best, token):
     tile_best, tile_token = tile_argmax(jnp.where(vocab_ids < vocab, scores, _NEG_INF), vocab_ids)
-    return jnp.maximum(best, tile_best), jnp.where(tile_best > best, tile_token, token)
+    later = replaces(tile_best, best)
+    return jnp.where(later, tile_best, best), jnp.where(later, tile_token, token)
 
   if not schedule.sampled:  # ---- "match": y_n = argmax(warped p_n + G_n), every node at once.
     def match_step(tile, carry):

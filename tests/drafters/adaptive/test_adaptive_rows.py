@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters import MedusaDrafter
 from specjax.drafters.adaptive import costs
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter, CostAwareStop
 from specjax.drafters.proposal import stopped_count
@@ -343,7 +344,7 @@ def test_token_stop_greedy_equals_generate(target, ragged, kind):
                               target.params["embed"])
   else:
     config = medusa.MedusaConfig(target.config.embed_dim, 4, 32, VOCAB)
-    drafter = sj.MedusaDrafter(medusa.init_medusa(config, target, ids))
+    drafter = MedusaDrafter(medusa.init_medusa(config, target, ids))
   summary = _greedy_equals_generate(target, drafter, tokens, lengths, CHEAP)
   # The stop cut rounds at different lengths: some drafts were made, not all K = 4 every round.
   assert 0 < summary["drafted"] < 4 * summary["rounds"]
@@ -430,12 +431,9 @@ def test_bad_plans_raise(kwargs, message):
     AdaptiveDrafter(sj.NGramDrafter(), **args)
 
 
-def test_adaptive_needs_a_calibration(target, ragged):
-  tokens, lengths = ragged
+def test_adaptive_needs_a_calibration():
   with pytest.raises(ValueError, match="calibrat"):
     sj.adaptive_drafter(sj.NGramDrafter(), calibration=None)
-  with pytest.raises(ValueError, match=r"replaced by specjax\.adaptive_drafter"):
-    sj.decode(target, sj.NGramDrafter(), tokens, jax.random.key(0), num_draft="adaptive")
   with pytest.raises(ValueError, match="already adaptive"):
     AdaptiveDrafter(AdaptiveDrafter(sj.NGramDrafter(), 1, (1.0, 2.0), (0.5,)), 1, (1.0, 2.0),
                     (0.5,))

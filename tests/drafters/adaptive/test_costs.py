@@ -1,21 +1,20 @@
-"""Cost tables, acceptance profiles and `sj.auto_num_draft` (what `num_draft="auto"` was).
+"""Cost tables, acceptance profiles and `auto_num_draft`.
 
 * `measure_costs` on a tiny model, saved as `cost_table_<backend>.json` and loaded back.
 * `AcceptanceProfile.from_counts` and `expected_tokens` against hand-worked numbers.
 * `choose_num_draft` picks the `k` that maximises `E[tokens | k] / (verify(k+1) + k * draft)` for
   a hand-written table and profile; the expected value is computed here independently, from the
   distribution of the number of accepted drafts.
-* `sj.auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
+* `auto_num_draft(drafter, calibration=DIR)` gives that `k`, bounded by the drafter's
   `max_draft` and with narrower widths for a confidence stop, and `sj.decode` runs with it (greedy
   still equals `sj.generate`); without the files, or without a calibration, it raises a
-  ValueError that names `specjax calibrate`; `num_draft="auto"` and `calibration=` given to
-  `decode` raise a ValueError that names `sj.auto_num_draft`, before compiling.
+  ValueError that names `specjax calibrate`, before compiling.
 * `specjax calibrate` end to end on the shipped toy pair (slow).
 """
 
+import dataclasses
 import json
 import pathlib
-import types
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
+from specjax.drafters.adaptive import auto_num_draft
 from specjax.tuning import calibrate
 from specjax.cli import main as cli
 from specjax.drafters.adaptive import costs
@@ -181,13 +181,27 @@ def test_decode_auto_runs_the_chosen_k(tiny, tmp_path):
   _profile(ALPHA).save(tmp_path)
   tokens = jnp.array([[3, 1, 4, 1, 5], [9, 2, 6, 0, 0]], jnp.int32)
   lengths = jnp.array([5, 3], jnp.int32)
-  choice = sj.auto_num_draft(draft, calibration=tmp_path)
+  choice = auto_num_draft(draft, calibration=tmp_path)
   assert (choice.num_draft, choice.widths) == (3, (4,))  # as worked out above; no stop: k + 1
   out = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12,
                   num_draft=choice.num_draft, verify_widths=choice.widths)
   assert out.stats.accepted_per_position.shape == (2, 3)  # k = 3
   ref = sj.generate(target, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=12)
   np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bounded(sj.NGramDrafter):
+  """A drafter that drafts at most 2 tokens a round (as a Medusa drafter with 2 heads)."""
+
+  max_draft = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _Stopping(sj.NGramDrafter):
+  """A drafter with a confidence stop."""
+
+  confidence = 0.5
 
 
 def test_auto_num_draft_reads_the_drafter(tmp_path):
@@ -197,37 +211,31 @@ def test_auto_num_draft_reads_the_drafter(tmp_path):
   table.save(tmp_path)
   profile.save(tmp_path)
   measured = costs.Calibration(table, profile)
-  plain = sj.auto_num_draft(sj.NGramDrafter(), calibration=measured)
+  plain = auto_num_draft(sj.NGramDrafter(), calibration=measured)
   assert plain == costs.choose_num_draft(table, profile)
-  assert sj.auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
-  bounded = types.SimpleNamespace(max_draft=2, confidence=None)
-  assert sj.auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
+  assert auto_num_draft(sj.NGramDrafter(), calibration=tmp_path) == plain
+  bounded = _Bounded()
+  assert auto_num_draft(bounded, measured) == costs.choose_num_draft(table, profile,
                                                                         max_draft=2)
-  assert sj.auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
-  stopping = types.SimpleNamespace(confidence=0.5)
-  choice = sj.auto_num_draft(stopping, measured)
+  assert auto_num_draft(bounded, measured).num_draft == 2 < plain.num_draft
+  stopping = _Stopping()
+  choice = auto_num_draft(stopping, measured)
   assert choice == costs.choose_num_draft(table, profile, confidence_stop=True)
   assert choice.widths == costs.choose_widths(table, choice.num_draft) != plain.widths
 
 
 def test_missing_calibration_raises_before_compiling(tiny, tmp_path):
-  target, draft = tiny
-  tokens = jnp.array([[3, 1, 4]], jnp.int32)
+  _, draft = tiny
   before = TRACE_COUNTS["decode"]
   with pytest.raises(ValueError, match="needs a calibration"):
-    sj.auto_num_draft(draft, calibration=None)
+    auto_num_draft(draft, calibration=None)
   with pytest.raises(ValueError, match=r"cost_table_\w+\.json, acceptance_profile\.json not "
                      r"found.*specjax calibrate --out"):
-    sj.auto_num_draft(draft, calibration=tmp_path)
+    auto_num_draft(draft, calibration=tmp_path)
   _profile(ALPHA).save(tmp_path)
   _table(VERIFY_MS, backend="some-other-backend").save(tmp_path)  # not this backend's
   with pytest.raises(ValueError, match=f"cost_table_{jax.default_backend()}.json not found"):
-    sj.auto_num_draft(draft, calibration=tmp_path)
-  with pytest.raises(ValueError, match=r"num_draft='auto' was replaced by "
-                     r"specjax\.auto_num_draft\(drafter, calibration=DIR\)"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft="auto")
-  with pytest.raises(ValueError, match="calibration= was removed"):
-    sj.decode(target, draft, tokens, jax.random.key(0), num_draft=3, calibration=tmp_path)
+    auto_num_draft(draft, calibration=tmp_path)
   assert TRACE_COUNTS["decode"] == before
 
 
@@ -254,7 +262,7 @@ def test_calibrate_command_on_the_toy_pair(tmp_path, capsys):
                      "import os\n"])
   assert status == 0
   printed = capsys.readouterr().out
-  assert "specjax.auto_num_draft picks k =" in printed
+  assert "specjax.drafters.adaptive.auto_num_draft picks k =" in printed
   calibration = costs.load_calibration(tmp_path)
   assert len(calibration.costs.verify_ms) == 4 and len(calibration.profile.alpha) == 3
   assert calibration.profile.rounds > 0
