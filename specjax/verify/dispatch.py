@@ -19,8 +19,8 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-from specjax.verify import kernels, tree_rule, tree_sharded
-from specjax.verify.kernels.dispatch import VERIFY_IMPLS
+from specjax.verify import tree_rule, tree_sharded
+from specjax.verify.local import VERIFY_IMPLS, local_verify, local_vocab_ops
 from specjax.verify import sharded as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
 from specjax.verify.rule import verify_reference
@@ -80,13 +80,13 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
     local = verify_reference
   else:
     def local(target_logits, draft_logits, draft_tokens, **kwargs):
-      return kernels.local_verify(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
+      return local_verify(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
   if mesh is None:
     return local(target_logits, draft_logits, draft_tokens, **kwargs)
   return parallel_verify.sharded_verify(
       target_logits, draft_logits, draft_tokens, mesh=mesh,
       rules=active_rules() if rules is None else rules, local_rule=local,
-      vocab_ops=kernels.local_vocab_ops(impl), **kwargs)
+      vocab_ops=local_vocab_ops(impl), **kwargs)
 
 
 def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, sampling: Sampling,

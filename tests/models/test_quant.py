@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models import quant, transformer
 from specjax.testing.models import random_quantized, tiny_config
 

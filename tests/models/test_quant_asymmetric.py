@@ -27,7 +27,7 @@ import pytest
 import specjax as sj
 from specjax.io.orbax import CONFIG_FILE
 from specjax.models import quant, transformer
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.testing.models import tiny_config
 
 from tests.exactness.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue,
