@@ -23,7 +23,7 @@ from specjax.verify import tree_rule, tree_sharded
 from specjax.verify.local import VERIFY_IMPLS, local_verify, local_vocab_ops
 from specjax.verify import sharded as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
-from specjax.verify.rule import verify_reference
+from specjax.verify.rule import check_shapes, verify_reference
 from specjax.core.sampling import Sampling, VerifyResult
 from specjax.trees.structure import Tree, TreeSpec
 
@@ -68,8 +68,13 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`, the same tokens whichever `impl` runs.
+
+  Raises:
+    ValueError: an unknown `impl`, or arguments whose shapes disagree
+      (`specjax.verify.rule.check_shapes`), before anything is traced under a mesh.
   """
   check_verify_impl(impl)
+  check_shapes(target_logits, draft_logits, draft_tokens, seeds, positions, num_drafted)
   kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
   if num_drafted is not None:
     kwargs["num_drafted"] = num_drafted

@@ -18,6 +18,7 @@ vocabulary size at small B and k, and the exports; `-m slow` adds every shape in
 import functools
 import zlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -92,8 +93,7 @@ class TestFusedVerify:
     # The reference jitted (eagerly its sort and scans run op by op); the same function.
     want = jax.jit(lambda c: verify_reference(**c, sampling=sampling))(case)
     got = self._verify(case, sampling, block_sizes)
-    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
+    chex.assert_trees_all_equal(got, want)
     return want
 
   # ---- hand-worked cases -------------------------------------------------------------------
