@@ -73,6 +73,31 @@ def test_the_package_check_sees_a_missing_package(tmp_path, monkeypatch):
     test_pyproject_lists_every_package_folder()
 
 
+def test_the_checkout_kernels_folder_does_not_shadow_the_kernels_distribution():
+  """From the checkout's root (first on sys.path, as under pytest or `python -m benchmarks`), the
+  top-level name `kernels` is the installed distribution (Hugging Face's kernel hub, which
+  transformers imports), not this folder; without one it is an ImportError, not this folder."""
+  code = ("import importlib.metadata, json\n"
+          "try:\n"
+          "  import kernels\n"
+          "  found = kernels.__file__\n"
+          "except ImportError as error:\n"
+          "  found = 'ImportError: ' + str(error)\n"
+          "try:\n"
+          "  installed = importlib.metadata.version('kernels')\n"
+          "except importlib.metadata.PackageNotFoundError:\n"
+          "  installed = None\n"
+          "print(json.dumps([found, installed]))\n")
+  done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+  assert done.returncode == 0, done.stderr[-3000:]
+  found, installed = json.loads(done.stdout.strip().splitlines()[-1])
+  if installed is None:
+    assert found.startswith("ImportError: ") and "is specjax.kernels" in found, found
+  else:
+    assert not pathlib.Path(found).resolve().is_relative_to(ROOT / "kernels"), found
+
+
 def build_wheel(tmp_path: pathlib.Path) -> pathlib.Path:
   """Builds the wheel from a fresh copy of the build inputs (an in-tree build reuses `build/`,
   where a file the package data no longer names would linger and reach the wheel)."""
