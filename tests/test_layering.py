@@ -12,7 +12,8 @@ package of the checkout is checked for module cycles too.
 `LAYERS` stacks specjax's folders from the ground floor (`core`) to the front end (`cli`): a
 module imports only from its own folder and the folders below it. The stack is the architecture:
 draft (`drafters`) -> verify (`verify`) -> accept and advance (`loop`), on top of the models and
-their checkpoints.
+their checkpoints. The kernels (the checkout's `kernels/`, installed as `specjax.kernels`) stand
+below the algorithm that calls them: they import only `core` and `trees`.
 """
 
 import ast
@@ -29,13 +30,15 @@ LAYERS = (
     ("core", ("specjax.core",)),  # sampling, KV cache, outputs, validation, token buffers
     ("trees", ("specjax.trees",)),  # tree shapes and builders
     ("parallel", ("specjax.parallel",)),  # meshes and sharding rules
-    ("verify", ("specjax.verify",)),  # the exact rule, chain and tree, its kernels and sharding
-    ("models", ("specjax.models",)),  # the decoder, quantized leaves, the CPU layout and kernels
+    ("kernels", ("specjax.kernels",)),  # Pallas TPU / GPU and C++ CPU kernels (kernels/)
+    ("verify", ("specjax.verify",)),  # the exact rule, chain and tree, its dispatch and sharding
+    ("models", ("specjax.models",)),  # the decoder, quantized leaves, the CPU layout
     ("io", ("specjax.io",)),  # GGUF, Hugging Face, Orbax, tokenizers
     ("drafters", ("specjax.drafters",)),  # what proposes: models, heads, lookup, trees, adaptive
     ("loop", ("specjax.loop",)),  # state, round (draft -> verify -> advance), decode, stream
     ("exactness", ("specjax.exactness",)),  # sj.audit
-    ("pretrained", ("specjax.pretrained",)),  # shipped checkpoints and pairs
+    ("checkpoints", ("specjax.checkpoints",)),  # package data: the shipped checkpoints (checkpoints/)
+    ("pretrained", ("specjax.pretrained",)),  # the pairs built from them
     ("training", ("specjax.training",)),  # optax training of drafts and heads
     ("tuning", ("specjax.tuning",)),  # calibration for adaptive length
     ("testing", ("specjax.testing",)),  # shared test harness and small models
@@ -55,7 +58,9 @@ def _modules(*trees: tuple[pathlib.Path, str]) -> dict[str, pathlib.Path]:
   return found
 
 
-MODULES = _modules((ROOT / "specjax", "specjax"))
+# specjax's modules, with the folders pyproject.toml maps into it (`package-dir`).
+MODULES = _modules((ROOT / "specjax", "specjax"), (ROOT / "kernels", "specjax.kernels"),
+                   (ROOT / "checkpoints", "specjax.checkpoints"))
 BENCHMARKS = _modules((ROOT / "benchmarks", "benchmarks"))
 
 

@@ -13,7 +13,7 @@ Measures, in one process and alternating between the variants so that load chang
     (`lax.scan`), per-layer weights with seven projections per layer ("unstacked_unfused"), and
     the CPU layout (`model.for_platform("cpu")`: per-layer weights with fused q/k/v and gate/up
     projections, `w_down` stored `[E, F]`, an `[E, V]` copy of the tied output projection, and
-    one-row products through the hand-written kernel `specjax.models.cpu.kernel` where it builds),
+    one-row products through the hand-written kernel `specjax.kernels.cpu.kernel` where it builds),
     reported as "unstacked", and the same layout with XLA's dot instead ("unstacked_xla_dot");
   * `transformers` greedy generate on the same weights (torch on CPU, same thread count), the
     same difference method;
@@ -155,7 +155,7 @@ def step_breakdown(model, reps, context=128):
   starts = jnp.full((1,), context, jnp.int32)
 
   q_dim, f = c.num_heads * c.head_dim, c.mlp_dim
-  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.kernels.cpu import kernel as cpu_gemv
 
   def matmuls(layers, x, kernel):  # the CPU layout's four per layer (step copies, one row)
     from specjax.models.cpu import layout as cpu_layout
@@ -212,7 +212,7 @@ def weight_bytes(model) -> int:
 
 def _tied_head(x, embed):
   """A tied model's output product as the forward runs it: panels or the row-major kernel."""
-  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.kernels.cpu import kernel as cpu_gemv
   from specjax.models.cpu import panels as panel_layout
   return embed.matmul(x) if panel_layout.is_panels(embed) else cpu_gemv.matvec(x, embed)
 
@@ -237,7 +237,7 @@ def main():
 
   stacked = load_model(args).stacked()
   unstacked = stacked.for_platform("cpu")  # the CPU layout: per-layer fused weights, [E, V] copy
-  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.kernels.cpu import kernel as cpu_gemv
   record["cpu_kernel"] = {"available": cpu_gemv.available(), "status": cpu_gemv.status()[1],
                           "used": unstacked.cpu_kernel}
   xla_dot = dataclasses.replace(unstacked, cpu_kernel=False)  # same layout, XLA's dot for steps

@@ -39,19 +39,24 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import timing
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SUFFIX = "_base"
+FORMER_SOURCE_DIR = "specjax/models/cpu"  # where the sources were before kernels/cpu/
 
 
 def base_sources(revision: str, directory: pathlib.Path) -> pathlib.Path:
-  """Writes the kernel's sources and headers as they are at `revision` into `directory`."""
+  """Writes the kernel's sources and headers as they are at `revision` into `directory` (from
+  `kernels/cpu/`, or from their former folder at a revision older than it)."""
   for path in kernel.SOURCES + kernel.HEADERS:
     relative = path.resolve().relative_to(REPO)
-    done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{relative}"],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
+    for where in (relative, pathlib.PurePosixPath(FORMER_SOURCE_DIR, path.name)):
+      done = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{where}"],
+                            capture_output=True, text=True)
+      if done.returncode == 0:
+        break
+    else:
       raise ValueError(f"git cannot show {relative} at {revision!r}: {done.stderr.strip()}")
     (directory / path.name).write_text(done.stdout)
   return directory

@@ -34,7 +34,7 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.experiments import kernel_ab
 from specjax.models.cpu import host_memory
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
 

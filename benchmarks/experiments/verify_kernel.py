@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import sampling as S
-from specjax.verify.kernels import fused_verify, fused_verify_gpu
+from specjax.kernels import fused_verify, fused_verify_gpu
 
 RESULTS = pathlib.Path(__file__).resolve().parents[1] / "results"
 VOCABS = (32768, 131072, 262144)
@@ -183,7 +183,7 @@ PASS_KINDS = (None, "TPU v4", "TPU v5 lite", "TPU v5p", "TPU v6 lite")
 def count_passes(vocab=128256, num_draft=4, itemsize=4) -> dict:
   """Passes over the vocabulary and HBM bytes per batch row per round, for the importable
   `specjax` (TPU kernel: per device kind's default blocks; GPU kernel: every pass streams)."""
-  tpu = importlib.import_module("specjax.verify.kernels.fused_verify")  # the checkout being counted
+  tpu = importlib.import_module("specjax.kernels.fused_verify")  # the checkout being counted
   logits_bytes = (2 * num_draft + 1) * vocab * itemsize  # target k+1 rows and draft k rows
   table = {}
   for name, setting in PASS_SETTINGS.items():
@@ -219,7 +219,7 @@ def run_passes(args):
     # The other checkout's `specjax` and `kernels` directories as bare packages (no __init__
     # runs, so nothing of this checkout's editable install is mixed in).
     code = ("import json, sys, types\n"
-            "for name, path in (('specjax', %r), ('specjax.verify.kernels', %r)):\n"
+            "for name, path in (('specjax', %r), ('specjax.kernels', %r)):\n"
             "  module = types.ModuleType(name); module.__path__ = [path]; sys.modules[name] = module\n"
             "sys.path.insert(0, %r)\n"
             "import verify_kernel\n"

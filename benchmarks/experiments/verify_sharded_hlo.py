@@ -9,7 +9,7 @@ and counts in the exported StableHLO, per verify call:
 
   * collectives (`all_reduce`, `all_gather`, ...): each is one round trip over the mesh;
   * Mosaic kernels (`tpu_custom_call`): the fused verify kernel where the vocabulary is whole on
-    each device, else one `specjax.verify.kernels.vocab_reduce` reduction per statistic, each
+    each device, else one `specjax.kernels.vocab_reduce` reduction per statistic, each
     streaming the device's `[rows, V / shards]` slice of logits from HBM once;
   * `pad` ops on the logits (a vocabulary that does not divide the shards is padded: a copy).
 

@@ -26,7 +26,7 @@ def _run_demo(args):
     load_default = sj.load_default
   except AttributeError:
     raise CliError("no checkpoint shipped yet: the default target/draft pair is not in this "
-                   "build (see specjax/pretrained/README.md)") from None
+                   "build (see checkpoints/README.md)") from None
   del load_default
   from specjax.cli import demo
   return demo.run(args)

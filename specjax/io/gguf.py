@@ -346,7 +346,7 @@ def from_gguf(path: str | os.PathLike, dtype=np.float32, sharding=None,
 
   # The CPU layout, one layer at a time (see the docstring).
   from specjax.models.cpu import host_memory
-  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.kernels.cpu import kernel as cpu_gemv
   from specjax.models.cpu import layout as cpu_layout
   from specjax.models.cpu import panels as panel_layout
 

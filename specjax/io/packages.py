@@ -291,7 +291,7 @@ def assemble(chunks: Sequence[str | os.PathLike], out_path: str | os.PathLike, *
 def _cache_dir() -> pathlib.Path:
   """`$SPECJAX_CACHE_DIR`, else `$XDG_CACHE_HOME/specjax` (default `~/.cache/specjax`).
 
-  The same rule as `specjax.models.cpu.kernel._cache_dir` (copied: importing that module imports
+  The same rule as `specjax.kernels.cpu.kernel._cache_dir` (copied: importing that module imports
   JAX).
   """
   base = os.environ.get("SPECJAX_CACHE_DIR")

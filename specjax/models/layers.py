@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models import long_attention
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
 
 
@@ -58,7 +58,7 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
 def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False,
               causal_block: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
-  masking: the masks here, the math in `specjax.models.cpu.kernel.attention_reference` (one
+  masking: the masks here, the math in `specjax.kernels.cpu.kernel.attention_reference` (one
   softmax over all segments; only the small scores are concatenated, never the keys).
 
   A long block attending a cache (at least `long_attention.LONG_BLOCK` query rows, every `valid`
@@ -75,7 +75,7 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     window: scalar int, 0 for global attention.
     config: the model config.
     kernel: a cache and a block (two segments) of at most 8 query rows go through the CPU kernel
-      `specjax.models.cpu.kernel.attention` (same math up to float32 rounding; XLA:CPU spends tens
+      `specjax.kernels.cpu.kernel.attention` (same math up to float32 rounding; XLA:CPU spends tens
       of microseconds on each of the two small products), where it is usable.
     causal_block: the caller's promise that the last segment is the query block itself (its
       `k_pos` is `q_pos`, its `valid` None) and that every valid key of the earlier segments lies

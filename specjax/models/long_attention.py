@@ -1,5 +1,5 @@
 """Attention for a long block of queries (a prompt's prefill) that never holds its `[heads, T, S]`
-scores: the same math as `specjax.models.cpu.kernel.attention_reference`, computed a tile at a
+scores: the same math as `specjax.kernels.cpu.kernel.attention_reference`, computed a tile at a
 time.
 
 `specjax.models.layers.attention` sends a block of at least `LONG_BLOCK` query rows that attends

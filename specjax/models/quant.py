@@ -3,7 +3,7 @@
 A `QuantizedWeight` replaces one float matrix of a `specjax.Model`: symmetric integers per group of
 `group` input columns (int8, or int4 packed two to a byte) and one float32 scale per group,
 stored `[..., out, in]` so that each group is contiguous. It knows its own product
-(`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.models.cpu.kernel`) reads the
+(`QuantizedWeight.matmul`): on CPU the hand-written kernel (`specjax.kernels.cpu.kernel`) reads the
 integers at their narrow width, so a batch-1 step reads 1/4 (int8) or about 1/7 (int4) of the
 float32 bytes, and quantizes the rows of x per group too (integer dot products; where the kernel
 is not built, `cpu_gemv.quant_reference` does the same arithmetic in jnp); on TPU/GPU the product
@@ -30,7 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
 from specjax.models.cpu import panels
 

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.core.cache import KVBlock, KVCache, write_block, write_stacked_block
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
@@ -77,7 +77,7 @@ class Model:
       dicts (run by an unrolled loop; see `unstacked`). Both give the same numbers.
     config: the architecture; hashable, so it is part of the jit cache key.
     cpu_kernel: whether the CPU layout's products go through the hand-written kernel
-      `specjax.models.cpu.kernel` rather than XLA's dot (same products up to float32 summation
+      `specjax.kernels.cpu.kernel` rather than XLA's dot (same products up to float32 summation
       order): weights in panels (`specjax.models.cpu.panels`) at every block size, row-major ones
       in blocks of up to `cpu_layout.KERNEL_ROWS` rows. Static, so a model with and one without
       it compile apart; `with_fused_projections` turns it on where the kernel builds.
@@ -170,7 +170,7 @@ class Model:
     query/key/value projections fused into one matrix and gate/up into one, each kept once. Same
     math; `stacked()` and `without_fused_projections()` restore the canonical weights.
 
-    `cpu_kernel` (default: whether `specjax.models.cpu.kernel` builds on this machine) keeps the
+    `cpu_kernel` (default: whether `specjax.kernels.cpu.kernel` builds on this machine) keeps the
     projections, and a tied model's embedding (its output projection), in the kernel's panels
     (`specjax.models.cpu.panels`), read by the kernel at every block size; False keeps row-major
     `[out, in]` copies for XLA's dot. Weights in 2 MiB pages (`cpu_layout.fuse_params`)."""

@@ -6,12 +6,13 @@ drafting with its own 4-bit copy, which keeps the file's own blocks, and the tok
 model's chat template, read from the same GGUF file. No training, no checkpoint of its own.
 
 `load_pair("smollm2-head")` is the pair that `load_default()` returned before: the same target
-with its EAGLE-3 head (`eagle3_smollm2/` beside this module, trained with `specjax train head`) as
+with its EAGLE-3 head (`checkpoints/eagle3_smollm2/`, trained with `specjax train head`) as
 an `EagleDrafter` behind prompt lookup (`HybridDrafter`: rows whose last two tokens occurred
 earlier copy what followed; the head drafts the rest); `pair.draft.drafter` is the head alone
 (trees draft with it). It was the slowest configuration shipped on the real suite's prompts.
 
-The checkpoints are this package's data, so the pairs load from a source checkout, an editable
+The checkpoints are package data of `specjax.checkpoints` (the checkout's top-level `checkpoints/`,
+mapped into the package by pyproject.toml), so the pairs load from a source checkout, an editable
 install and a wheel alike. `README.md` beside them says how the head was trained. The earlier 7M
 toy pair (a target trained on the Python standard library and a distilled draft) stays under
 `toy/` as a test fixture of the checkout: `specjax.testing.models.load_toy()` loads it,
@@ -21,12 +22,14 @@ toy pair (a target trained on the Python standard library and a distilled draft)
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import pathlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+CHECKPOINTS_PACKAGE = "specjax.checkpoints"
 HEAD_DIR = "eagle3_smollm2"
 TOY_DIR = "toy"
 TARGET_DIR = "target"
@@ -63,11 +66,15 @@ class DefaultPair:
 
 
 def default_dir() -> pathlib.Path:
-  """Directory holding the shipped checkpoints: this package's own folder (package data)."""
-  path = pathlib.Path(__file__).resolve().parent
+  """Directory holding the shipped checkpoints: the package data of `specjax.checkpoints`."""
+  try:
+    path = pathlib.Path(str(importlib.resources.files(CHECKPOINTS_PACKAGE)))
+  except ModuleNotFoundError:
+    raise FileNotFoundError(f"no {CHECKPOINTS_PACKAGE} package: install specjax (pip install -e . "
+                            "in a checkout maps checkpoints/ into it)") from None
   if not ((path / HEAD_DIR).is_dir() or (path / TOY_DIR).is_dir()):
     raise FileNotFoundError(f"the default checkpoints are missing from {path}: this build of "
-                            "specjax was made without specjax/pretrained/'s package data")
+                            "specjax was made without checkpoints/' package data")
   return path
 
 

@@ -1,5 +1,5 @@
 """Small models for tests: `tiny_config` (a random-weight Llama-style config), `load_toy` (the
-7M toy pair shipped under `specjax/pretrained/toy`) and `random_quantized` (a quantized weight's
+7M toy pair shipped under `checkpoints/toy`) and `random_quantized` (a quantized weight's
 arrays)."""
 
 from __future__ import annotations
@@ -33,20 +33,20 @@ def random_quantized(rng: np.random.Generator, out: int, n: int, bits: int, grou
 
 
 def load_toy(dtype=jnp.float32) -> DefaultPair:
-  """The 7M toy pair of `specjax/pretrained/toy` (a target trained on the Python standard library, a
+  """The 7M toy pair of `checkpoints/toy` (a target trained on the Python standard library, a
   draft distilled from it, their byte-level BPE tokenizer): small and fast, for tests.
 
   A test fixture of the source checkout (and of editable installs of it): the wheel leaves it out.
 
   Raises:
-    FileNotFoundError: no `specjax/pretrained/toy` here (specjax installed from a wheel).
+    FileNotFoundError: no `checkpoints/toy` here (specjax installed from a wheel).
   """
   from specjax.io.orbax import load
   from specjax.io.tokenizer import load_tokenizer
   directory = default_dir() / TOY_DIR
   if not directory.is_dir():
     raise FileNotFoundError(f"the toy pair is a test fixture of the specjax source checkout "
-                            f"(specjax/pretrained/toy), not part of an installed wheel: no "
+                            f"(checkpoints/toy), not part of an installed wheel: no "
                             f"{directory}")
   return DefaultPair(target=load(directory / TARGET_DIR, dtype=dtype),
                      draft=load(directory / DRAFT_DIR, dtype=dtype),

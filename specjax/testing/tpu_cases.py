@@ -66,9 +66,9 @@ from specjax.models.transformer import Model
 from specjax.parallel.mesh import call_context
 from specjax.testing import tpu
 from specjax.trees.structure import Tree, TreeSpec
-from specjax.verify.kernels.dispatch import local_vocab_ops
-from specjax.verify.kernels.fused_verify import fused_verify
-from specjax.verify.kernels.tree_verify import tree_node_results
+from specjax.verify.local import local_vocab_ops
+from specjax.kernels.fused_verify import fused_verify
+from specjax.kernels.tree_verify import tree_node_results
 from specjax.verify.sharded import sharded_verify
 
 __all__ = ["CASES", "Case", "DRAFT_VOCAB", "NUM_DRAFT", "Program", "SAMPLING", "Setup", "TREES",

@@ -26,14 +26,14 @@ TASKS = {
 def add_arguments(parser) -> None:
   """Declares the arguments of `specjax train {tokenizer,lm,distill,evaluate,export}` (the task
   itself is the subcommand)."""
-  parser.add_argument("--tokenizer", default="specjax/pretrained/toy/tokenizer.json",
+  parser.add_argument("--tokenizer", default="checkpoints/toy/tokenizer.json",
                       help="tokenizer.json to read (or, for the tokenizer task, to write)")
   parser.add_argument("--vocab-size", type=int, default=8192)
   parser.add_argument("--model", default="target", help="architecture preset: target, draft, tiny")
   parser.add_argument("--run-dir", action="append",
                       help="train-state checkpoints; an existing run is resumed (evaluate: may be "
                       "repeated, one per draft)")
-  parser.add_argument("--out", default="specjax/pretrained/toy",
+  parser.add_argument("--out", default="checkpoints/toy",
                       help="export: destination directory")
   parser.add_argument("--eval-windows", type=int, default=64,
                       help="evaluate: held-out windows of --seq-len tokens for perplexity")

@@ -1,3 +1,4 @@
 """Verification: the exact accept/reject rule for chains (`rule`) and trees (`tree_rule`), its
-sharded form (`sharded`), the fused Pallas kernels that compute it (`kernels/`), and the one front
-door that picks among them (`dispatch`)."""
+sharded form (`sharded`), and the dispatch that picks a fused kernel (`specjax.kernels`, the
+checkout's `kernels/`) or the reference: on one device's rows (`local`) and the one mesh-aware
+front door (`dispatch`)."""

@@ -19,11 +19,11 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec
 
-from specjax.verify import kernels, tree_rule, tree_sharded
-from specjax.verify.kernels.dispatch import VERIFY_IMPLS
+from specjax.verify import tree_rule, tree_sharded
+from specjax.verify.local import VERIFY_IMPLS, local_verify, local_vocab_ops
 from specjax.verify import sharded as parallel_verify
 from specjax.parallel.rules import ShardingRules, active_rules
-from specjax.verify.rule import verify_reference
+from specjax.verify.rule import check_shapes, verify_reference
 from specjax.core.sampling import Sampling, VerifyResult
 from specjax.trees.structure import Tree, TreeSpec
 
@@ -68,8 +68,13 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
 
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`, the same tokens whichever `impl` runs.
+
+  Raises:
+    ValueError: an unknown `impl`, or arguments whose shapes disagree
+      (`specjax.verify.rule.check_shapes`), before anything is traced under a mesh.
   """
   check_verify_impl(impl)
+  check_shapes(target_logits, draft_logits, draft_tokens, seeds, positions, num_drafted)
   kwargs = dict(sampling=sampling, seeds=seeds, positions=positions)
   if num_drafted is not None:
     kwargs["num_drafted"] = num_drafted
@@ -80,13 +85,13 @@ def verify_tokens(target_logits: jax.Array, draft_logits: jax.Array | None,
     local = verify_reference
   else:
     def local(target_logits, draft_logits, draft_tokens, **kwargs):
-      return kernels.local_verify(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
+      return local_verify(target_logits, draft_logits, draft_tokens, impl=impl, **kwargs)
   if mesh is None:
     return local(target_logits, draft_logits, draft_tokens, **kwargs)
   return parallel_verify.sharded_verify(
       target_logits, draft_logits, draft_tokens, mesh=mesh,
       rules=active_rules() if rules is None else rules, local_rule=local,
-      vocab_ops=kernels.local_vocab_ops(impl), **kwargs)
+      vocab_ops=local_vocab_ops(impl), **kwargs)
 
 
 def verify_tree(target_logits: jax.Array, tree: Tree, *, spec: TreeSpec, sampling: Sampling,

@@ -20,8 +20,10 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
+import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.core.sampling import (PURPOSE_ACCEPT, PURPOSE_RESIDUAL, JnpReductions, Sampling,
                                    VerifyResult, first_argmax, gumbel, leading_true, uniform,
@@ -104,7 +106,11 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
   Returns:
     `VerifyResult(num_accepted [B], tokens [B, k + 1])`: `tokens[b, :n]` are the accepted drafts,
     `tokens[b, n]` the correction (or the bonus when `n == k`), zeros after.
+
+  Raises:
+    ValueError: the arguments' shapes disagree (`check_shapes`), raised while tracing.
   """
+  check_shapes(target_logits, draft_logits, draft_tokens, seeds, positions, num_drafted)
   draft_tokens, seeds, positions, num_drafted, drafted = row_inputs(draft_tokens, seeds,
                                                                     positions, num_drafted)
   k = draft_tokens.shape[1]
@@ -124,6 +130,29 @@ def verify_rule(ops: VocabOps, target_logits: jax.Array, draft_logits: jax.Array
     num_accepted = ratio_test(p_draft, q_draft, drafted, seeds, positions)
     final = _correction(ops, p, q, draft_tokens, num_accepted, num_drafted, seeds, positions)
   return verify_result(draft_tokens, num_accepted, final)
+
+
+def check_shapes(target_logits, draft_logits, draft_tokens, seeds, positions,
+                 num_drafted=None) -> None:
+  """Raises a ValueError naming the argument whose shape disagrees with `draft_tokens [B, k]`.
+
+  Static (chex's shape checks, at trace time: nothing is compiled first). Without it a
+  `target_logits` one position short would be indexed past its end, which jnp clamps silently.
+  """
+  chex.assert_rank(draft_tokens, 2, custom_message="draft_tokens must be [B, k]",
+                   exception_type=ValueError)
+  batch, k = draft_tokens.shape
+  expected = [("target_logits", target_logits, (batch, k + 1, None), "[B, k + 1, V]"),
+              ("seeds", seeds, (batch,), "[B]"), ("positions", positions, (batch,), "[B]")]
+  if draft_logits is not None:
+    expected.append(("draft_logits", draft_logits, (batch, k, np.shape(target_logits)[-1]),
+                     "[B, k, V]"))
+  if num_drafted is not None:
+    expected.append(("num_drafted", num_drafted, (batch,), "[B]"))
+  for name, x, shape, described in expected:
+    chex.assert_shape(x if hasattr(x, "shape") else np.asarray(x), shape,
+                      custom_message=f"{name} must be {described} with B, k = {batch}, {k} "
+                                     "(draft_tokens)", exception_type=ValueError)
 
 
 def row_inputs(draft_tokens, seeds, positions, num_drafted):

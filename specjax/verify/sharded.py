@@ -10,7 +10,7 @@ counts and race winners are reduced on the slice and combined with `pmax` / `psu
 `all_gather` of (maximum, id) pairs per argmax, so full-vocabulary logits are never gathered.
 Sampling with top-k runs `specjax.verify.candidates` (one collective round), sampling without
 top-k or top-p `specjax.verify.two_rounds` (two). The local reductions are jnp, or Pallas kernels
-(`specjax.verify.kernels.vocab_reduce`) on TPU. A vocabulary that does not divide the vocabulary
+(`specjax.kernels.vocab_reduce`) on TPU. A vocabulary that does not divide the vocabulary
 axes is padded with `-inf` logits.
 """
 

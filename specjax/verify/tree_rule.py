@@ -27,7 +27,7 @@ makes reuse of positions past the emitted ones in the next round exact: nothing 
 them.
 
 The vocabulary-sized work can also run fused over vocabulary tiles (`verify_tree(..., impl=)`,
-`specjax.verify.kernels.tree_verify`): what each rule decides at a node (`y_n`; the sibling loop and
+`specjax.kernels.tree_verify`): what each rule decides at a node (`y_n`; the sibling loop and
 the residual race) does not depend on the path that reaches it, so the kernel decides at every node
 at once, with the same streams and elementwise steps, and the walk over those `[B, N + 1]` decisions
 stays here (`_descend_match`, `_descend_sampled`): identical tokens.
@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.trees import structure as trees
-from specjax.verify.kernels.tree_verify import tree_node_results
-from specjax.verify.kernels.tree_verify_gpu import tree_node_results_gpu
+from specjax.kernels.tree_verify import tree_node_results
+from specjax.kernels.tree_verify_gpu import tree_node_results_gpu
 from specjax.core.sampling import Sampling, first_argmax, gumbel, uniform, warp_logits
 from specjax.trees.structure import Tree
 
@@ -108,7 +108,7 @@ def verify_tree(target_logits: jax.Array, tree: Tree, *, rule: str, sampling: Sa
     max_depth: static bound `D` on node depths (the output width).
     max_children: static bound on siblings (sampled rules); default `N`.
     impl: who does the vocabulary-sized work, with identical results: "reference" (this module's
-      jnp); "pallas" (the fused kernel `specjax.verify.kernels.tree_verify`: Mosaic on TPU, Triton
+      jnp); "pallas" (the fused kernel `specjax.kernels.tree_verify`: Mosaic on TPU, Triton
       on GPU, the Pallas interpreter on CPU); "auto" (the kernel on TPU and GPU, the reference on
       CPU). The choice follows the platform the computation is lowered for. As in
       `specjax.verify.dispatch`, "kernel" is "pallas" without a CPU branch (lowering it for CPU

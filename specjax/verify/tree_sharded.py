@@ -1,7 +1,7 @@
 """The exact tree verify with the vocabulary split over a mesh: per-node decisions from slices.
 
 `specjax.verify.tree_rule` decides, at every extended node `n` of a draft tree, something that does
-not depend on the path reaching `n` (`specjax.verify.kernels.tree_common.NodeResults`): the
+not depend on the path reaching `n` (`specjax.kernels.tree_common.NodeResults`): the
 target's sample `y_n` ("match"), or the sibling loop over `n`'s children and the residual race
 ("iid", "without_replacement"). Everything vocabulary-sized in those decisions is a reduction over
 the vocabulary (a threshold search, a normaliser, a mass, a Gumbel race), so it splits exactly:
@@ -47,9 +47,9 @@ from specjax.parallel.rules import DEFAULT_RULES, ShardingRules
 from specjax.trees import structure as trees
 from specjax.trees.structure import Tree
 from specjax.verify import tree_rule
-from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, children_draft_logits,
-                                                log_weights, node_inputs, node_noise,
-                                                node_results, replay, sampled_rule)
+from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, children_draft_logits,
+                                         log_weights, node_inputs, node_noise,
+                                         node_results, replay, sampled_rule)
 from specjax.verify.rule import LocalVocab
 from specjax.verify.sharded import ShardedVocab, mesh_layout, pad_vocab
 from specjax.verify.two_rounds import combine_argmax
@@ -259,7 +259,7 @@ def node_results_over(ops, target_logits: jax.Array, tree: Tree, *, rule: str,
 
   Returns:
     `NodeResults` `[B, N + 1]` each, the same on every slice and equal to the reference's
-    decisions (`specjax.verify.kernels.tree_common`): `token` ("match": `y_n`; sampled: the
+    decisions (`specjax.kernels.tree_common`): `token` ("match": `y_n`; sampled: the
     residual race), `p_token` (the race over `p_n`), `accepted` (the accepted child's node
     index, -1 if none).
   """

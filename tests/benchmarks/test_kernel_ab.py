@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from benchmarks.experiments import kernel_ab
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 
 pytestmark = [pytest.mark.costly,
               pytest.mark.skipif(not kernel.available(), reason="the CPU kernel is not built here")]

@@ -9,7 +9,7 @@ import pytest
 
 import specjax as sj
 from benchmarks.experiments import layout_ab
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 from specjax.models.cpu import panels
 from specjax.testing.models import tiny_config
 

@@ -69,7 +69,7 @@ from specjax.drafters.medusa import network as medusa
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.hybrid import HybridDrafter
-from specjax.verify.kernels.tree_common import NodeResults
+from specjax.kernels.tree_common import NodeResults
 from specjax.core.sampling import first_argmax, warp_logits
 from specjax.testing import harness, rules
 

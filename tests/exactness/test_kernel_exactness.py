@@ -4,7 +4,7 @@
 distribution (N = 20,000 rows, vocabulary 8, 3 new tokens, joint of 512 cells, significance 1e-3,
 seeded). Here the same decodes run with `verify_impl="interpret"`: every round's accept/reject
 decision and correction / bonus token come from the Pallas kernel in interpret mode
-(`specjax.verify.kernels.fused_verify`, `interpret=True`), for the draft-model and the n-gram
+(`specjax.kernels.fused_verify`, `interpret=True`), for the draft-model and the n-gram
 drafter and all three sampling settings. Each goodness-of-fit test has a power check through the
 kernel path: `kernel_rule_without_residual` takes the kernel's accept/reject decisions and replaces
 the correction at a rejection by a draw from p (the residual step skipped); at the same N it must be
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.verify.kernels import local_verify
+from specjax.verify.local import local_verify
 from specjax.core.sampling import PURPOSE_RESIDUAL, VerifyResult, sample_race, warp_logits
 from tests.exactness import test_exactness as exactness  # tests/ is on sys.path under pytest
 from tests.exactness.test_exactness import draft, target  # noqa: F401  (module-scoped fixtures)

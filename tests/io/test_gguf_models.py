@@ -109,7 +109,7 @@ def test_cpu_layout_greedy_matches_transformers(real):
   steps and small blocks through the hand-written kernel where it builds) at batch 1: the same
   greedy tokens as transformers, and as the stacked scan, on a chat prompt (32 new tokens)."""
   cpu = real["model"].for_platform("cpu")
-  from specjax.models.cpu import kernel as cpu_gemv
+  from specjax.kernels.cpu import kernel as cpu_gemv
   assert cpu.cpu_kernel == cpu_gemv.available()
   ids = _chat_ids(real, QUESTIONS[1])
   outs = [sj.generate(m, np.asarray([ids], np.int32), jax.random.key(0), max_new_tokens=32,

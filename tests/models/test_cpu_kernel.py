@@ -1,4 +1,4 @@
-"""The hand-written CPU kernels (`specjax.models.cpu.kernel`): build here, compute the product and
+"""The hand-written CPU kernels (`specjax.kernels.cpu.kernel`): build here, compute the product and
 a decode step's attention (against float64 numpy), compose with jit / loops / vmap / grad /
 threads, lower only on CPU, fall back to XLA where they cannot be built, and leave a model's
 tokens unchanged."""
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.testing.models import random_quantized, tiny_config
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -174,7 +174,7 @@ def test_the_avx2_builds_equal_the_references(tmp_path, flags):
             "[t._check_attention(*shape) for shape in t.ATTENTION_SHAPES]; "
             "import test_cpu_panels as p; p._check_panel_products(); ")
   code = ("import sys; sys.path.insert(0, %r); import test_cpu_kernel as t; "
-          "from specjax.models.cpu import kernel; assert kernel.status()[0], kernel.status(); "
+          "from specjax.kernels.cpu import kernel; assert kernel.status()[0], kernel.status(); "
           "%sprint('ok')" % (str(pathlib.Path(__file__).parent), checks))
   done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                         timeout=600)
@@ -248,7 +248,7 @@ def test_a_failed_build_falls_back_to_xla(tmp_path):
   """No usable compiler: `status()` says why, the CPU layout keeps XLA's dot, decoding works."""
   script = (
       "import jax, numpy as np, specjax as sj\n"
-      "from specjax.models.cpu import kernel as cpu_gemv\n"
+      "from specjax.kernels.cpu import kernel as cpu_gemv\n"
       "from specjax.testing.models import random_quantized, tiny_config\n"
       "ok, why = cpu_gemv.status()\n"
       "assert not ok and 'failed' in why, why\n"

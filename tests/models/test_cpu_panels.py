@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import specjax as sj
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels
 from specjax.testing.models import tiny_config

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from specjax.models import layers, long_attention, prefill
-from specjax.models.cpu.kernel import attention_reference
+from specjax.kernels.cpu.kernel import attention_reference
 from specjax.models.transformer import forward, init_params
 from specjax.testing.models import tiny_config
 

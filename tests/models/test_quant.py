@@ -20,6 +20,7 @@
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +30,7 @@ import specjax as sj
 from specjax.io import load, save
 from specjax.models import dequantize_model, QuantizedWeight
 from specjax.pretrained import PAIRS
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models import quant, transformer
 from specjax.testing.models import random_quantized, tiny_config
 
@@ -152,10 +153,8 @@ def test_orbax_round_trip(target, tmp_path):
     save(model, tmp_path / str(i))
     restored = load(tmp_path / str(i))
     ref = model.stacked()
-    assert jax.tree.structure(restored) == jax.tree.structure(ref)
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
-      assert a.dtype == b.dtype
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal_dtypes(restored, ref)  # structure and dtypes
+    chex.assert_trees_all_equal(restored, ref)
     tokens = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
     np.testing.assert_allclose(forward(restored, tokens, jnp.zeros(1, jnp.int32)).logits,
                                forward(ref, tokens, jnp.zeros(1, jnp.int32)).logits, rtol=1e-6)

@@ -19,6 +19,7 @@ widths (`embed_bits`), and the int4 kernel's unit path.
 
 import json
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,7 +29,7 @@ import specjax as sj
 from specjax.io import load, save
 from specjax.io.orbax import CONFIG_FILE
 from specjax.models import quant, transformer
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.testing.models import tiny_config
 
 from tests.exactness.test_exactness import (ALPHA, POWER_ALPHA, SETTINGS, chi_square_pvalue,
@@ -177,10 +178,8 @@ def test_orbax_round_trip_and_an_earlier_checkpoint(target, tmp_path):
                              sj.quantize(target, 4, 32, asymmetric=True))):
     save(model, tmp_path / str(i))
     restored, ref = load(tmp_path / str(i)), model.stacked()
-    assert jax.tree.structure(restored) == jax.tree.structure(ref)
-    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(ref)):
-      assert a.dtype == b.dtype
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal_dtypes(restored, ref)  # structure and dtypes
+    chex.assert_trees_all_equal(restored, ref)
   # A checkpoint written before `asymmetric` and `embed_bits` were recorded: symmetric, one width.
   save(sj.quantize(target, 8, 32), tmp_path / "old")
   config = tmp_path / "old" / CONFIG_FILE

@@ -1,5 +1,6 @@
 """Consistency of the decoder and its KV cache: cached, blocked and full passes agree."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,9 +275,7 @@ def test_unstacked_layers_equal_the_stacked_scan(name):
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
   # Round trips and mixed layouts (a cache in the other layout is converted, not rejected).
   for back in (unstacked.stacked(), fused.stacked(), fused.without_fused_projections().stacked()):
-    assert jax.tree.structure(back.params) == jax.tree.structure(stacked.params)
-    for a, b in zip(jax.tree.leaves(back.params), jax.tree.leaves(stacked.params)):
-      np.testing.assert_array_equal(a, b)
+    chex.assert_trees_all_equal(back.params, stacked.params)  # structure, then every leaf
   mixed = forward(unstacked, tokens[:, :6], jnp.zeros(2, jnp.int32), stacked.init_cache(2, 16))
   assert not mixed.cache.per_layer
   np.testing.assert_allclose(mixed.logits, outs["stacked"][0][:, :6], atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""The shipped pairs. The toy pair (`specjax/pretrained/toy`): it loads, fits the size budget, and
+"""The shipped pairs. The toy pair (`checkpoints/toy`): it loads, fits the size budget, and
 greedy `decode` equals `generate` on held-out prompts (modules training never saw). The default
 pair (`load_default()`: SmolLM2-135M-Instruct drafting with its own 4-bit copy, slow) and the head
 pair (SmolLM2-135M-Instruct + its EAGLE-3 head behind prompt lookup, slow): greedy `decode` equals
@@ -118,12 +118,12 @@ def test_head_pair_greedy_decode_equals_generate_on_chat_prompts():
 
 
 def test_the_toy_pair_is_a_checkout_fixture_with_a_clear_error_elsewhere(tmp_path, monkeypatch):
-  """The wheel leaves `specjax/pretrained/toy` out (pyproject's package data): where it is absent,
+  """The wheel leaves `checkpoints/toy` out (pyproject's package data): where it is absent,
   `load_toy` says so instead of failing inside the checkpoint reader."""
   import tomllib
   from specjax.testing import models
   data = tomllib.loads((pathlib.Path(__file__).parents[2] / "pyproject.toml").read_text())
-  patterns = data["tool"]["setuptools"]["package-data"]["specjax.pretrained"]
+  patterns = data["tool"]["setuptools"]["package-data"]["specjax.checkpoints"]
   assert patterns and not any(p.startswith(("toy", "**", "*")) for p in patterns)
   (tmp_path / HEAD_DIR).mkdir()  # an installed wheel: the head, no toy pair
   monkeypatch.setattr(models, "default_dir", lambda: tmp_path)

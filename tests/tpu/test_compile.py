@@ -53,8 +53,8 @@ pytest.importorskip("libtpu")
 
 from specjax.testing import tpu  # noqa: E402  (after the skip: the tier needs libtpu)
 from specjax.testing import tpu_cases as tc  # noqa: E402
-from specjax.verify.kernels.blocks import MAX_CHUNK, BlockSizes  # noqa: E402
-from specjax.verify.kernels.fused_verify import fused_verify  # noqa: E402
+from specjax.kernels.blocks import MAX_CHUNK, BlockSizes  # noqa: E402
+from specjax.kernels.fused_verify import fused_verify  # noqa: E402
 
 DEFAULT = tc.Setup()  # "v5e-1", B = 1, bfloat16, V = 151,936
 

@@ -18,6 +18,7 @@ vocabulary size at small B and k, and the exports; `-m slow` adds every shape in
 import functools
 import zlib
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,10 +28,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 import specjax as sj
 from specjax.core import sampling as S
-from specjax.verify.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes,
-                                    fused_verify, fused_verify_gpu, fused_verify_reference,
-                                    local_verify)
-from specjax.verify.kernels.common import tile_argmax
+from specjax.kernels import (GPU_EXPORT_DISABLED_CHECKS, BlockSizes, GpuBlockSizes,
+                             fused_verify, fused_verify_gpu)
+from specjax.verify.local import local_verify
+from specjax.verify.rule import verify_reference
+from specjax.kernels.common import tile_argmax
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
 
@@ -91,10 +93,9 @@ class TestFusedVerify:
 
   def _check(self, case, sampling, block_sizes=None):
     # The reference jitted (eagerly its sort and scans run op by op); the same function.
-    want = jax.jit(lambda c: fused_verify_reference(**c, sampling=sampling))(case)
+    want = jax.jit(lambda c: verify_reference(**c, sampling=sampling))(case)
     got = self._verify(case, sampling, block_sizes)
-    np.testing.assert_array_equal(got.num_accepted, want.num_accepted)
-    np.testing.assert_array_equal(got.tokens, want.tokens)
+    chex.assert_trees_all_equal(got, want)
     return want
 
   # ---- hand-worked cases -------------------------------------------------------------------
@@ -441,7 +442,7 @@ def test_lowered_kernel_fits_the_vmem_of_its_generation(device_kind, vocab, num_
   # Independent of `BlockSizes.get_default`'s arithmetic: the blocks and scratch are read from
   # the pallas_call the kernel lowers to, and must fit the VMEM limit it asks Mosaic for (or the
   # 16 MiB scoped default without one), which must fit the generation's physical VMEM.
-  from specjax.verify.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
+  from specjax.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
   batch = 8
   args = (jax.ShapeDtypeStruct((batch, num_draft + 1, vocab), dtype),
           jax.ShapeDtypeStruct((batch, num_draft, vocab), dtype),

@@ -15,6 +15,9 @@ the same assertion at the same N and requires p < 1e-6 (its power check):
   rule_bonus_off_by_one    the bonus drawn from the last draft position's p
 """
 
+import functools
+
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +27,7 @@ from scipy import stats
 import specjax as sj
 from specjax.loop import row_seeds
 from specjax.verify.rule import verify_reference
-from specjax.core.sampling import PURPOSE_ACCEPT, uniform
+from specjax.core.sampling import PURPOSE_ACCEPT, VerifyResult, uniform
 from specjax.testing.rules import rule_without_residual
 
 N = 50_000
@@ -165,19 +168,6 @@ def test_number_accepted_over_k_positions_is_geometric():
   assert _geometric(rule_ignoring_q)[0] < POWER_ALPHA  # power
 
 
-def test_greedy_hand_worked():
-  # Target argmax per position: [3, 1, 4, 0]; drafts [3, 1, 2]: two accepted, correction 4.
-  logits = jnp.full((1, 4, 5), -1.0).at[0, [0, 1, 2, 3], [3, 1, 4, 0]].set(2.0)
-  result = verify_reference(logits, None, jnp.array([[3, 1, 2]]), sampling=sj.Sampling(0.0),
-                            seeds=SEEDS[:1], positions=jnp.zeros(1, jnp.int32))
-  assert int(result.num_accepted[0]) == 2
-  assert result.tokens.tolist() == [[3, 1, 4, 0]]
-  # All three accepted: the bonus is the argmax at the last position.
-  result = verify_reference(logits, None, jnp.array([[3, 1, 4]]), sampling=sj.Sampling(0.0),
-                            seeds=SEEDS[:1], positions=jnp.zeros(1, jnp.int32))
-  assert result.tokens.tolist() == [[3, 1, 4, 0]] and int(result.num_accepted[0]) == 3
-
-
 def test_identical_p_and_q_accept_everything():
   drafts, accepted, _ = _one_position(q_logits=P_LOGITS)
   assert accepted.all()
@@ -217,3 +207,62 @@ def test_first_argmax_is_jnp_argmax_on_ties_infinities_and_nans():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
   assert got.dtype == jnp.int32
   assert int(got[2, 0]) == 3 and int(got[1, 0]) == 17 and int(got[0, 0]) == 0
+
+
+class TestReferenceWithAndWithoutJit(chex.TestCase):
+  """The reference rule's exact checks run compiled (`jax.jit`) and op by op (`chex.variants`):
+  its decisions do not depend on how it runs, and a shape mismatch is the same ValueError, raised
+  before anything runs, either way."""
+
+  def _rule(self, sampling):
+    return self.variant(functools.partial(verify_reference, sampling=sampling))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_greedy_hand_worked(self):
+    # Target argmax per position: [3, 1, 4, 0]. Drafts [3, 1, 2]: two accepted, correction 4;
+    # drafts [3, 1, 4]: all three accepted, then the bonus 0 (the argmax one past them).
+    logits = jnp.full((1, 4, 5), -1.0).at[0, [0, 1, 2, 3], [3, 1, 4, 0]].set(2.0)
+    rule = self._rule(sj.Sampling(0.0))
+    for drafts, accepted in (([3, 1, 2], 2), ([3, 1, 4], 3)):
+      result = rule(logits, None, jnp.array([drafts]), seeds=SEEDS[:1],
+                    positions=jnp.zeros(1, jnp.int32))
+      chex.assert_shape(result.tokens, (1, 4))
+      chex.assert_type([result.num_accepted, result.tokens], jnp.int32)
+      chex.assert_trees_all_equal(result, VerifyResult(np.array([accepted]),
+                                                       np.array([[3, 1, 4, 0]])))
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_every_decision_is_u_below_p_over_q(self):
+    n = 4_000
+    drafts = np.random.default_rng(5).choice(V, size=n, p=Q)
+    target = jnp.broadcast_to(jnp.asarray(np.stack([P_LOGITS, BONUS_LOGITS]), jnp.float32),
+                              (n, 2, V))
+    draft = jnp.broadcast_to(jnp.asarray(Q_LOGITS, jnp.float32), (n, 1, V))
+    result = self._rule(sj.Sampling(1.0))(target, draft, jnp.asarray(drafts, jnp.int32)[:, None],
+                                          seeds=SEEDS[:n], positions=jnp.zeros(n, jnp.int32))
+    chex.assert_shape(result.num_accepted, (n,))
+    chex.assert_shape(result.tokens, (n, 2))
+    u = np.asarray(uniform(SEEDS[:n, None], jnp.zeros((n, 1), jnp.int32), 0, PURPOSE_ACCEPT))[:, 0]
+    ratio = np.minimum(1.0, P[drafts] / Q[drafts])
+    clear = np.abs(u - ratio) > 1e-6  # float32 vs float64 at the boundary
+    accepted = np.asarray(result.num_accepted).astype(bool)
+    np.testing.assert_array_equal(accepted[clear], (u < ratio)[clear])
+    # An accepted row emits its draft; a rejected one a token of the residual max(p - q, 0).
+    tokens = np.asarray(result.tokens)
+    np.testing.assert_array_equal(tokens[accepted, 0], drafts[accepted])
+    assert np.all(P[tokens[~accepted, 0]] > Q[tokens[~accepted, 0]])
+
+  @chex.variants(with_jit=True, without_jit=True)
+  def test_a_shape_mismatch_is_a_clear_error_before_anything_runs(self):
+    rule = self._rule(sj.Sampling(1.0))
+    drafts = jnp.zeros((2, 3), jnp.int32)  # B = 2, k = 3
+    rows = dict(seeds=SEEDS[:2], positions=jnp.zeros(2, jnp.int32))
+    with self.assertRaisesRegex(ValueError,
+                                r"target_logits must be \[B, k \+ 1, V\] with B, k = 2, 3"):
+      rule(jnp.zeros((2, 3, 7)), None, drafts, **rows)  # one position short
+    with self.assertRaisesRegex(ValueError, r"draft_logits must be \[B, k, V\]"):
+      rule(jnp.zeros((2, 4, 7)), jnp.zeros((2, 3, 6)), drafts, **rows)  # another vocabulary
+    with self.assertRaisesRegex(ValueError, r"seeds must be \[B\]"):
+      rule(jnp.zeros((2, 4, 7)), None, drafts, seeds=SEEDS[:3], positions=rows["positions"])
+    with self.assertRaisesRegex(ValueError, r"draft_tokens must be \[B, k\]"):
+      rule(jnp.zeros((2, 4, 7)), None, drafts[0], **rows)

@@ -4,7 +4,7 @@
   meshes (`sj.make_mesh`, Auto axes, and `jax.make_mesh`, Explicit axes): the Mosaic call
   (`tpu_custom_call`) is there and sits inside a `shard_map` (`sdy.manual_computation`): the fused
   kernel on each device's rows when only the batch is split, the Pallas vocabulary reductions
-  (`specjax/verify/kernels/vocab_reduce.py`) combined with collectives where the vocabulary is
+  (`kernels/vocab_reduce.py`) combined with collectives where the vocabulary is
   split.
 * `verify_tokens` with every implementation under every mesh equals the reference on one device.
 * Interpret-mode decodes under those meshes equal the single-device decode token for token.

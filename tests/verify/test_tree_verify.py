@@ -22,11 +22,11 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from specjax.verify import tree_rule
-from specjax.verify.kernels.blocks import BlockSizes
-from specjax.verify.kernels.fused_verify_gpu import GPU_EXPORT_DISABLED_CHECKS, GpuBlockSizes
-from specjax.verify.kernels.tree_common import TileSteps, node_noise
-from specjax.verify.kernels.tree_verify import tree_node_results
-from specjax.verify.kernels.tree_verify_gpu import tree_node_results_gpu
+from specjax.kernels.blocks import BlockSizes
+from specjax.kernels.fused_verify_gpu import GPU_EXPORT_DISABLED_CHECKS, GpuBlockSizes
+from specjax.kernels.tree_common import TileSteps, node_noise
+from specjax.kernels.tree_verify import tree_node_results
+from specjax.kernels.tree_verify_gpu import tree_node_results_gpu
 from specjax.core.sampling import Sampling, row_seeds
 from specjax.trees.structure import Tree
 # The kernel-inspection helpers of the chain kernel's tests.
@@ -400,7 +400,7 @@ def test_kernel_impl_has_no_cpu_branch():
 def test_lowered_kernel_fits_vmem(device_kind, num_nodes, vocab, rule):
   # Blocks (double-buffered) and scratch read from the pallas_call the kernel lowers to must fit
   # the VMEM limit it asks Mosaic for, which must fit the generation's VMEM.
-  from specjax.verify.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
+  from specjax.kernels.blocks import TPU_VMEM_BYTES, tpu_generation
   target, tree, seeds, positions = _abstract(8, num_nodes, vocab)
   fn = functools.partial(tree_node_results, rule=rule,
                          sampling=SAMPLINGS["t0.9_topk40_topp0.95"], max_children=4,

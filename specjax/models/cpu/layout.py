@@ -3,7 +3,7 @@
 At batch 1 a decode step is a chain of matrix-vector products that should stream every weight once
 at memory bandwidth, and a verify block of 2-9 rows should cost little more. The CPU layout keeps
 each projection once (`<name>_t`), fused where that saves products (query/key/value as one matrix,
-gate/up as one). Where the kernel is built (`specjax.models.cpu.kernel`, `Model.cpu_kernel`) the
+gate/up as one). Where the kernel is built (`specjax.kernels.cpu.kernel`, `Model.cpu_kernel`) the
 copy is a `specjax.models.cpu.panels.PanelWeight`: panels of 48 output columns that the kernel
 reads at every block size, a verify block's rows for about the time of one and a prompt's in
 cache-sized steps. Elsewhere it is a row-major `[out, in]` array for XLA's dot. A quantized
@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cpu import kernel as cpu_gemv
+from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
 from specjax.models.cpu import panels as panel_layout
 from specjax.models import quant

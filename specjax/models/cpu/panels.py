@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.cpu import host_memory
-from specjax.models.cpu import kernel
+from specjax.kernels.cpu import kernel
 
 PANEL = 48  # output columns per panel: `kPanel` in cpu_gemv.cc
 

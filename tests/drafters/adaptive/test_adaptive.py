@@ -29,7 +29,7 @@ from scipy import stats as scipy_stats
 import specjax as sj
 from specjax.core import sampling as S
 from specjax.verify.dispatch import verify_tokens
-from specjax.verify.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
+from specjax.kernels import BlockSizes, GpuBlockSizes, fused_verify, fused_verify_gpu
 from specjax.testing.models import tiny_config
 from specjax.testing.rules import rule_stop_from_residual
 from specjax.loop.round import verify_block

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from specjax.core import sampling as sampling_lib
 from specjax.trees import structure as trees
-from specjax.verify.kernels.common import ThresholdPasses
+from specjax.kernels.common import ThresholdPasses
 from specjax.core.sampling import Sampling
 
 RULES = ("match", "iid", "without_replacement")

@@ -32,11 +32,11 @@ is already accumulated chunk by chunk exactly as tile by tile. In interpret mode
 and pays per grid step, the default blocks are far larger (up to 1024 rows) and not chunked: a
 20,000-row verify at V = 8 takes about 1 s interpreted instead of about 50 s with 8-row blocks.
 
-The math is `specjax.verify.rule`'s: `verify_reference` (aliased here as `fused_verify_reference`)
-is the oracle, and the kernel calls the same elementwise helpers (`gumbel`, `radix_start`,
-`radix_candidates`, `radix_update`) on tiles. Decisions agree token for token with the reference;
-the only difference is the order of float32 additions inside sums over the vocabulary, which can
-move a decision only when a comparison is within rounding of its boundary.
+The math is `specjax.verify.rule`'s: `verify_reference` (jnp) is the oracle, and the kernel calls
+the same elementwise helpers (`gumbel`, `radix_start`, `radix_candidates`, `radix_update`) on
+tiles. Decisions agree token for token with the reference; the only difference is the order of
+float32 additions inside sums over the vocabulary, which can move a decision only when a comparison
+is within rounding of its boundary.
 """
 
 from __future__ import annotations
@@ -50,22 +50,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from specjax.core import sampling as sampling_lib
-from specjax.verify.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
-                                           TPU_VMEM_BYTES, BlockSizes, Chunk,
-                                           compile_device_kind, over_chunks, tpu_generation,
-                                           vmem_budget_for, vmem_limit_for)
-from specjax.verify.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms,
-                                           check_verify_args, drafted_tokens, leading_ones,
-                                           replaces, schedule_for, select_row,
-                                           tile_argmax)
-from specjax.verify.rule import verify_reference
+from specjax.kernels.blocks import (INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
+                                    TPU_VMEM_BYTES, BlockSizes, Chunk,
+                                    compile_device_kind, over_chunks, tpu_generation,
+                                    vmem_budget_for, vmem_limit_for)
+from specjax.kernels.common import (MAX_NUM_DRAFT, Schedule, accept_uniforms,
+                                    check_verify_args, drafted_tokens, leading_ones,
+                                    replaces, schedule_for, select_row, tile_argmax)
 from specjax.core.sampling import Sampling, VerifyResult
 
 NUM_ACCEPTED_LANE = LANES - 1  # lane of the output row that carries num_accepted
 _INT32_MAX = np.iinfo(np.int32).max
 _NEG_INF = float("-inf")
-
-fused_verify_reference = verify_reference
 
 
 # --------------------------------------------------------------------------------------------

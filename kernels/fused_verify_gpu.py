@@ -37,9 +37,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax.core import sampling as sampling_lib
-from specjax.verify.kernels.common import (Schedule, accept_uniforms, check_verify_args,
-                                           drafted_tokens, replaces, schedule_for, select_row,
-                                           tile_argmax)
+from specjax.kernels.common import (Schedule, accept_uniforms, check_verify_args,
+                                    drafted_tokens, replaces, schedule_for, select_row,
+                                    tile_argmax)
 from specjax.core.sampling import Sampling, VerifyResult
 
 TRITON_CUSTOM_CALL = "__gpu$xla.gpu.triton"
@@ -102,7 +102,7 @@ def fused_verify_gpu(target_logits: jax.Array, draft_logits: jax.Array | None,
                      interpret: bool = False) -> VerifyResult:
   """The speculative accept/reject rule on GPU (Triton), fused over vocabulary tiles.
 
-  Same arguments, contract and tokens as `specjax.verify.kernels.fused_verify` (and
+  Same arguments, contract and tokens as `specjax.kernels.fused_verify` (and
   `specjax.verify.rule.verify_reference`), except `block_sizes` is a `GpuBlockSizes` and `interpret`
   is a bool (the Pallas interpreter, any platform).
   """

@@ -65,7 +65,7 @@ class ThresholdPasses:
   """Mixin for a static pass schedule with fields `greedy`, `top_k` and `top_p` (the active
   thresholds, None when off): from `first_top_k`, `RADIX_ROUNDS` passes for each active threshold,
   and `sum_pass` after them; the subclass names `first_top_k` and `race_pass` (the last pass).
-  Shared by `Schedule` and `specjax.verify.kernels.tree_common.TreeSchedule`."""
+  Shared by `Schedule` and `specjax.kernels.tree_common.TreeSchedule`."""
 
   @property
   def has_threshold(self) -> bool:

@@ -43,15 +43,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from specjax.core import sampling as sampling_lib
 from specjax.trees import structure as trees
-from specjax.verify.kernels.blocks import (CHUNK_TEMPORARIES, DEFAULT_MAX_BLOCK_B,
-                                           INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
-                                           SUBLANES, BlockSizes, Chunk, compile_device_kind,
-                                           over_chunks, vmem_budget_for, vmem_limit_for)
-from specjax.verify.kernels.common import replaces, tile_argmax
-from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
-                                                log_weights, node_results, replay, sibling_sums,
-                                                tree_kernel_setup)
-from specjax.verify.kernels.tree_passes import column, set_column, threshold_passes
+from specjax.kernels.blocks import (CHUNK_TEMPORARIES, DEFAULT_MAX_BLOCK_B,
+                                    INTERPRET_MAX_BLOCK_B, INTERPRET_VMEM_BUDGET, LANES,
+                                    SUBLANES, BlockSizes, Chunk, compile_device_kind,
+                                    over_chunks, vmem_budget_for, vmem_limit_for)
+from specjax.kernels.common import replaces, tile_argmax
+from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
+                                         log_weights, node_results, replay, sibling_sums,
+                                         tree_kernel_setup)
+from specjax.kernels.tree_passes import column, set_column, threshold_passes
 from specjax.core.sampling import Sampling
 
 _NEG_INF = float("-inf")

@@ -22,11 +22,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from specjax.trees import structure as trees
-from specjax.verify.kernels.common import replaces, tile_argmax
-from specjax.verify.kernels.fused_verify_gpu import GpuBlockSizes, threshold_floors
-from specjax.verify.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
-                                                log_weights, node_results, replay, sibling_sums,
-                                                tree_kernel_setup)
+from specjax.kernels.common import replaces, tile_argmax
+from specjax.kernels.fused_verify_gpu import GpuBlockSizes, threshold_floors
+from specjax.kernels.tree_common import (EXACT_STEPS, NodeResults, TileSteps, TreeSchedule,
+                                         log_weights, node_results, replay, sibling_sums,
+                                         tree_kernel_setup)
 from specjax.core.sampling import Sampling
 
 _NEG_INF = float("-inf")

@@ -6,7 +6,8 @@ mesh.)
 `impl`:
   "reference"  `specjax.verify.rule.verify_reference`, pure jnp, on any platform.
   "kernel"     the fused Pallas kernel compiled for the platform the computation is lowered for:
-               Mosaic (`fused_verify`) on TPU, Triton (`fused_verify_gpu`) on CUDA and ROCm.
+               Mosaic (`specjax.kernels.fused_verify`) on TPU, Triton (`fused_verify_gpu`) on
+               CUDA and ROCm.
                There is no compiled CPU kernel: lowering "kernel" for CPU raises (jax: no branch
                for platform cpu).
   "interpret"  the TPU kernel in Pallas interpret mode (`interpret=True`), any platform; for tests.
@@ -31,9 +32,9 @@ import functools
 
 import jax
 
-from specjax.verify.kernels.fused_verify import BlockSizes, fused_verify
-from specjax.verify.kernels.fused_verify_gpu import fused_verify_gpu
-from specjax.verify.kernels.vocab_reduce import PallasVocab
+from specjax.kernels.fused_verify import BlockSizes, fused_verify
+from specjax.kernels.fused_verify_gpu import fused_verify_gpu
+from specjax.kernels.vocab_reduce import PallasVocab
 from specjax.verify.rule import LocalVocab, verify_reference
 from specjax.core.sampling import Sampling, VerifyResult
 
