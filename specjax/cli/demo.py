@@ -43,9 +43,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The real suite's (`specjax bench --suite real`) committed run of each pair's configuration:
 # pair -> (its JSON under ROOT, the suite's name for the pair's drafter).
 SUITE_RESULTS = {
-    "qwen2.5-coder": ("benchmarks/results/real_qwen_head/real_qwen2.5-coder-1.5b.json",
+    "qwen2.5-coder": ("benchmarks/results/readme_qwen/real_qwen2.5-coder-1.5b.json",
                       "draft-int8"),
-    "smollm2-q4": ("benchmarks/results/real_smollm2_panels/real.json", "self-q4"),
+    "smollm2-q4": ("benchmarks/results/readme_smollm2_q4/real.json", "self-q4"),
 }
 
 

@@ -64,15 +64,15 @@ def test_paired_speedup_median_of_an_even_count_and_bad_input():
 
 def test_suite_figure_reads_the_committed_run(tmp_path):
   figure = demo.suite_figure("qwen2.5-coder")
-  assert figure["file"].endswith("real_qwen_head/real_qwen2.5-coder-1.5b.json") and figure["found"]
-  # benchmarks/results/real_qwen_head: 2276 tokens emitted in 540 rounds over the 36 greedy
-  # prompts; the summary's overall greedy speedup 2.14x.
-  assert figure["tau"] == pytest.approx(2276 / 540)
-  assert figure["speedup"] == pytest.approx(2.1414, abs=1e-4)
-  assert (figure["prompts"], figure["num_draft"], figure["max_new_tokens"]) == (36, 6, 96)
+  assert figure["file"].endswith("readme_qwen/real_qwen2.5-coder-1.5b.json") and figure["found"]
+  # benchmarks/results/readme_qwen: 1037 tokens emitted in 232 rounds over the 18 greedy prompts;
+  # the summary's overall greedy speedup 1.84x.
+  assert figure["tau"] == pytest.approx(1037 / 232)
+  assert figure["speedup"] == pytest.approx(1.8385, abs=1e-4)
+  assert (figure["prompts"], figure["num_draft"], figure["max_new_tokens"]) == (18, 6, 96)
   line = demo.suite_line("qwen2.5-coder", figure)
-  assert "greedy 2.14x overall over 36 prompts" in line and "tau 4.21" in line
-  assert "real_qwen_head" in line
+  assert "greedy 1.84x overall over 18 prompts" in line and "tau 4.47" in line
+  assert "readme_qwen" in line
   assert "no committed figure" in demo.suite_line("gemma3-270m", demo.suite_figure("gemma3-270m"))
   absent = demo.suite_figure("smollm2-q4", root=tmp_path)
   assert absent == {"file": demo.SUITE_RESULTS["smollm2-q4"][0], "found": False}
@@ -121,7 +121,7 @@ def test_demo_reports_the_paired_ratios_and_the_suites_figure(tiny_pair, monkeyp
     assert line in out
   assert "(median of 3 paired ratios, generate time / decode time" in out
   assert "output identical to generate: True" in out
-  assert "the real suite on this pair (benchmarks/results/real_smollm2_panels/real.json" in out
+  assert "the real suite on this pair (benchmarks/results/readme_smollm2_q4/real.json" in out
   assert "warning" not in out
 
 
