@@ -97,8 +97,7 @@ def _stream_plain(target, args, sampling: Sampling):
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                   num_draft: int | None = None, sampling: Sampling = GREEDY,
                   eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
-                  verify_widths: tuple[int, ...] | None = None,
-                  tree=None
+                  verify_widths: tuple[int, ...] | None = None, tree=None
                   ) -> Iterator[tuple[list[np.ndarray], DecodeState | GenerateState]]:
   """Speculative decoding that yields after every round.
 
