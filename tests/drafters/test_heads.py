@@ -36,6 +36,7 @@ from specjax.models.transformer import forward
 from specjax.loop.round import round_step
 from specjax.core.sampling import row_seeds
 from specjax.loop.state import init_state
+from specjax.core.validation import pytree_classes
 
 VOCAB = 12
 DRAFT_IDS = [0, 1, 2, 3, 5, 6, 7, 8, 10, 11]
@@ -137,15 +138,22 @@ class StaleFeaturesEagle(EagleDrafter):
         jnp.where(kept[:, None], logits[:, 0], state.logits))
 
 
-@functools.partial(jax.jit, static_argnames=("num_draft",))
-def final_state(target, drafter, tokens, lengths, *, num_draft):
-  """`decode`'s loop, returning the whole state (the drafter's included)."""
+@functools.partial(jax.jit, static_argnames=("num_draft", "classes"))
+def _final_state(target, drafter, tokens, lengths, *, num_draft, classes):
+  del classes  # a cache key only: StaleFeaturesEagle's treedef equals EagleDrafter's in jax 0.10
   batch = tokens.shape[0]
   state = init_state(target, drafter, tokens, lengths, jnp.int32(MAX_NEW), jnp.array([-1]),
                      row_seeds(jax.random.key(3), batch), num_draft=num_draft, capacity=64)
   step = functools.partial(round_step, target, drafter, num_draft=num_draft,
                            sampling=sj.Sampling())
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+
+def final_state(target, drafter, tokens, lengths, *, num_draft):
+  """`decode`'s loop, returning the whole state (the drafter's included). Keyed, like `decode`,
+  on the drafter's classes (`pytree_classes`), so a subclass never runs its parent's program."""
+  return _final_state(target, drafter, tokens, lengths, num_draft=num_draft,
+                      classes=pytree_classes(target, drafter))
 
 
 def features_mismatch(target, drafter, tokens, lengths) -> float:
