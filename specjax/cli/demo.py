@@ -2,14 +2,19 @@
 
 Loads the pair (`--pair`; default Qwen2.5-Coder-1.5B-Instruct drafting with
 Qwen2.5-Coder-0.5B-Instruct in int8), streams its answer to a coding question that no tuning saw
-(`QUESTION`) with `specjax.decode_stream` (greedy, `--num-draft` drafts per round), says whether the
-answer ended with the model's EOS token, prints the acceptance statistics, then times
-`specjax.decode` against `specjax.generate` on the same prompt in `--repeats` pairs of calls, the
-order alternating from pair to pair (decode first, then generate first, ...), each compiled ahead
-without running (`specjax.precompile`; compilation is not counted). It prints each pair's ratio
-(generate time / decode time) and their median, checks that both produce the same tokens, and
-prints beside it the figure of the real suite's committed run of the same pair
-(`SUITE_RESULTS`): one question on one machine is not the suite's 24-36 prompts of every kind.
+(`QUESTION`) with `specjax.decode_stream` (greedy, `--num-draft` drafts per round) and says whether
+the answer ended with the model's EOS token. It then times `specjax.decode` against
+`specjax.generate` on `DEMO_SET`: six conversations written for the demo and asked nowhere else, one
+per category of the real suite (Spec-Bench's six: multi-turn chat, translation, summarization, QA
+over a text, math, code), each up to the suite's budget of new tokens for the pair (`--timed-tokens`;
+the suite's committed run says how many). Each conversation is one pair of calls, repeated
+`--repeats` times, the order alternating (decode first, then generate first, ...), both compiled
+ahead without running (`specjax.precompile`; compilation is not counted; prompts are padded to a
+multiple of 32 tokens, as in the suite, so a few widths compile). It prints each conversation's
+ratio (generate time / decode time) and the overall figure, computed as the suite computes its
+own: the summed generate time over the summed decode time (decode tokens/s over generate tokens/s,
+the same tokens on both sides), then the real suite's committed figure for the pair beside it
+(`SUITE_RESULTS`). With `--prompt`, the user's question is streamed and timed alone.
 
 Exit status: 0, or 1 when decode's tokens differ from generate's or the target's logits were not
 finite (`stats.nonfinite`, with a warning line naming the rows).
@@ -35,7 +40,54 @@ DEFAULT_PAIR = "qwen2.5-coder"
 # Qwen2.5-Coder pair, 163 from the SmolLM2 one (the budget only bounds a call: both stop at EOS).
 QUESTION = "Write a Python function that counts the leap years between two years. Keep it short."
 DEFAULT_MAX_NEW_TOKENS = 256
-DEFAULT_TIMED_PAIRS = 3
+DEFAULT_REPEATS = 1
+# The timed budget where the pair has no committed suite run (the Qwen pair's suite budget).
+DEFAULT_TIMED_TOKENS = 96
+PROMPT_MULTIPLE = 32  # prompts padded to a multiple of this, as the real suite pads them
+
+
+def _user(text: str) -> list[dict]:
+  return [{"role": "user", "content": text}]
+
+
+# One conversation per category of the real suite (benchmarks/prompts/real.json has three to six
+# of its own per category), in the suite's order. Written for the demo and asked nowhere else: not
+# among the suite's prompts, the questions of benchmarks/self_draft.py (which chose each pair's k) or
+# the EAGLE head's training prompts (specjax/training/prompts.py). The demo times them at the suite's
+# budget, so its figure and the suite's measure the same thing on different prompts.
+DEMO_SET = (
+    ("multi-turn chat", [
+        {"role": "user", "content": "I bought a second-hand acoustic guitar. What should I "
+         "learn first?"},
+        {"role": "assistant", "content": "Start by tuning it with a free tuner app, then learn "
+         "four open chords: G, C, D and E minor. Practise switching between two of them slowly "
+         "for ten minutes a day."},
+        {"role": "user", "content": "My fingertips hurt after a few minutes of playing. Am I "
+         "doing something wrong?"}]),
+    ("translation", _user(
+        "Put this into Spanish, please: \"The bakery on the corner opens at six in the morning, and by "
+        "eight o'clock the fresh bread is usually sold out.\"")),
+    ("summarization", _user(
+        "In two sentences, what does this report say?\n\nThe city started a bicycle-sharing "
+        "programme two years ago with 300 bicycles at 25 stations. Use grew faster than expected: "
+        "in the first summer, each bicycle was taken out about six times a day. The council added "
+        "40 stations last spring, most of them near train stations and the university. Problems "
+        "remain. Some stations are often empty in the morning and full in the evening, and staff "
+        "move bicycles between them by van. The council now plans electric bicycles for the hilly "
+        "northern districts, where few people cycle today, and a lower price for students.")),
+    ("QA over a text", _user(
+        "Answer from the text below.\n\nThe lighthouse on Gull Island was built "
+        "in 1872 and guided ships past the rocks for almost a century. Its lamp burned oil until "
+        "1921, when it was replaced by an electric light. The last keeper, Henry Moss, left in "
+        "1968, after the light was made automatic. Today the building is a small museum that is "
+        "open from May to September.\n\nQuestion: How many years did the lamp burn oil, and why "
+        "did the last keeper leave?")),
+    ("math", _user(
+        "A cinema sells adult tickets for 9 dollars and child tickets for 5 dollars. A family buys "
+        "2 adult tickets and 3 child tickets and pays with a 50-dollar note. How much change do "
+        "they get? Show your working.")),
+    ("code", _user(QUESTION)),
+)
 
 # The checkout that holds the benchmark suite's committed results (a source checkout; a wheel has
 # none of them).
@@ -77,10 +129,14 @@ def add_subcommand(subparsers, handler):
                       "(specjax.adaptive_drafter: each row its own k every round, draft by "
                       "draft); default: the pair's measured best k, else adaptive where this "
                       "backend has a cost table beside the head, else 4")
-  parser.add_argument("--repeats", type=int, default=DEFAULT_TIMED_PAIRS,
-                      help="timed pairs of calls, the order alternating (decode then generate, "
-                      "generate then decode, ...); the median of the pairs' ratios is reported "
-                      f"(default {DEFAULT_TIMED_PAIRS})")
+  parser.add_argument("--timed-tokens", type=int, default=None,
+                      help="new tokens per timed call (default: the budget of the real suite's "
+                      f"committed run of the pair, else {DEFAULT_TIMED_TOKENS}; with --prompt, "
+                      "--max-new-tokens)")
+  parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS,
+                      help="timed pairs of calls per conversation, the order alternating (decode "
+                      "then generate, generate then decode, ...); each call's median time is "
+                      f"used (default {DEFAULT_REPEATS})")
   parser.set_defaults(func=handler)
 
 
@@ -92,12 +148,14 @@ def call_order(index: int) -> tuple[str, str]:
 
 def time_pairs(calls: dict[str, Callable[[], Any]], num_pairs: int,
                clock: Callable[[], float] = time.perf_counter,
-               block: Callable[[Any], Any] = jax.block_until_ready) -> dict:
+               block: Callable[[Any], Any] = jax.block_until_ready, first: int = 0) -> dict:
   """Times `calls["decode"]` and `calls["generate"]` in `num_pairs` pairs, in `call_order`.
 
   Args:
     calls: zero-argument callables named "decode" and "generate".
     num_pairs: how many pairs.
+    first: the index of the first pair in `call_order` (the demo continues the alternation from
+      one conversation to the next).
     clock: seconds (`time.perf_counter`; a fake one in tests).
     block: waits for a call's result (`jax.block_until_ready`).
 
@@ -107,23 +165,13 @@ def time_pairs(calls: dict[str, Callable[[], Any]], num_pairs: int,
   """
   times = {"decode": [], "generate": []}
   results, order = {}, []
-  for index in range(num_pairs):
+  for index in range(first, first + num_pairs):
     order.append(call_order(index))
     for name in order[-1]:
       start = clock()
       results[name] = block(calls[name]())
       times[name].append(clock() - start)
   return {**times, "order": order, "results": results}
-
-
-def paired_speedup(decode_s: list[float], generate_s: list[float]) -> tuple[float, list[float]]:
-  """`(median, ratios)`: each pair's generate time / decode time (the two calls ran back to back,
-  under nearly the same load) and their median."""
-  if not decode_s or len(decode_s) != len(generate_s):
-    raise ValueError(f"need as many decode as generate times, at least one: {len(decode_s)} and "
-                     f"{len(generate_s)}")
-  ratios = [g / d for g, d in zip(generate_s, decode_s)]
-  return statistics.median(ratios), ratios
 
 
 def suite_figure(pair: str, root: pathlib.Path = ROOT) -> dict | None:
@@ -169,14 +217,13 @@ def suite_line(pair: str, figure: dict | None) -> str:
 
 def run(args) -> int:
   """Runs the demo with parsed `specjax demo` arguments (`pair`, `prompt`, `max_new_tokens`,
-  `num_draft`, `repeats`).
+  `num_draft`, `timed_tokens`, `repeats`).
 
   Returns:
     The exit status: 0, or 1 where decode's tokens differ from generate's or a row's target
     logits were not finite.
   """
   import specjax as sj
-  from specjax.drafters.adaptive import auto_num_draft
   from rich.console import Console
   from rich.markup import escape
 
@@ -244,39 +291,83 @@ def run(args) -> int:
   ended = bool(streamed) and eos is not None and streamed[-1] in eos
   cut = f"no, it stopped at the --max-new-tokens budget ({args.max_new_tokens})"
   console.print(f"answer ended with EOS: {'yes' if ended else cut}", soft_wrap=True)
+  summary = stream_stats.summary()
+  console.print(f"streamed answer: {len(streamed)} tokens in {summary['rounds']} rounds; acceptance "
+                f"rate {summary['acceptance_rate']:.1%}, tau = {summary['tokens_per_round']:.2f} "
+                f"tokens per target pass (emitted / rounds); accepted per position "
+                f"{summary['accepted_per_position']}", soft_wrap=True)
 
-  calls = {"decode": lambda: sj.decode(target, draft, ids, rng, **spec, **common),
-           "generate": lambda: sj.generate(target, ids, rng, **common)}
-  # Both programs compiled ahead, not run: the timed calls below start warm.
+  figure = suite_figure(args.pair)
+  if args.prompt is not None:
+    conversations = [("your question", _user(prompt))]
+    budget = args.timed_tokens or args.max_new_tokens
+  else:
+    conversations = list(DEMO_SET)
+    suite_budget = figure["max_new_tokens"] if figure and figure["found"] else None
+    budget = args.timed_tokens or suite_budget or DEFAULT_TIMED_TOKENS
+  if budget < 1:
+    raise ValueError(f"--timed-tokens must be at least 1, got {budget}")
+  timed_common = dict(common, max_new_tokens=budget)
+  cases = []
+  for category, messages in conversations:
+    row = tokenizer.apply_chat_template(messages)
+    width = -(-len(row) // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
+    padded = np.zeros((1, width), np.int32)
+    padded[0, :len(row)] = row
+    cases.append((category, padded, np.asarray([len(row)], np.int32)))
+  # Both programs compiled ahead for every width, not run: the timed calls below start warm.
   began = time.perf_counter()
-  sj.precompile(sj.decode, target, draft, ids, rng, **spec, **common)
-  sj.precompile(sj.generate, target, ids, rng, **common)
-  console.print(f"[dim]compiled decode and generate in {time.perf_counter() - began:.1f}s[/dim]")
-  timed = time_pairs(calls, args.repeats)
-  out, reference = timed["results"]["decode"], timed["results"]["generate"]
-  broken = nonfinite_rows(out.stats, reference.stats)
-  if broken:
-    console.print(f"[bold red]{escape(warning(broken))}[/bold red]", soft_wrap=True)
-    return NONFINITE_EXIT
-  count = int(out.num_tokens[0])
-  same = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens))
-              and np.asarray(out.tokens[0, :count]).tolist() == streamed[:count])
-  stats = out.stats.summary()
+  for width in sorted({ids_.shape[1] for _, ids_, _ in cases}):
+    example = next((ids_, n) for _, ids_, n in cases if ids_.shape[1] == width)
+    shared = dict(timed_common, lengths=example[1])
+    sj.precompile(sj.decode, target, draft, example[0], rng, **spec, **shared)
+    sj.precompile(sj.generate, target, example[0], rng, **shared)
+  console.print(f"[dim]compiled decode and generate for {len(cases)} conversation(s) in "
+                f"{time.perf_counter() - began:.1f}s[/dim]")
+  console.print(f"timing {len(cases)} conversation(s), up to {budget} new tokens each, "
+                f"{args.repeats} pair(s) of calls each, the order alternating:", soft_wrap=True)
+  rows, same, decode_total, generate_total = [], True, 0.0, 0.0
+  totals = dict(tokens=0, rounds=0)
+  for index, (category, ids_, lengths_) in enumerate(cases):
+    shared = dict(timed_common, lengths=lengths_)
+    calls = {"decode": lambda: sj.decode(target, draft, ids_, rng, **spec, **shared),
+             "generate": lambda: sj.generate(target, ids_, rng, **shared)}
+    timed = time_pairs(calls, args.repeats, first=index * args.repeats)
+    out, reference = timed["results"]["decode"], timed["results"]["generate"]
+    broken = nonfinite_rows(out.stats, reference.stats)
+    if broken:
+      console.print(f"[bold red]{escape(warning(broken))}[/bold red]", soft_wrap=True)
+      return NONFINITE_EXIT
+    count = int(out.num_tokens[0])
+    identical = bool(np.array_equal(np.asarray(reference.tokens), np.asarray(out.tokens)))
+    if category == "code" or args.prompt is not None:  # the streamed question: a common prefix
+      shared_count = min(count, len(streamed))
+      identical &= np.asarray(out.tokens[0, :shared_count]).tolist() == streamed[:shared_count]
+    same &= identical
+    stats = out.stats.summary()
+    decode_s = statistics.median(timed["decode"])
+    generate_s = statistics.median(timed["generate"])
+    decode_total += decode_s
+    generate_total += generate_s
+    totals["tokens"] += count
+    totals["rounds"] += int(stats["rounds"])
+    console.print(f"  {category}: {count} tokens in {stats['rounds']} rounds, tau "
+                  f"{stats['tokens_per_round']:.2f}; decode {decode_s * 1e3:.0f} ms, generate "
+                  f"{generate_s * 1e3:.0f} ms: {generate_s / decode_s:.2f}x"
+                  f"{'' if identical else ' [tokens differ from generate]'}", soft_wrap=True)
   describe = {"auto": f"auto (k = {num_draft})",
               "adaptive": f"adaptive (each round up to K = {num_draft})"}.get(
                   mode, f"k = {num_draft}")
-  console.print(f"speculative decoding, {describe}: {count} tokens in {stats['rounds']} "
-                f"rounds; acceptance rate {stats['acceptance_rate']:.1%}, tau = "
-                f"{stats['tokens_per_round']:.2f} tokens per target pass (emitted / rounds); "
-                f"accepted per position {stats['accepted_per_position']}", soft_wrap=True)
-  median, ratios = paired_speedup(timed["decode"], timed["generate"])
-  for index, (first, second) in enumerate(timed["order"]):
-    console.print(f"  pair {index + 1} ({first} first): decode {timed['decode'][index] * 1e3:.0f} "
-                  f"ms, generate {timed['generate'][index] * 1e3:.0f} ms: "
-                  f"{ratios[index]:.2f}x", soft_wrap=True)
-  console.print(f"this question: [bold]{median:.2f}x[/bold] speedup (median of {len(ratios)} "
-                f"paired ratios, generate time / decode time, {count} tokens, "
-                f"{jax.devices()[0].platform}); output identical to generate: {same}",
+  overall = generate_total / decode_total
+  what = ("your question" if args.prompt is not None else
+          f"{len(cases)} conversations no run saw, one per suite category")
+  console.print(f"speculative decoding, {describe}, greedy: [bold]{overall:.2f}x[/bold] speedup "
+                f"over {what} (summed generate time / summed decode time, {totals['tokens']} "
+                f"tokens, {jax.devices()[0].platform}); tau {totals['tokens'] / totals['rounds']:.2f}"
+                f" (emitted tokens / rounds); output identical to generate: {same}",
                 soft_wrap=True)
-  console.print(escape(suite_line(args.pair, suite_figure(args.pair))), soft_wrap=True)
+  console.print(escape(suite_line(args.pair, figure)), soft_wrap=True)
+  if args.prompt is None and figure and figure["found"] and budget == figure["max_new_tokens"]:
+    console.print(f"this run / the suite's: {overall / figure['speedup']:.2f} (different prompts, "
+                  "and the suite ran on its own host and load)", soft_wrap=True)
   return 0 if same else 1

@@ -13,6 +13,9 @@ __all__ = ["CliError", "add_pair_arguments", "add_sampling_arguments", "is_gguf"
            "load_pair", "sampling_from"]
 
 
+DEFAULT_NUM_DRAFT = 4  # k for a pair nobody measured
+
+
 class CliError(Exception):
   """A user-facing error: printed as one line, exit status 2."""
 
@@ -51,7 +54,9 @@ def add_sampling_arguments(parser, temperature: float):
                         help=f"0 = greedy (default {temperature:g})")
   sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens")
   sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
-  sampling.add_argument("--num-draft", type=int, default=4, help="draft tokens per round (k)")
+  sampling.add_argument("--num-draft", type=int, default=None,
+                        help="draft tokens per round (k; default: the shipped pair's measured "
+                        f"best k when it runs, else {DEFAULT_NUM_DRAFT})")
   sampling.add_argument("--seed", type=int, default=0, help="PRNG seed")
 
 
@@ -85,7 +90,9 @@ def load_model(path: str, dtype: str):
 
 
 def load_pair(args):
-  """`(target, draft or drafter, tokenizer)` from `--target/--draft/--tokenizer`."""
+  """`(target, draft or drafter, tokenizer)` from `--target/--draft/--tokenizer`; sets
+  `args.num_draft` where it is None: the shipped pair's measured best k when the shipped pair runs
+  with its own drafter, else `DEFAULT_NUM_DRAFT`."""
   import pathlib
 
   import specjax as sj
@@ -106,7 +113,12 @@ def load_pair(args):
       raise CliError(f"{error}; pass --target and --draft checkpoint directories") from None
     draft = sj.NGramDrafter() if args.draft == "ngram" else pair.draft
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else pair.tokenizer
+    if getattr(args, "num_draft", 0) is None:
+      args.num_draft = (pair.num_draft if args.draft != "ngram" and pair.num_draft is not None
+                        else DEFAULT_NUM_DRAFT)
     return pair.target, draft, tokenizer
+  if getattr(args, "num_draft", 0) is None:
+    args.num_draft = DEFAULT_NUM_DRAFT
   target = load_model(args.target, args.dtype)
   draft = (sj.NGramDrafter() if args.draft in (None, "ngram")
            else load_model(args.draft, args.dtype))

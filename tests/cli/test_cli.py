@@ -252,8 +252,9 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert "own 4-bit copy" in out and "k = 6" in out  # the pair's measured best k
   assert f"user: {demo.QUESTION}" in out  # the held-out question, for every pair
   assert "answer ended with EOS: yes" in out  # within the default budget
-  assert "(median of 3 paired ratios" in out and "readme_smollm2_q4/real.json" in out
-  head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8"]
+  assert "over 6 conversations no run saw" in out and "readme_smollm2_q4/real.json" in out
+  assert "this run / the suite's: " in out
+  head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8", "--timed-tokens", "8"]
   assert cli.main(head) == 0
   out = capsys.readouterr().out
   assert "adaptive (each round up to K = " in out  # the cost table beside the head is used
