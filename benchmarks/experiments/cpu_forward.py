@@ -158,14 +158,13 @@ def step_breakdown(model, reps, context=128):
   from specjax.kernels.cpu import kernel as cpu_gemv
 
   def matmuls(layers, x, kernel):  # the CPU layout's four per layer (step copies, one row)
-    from specjax.models.cpu import layout as cpu_layout
-    x = x[None]
+    from specjax.models.weights import Ops
+    ops, x = Ops(kernel), x[None]
     for lp in layers:
-      qkv = cpu_layout.project(x, lp, "wqkv", kernel)
-      x = x + cpu_layout.project(qkv[..., :q_dim] + qkv[..., q_dim:].sum(), lp, "wo", kernel)
-      gate_up = cpu_layout.project(x, lp, "w_gate_up", kernel)
-      x = x + cpu_layout.project(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp, "w_down",
-                                 kernel)
+      qkv = ops.matmul(x, lp["wqkv_t"])
+      x = x + ops.matmul(qkv[..., :q_dim] + qkv[..., q_dim:].sum(), lp["wo_t"])
+      gate_up = ops.matmul(x, lp["w_gate_up_t"])
+      x = x + ops.matmul(jax.nn.silu(gate_up[..., :f]) * gate_up[..., f:], lp["w_down_t"])
     return x[0]
 
   def attention(k_cache, v_cache, q):

@@ -28,11 +28,12 @@ so set the variable before the first call.
 dtype, it is `einsum`), differentiates through `einsum` (`custom_jvp`), and is vmapped one call per
 batch element.
 
-`attention` is a decode step's (or verify block's) attention of up to eight query rows over the
-cache and the block: XLA:CPU spends tens of microseconds on each of its two small batched products
-per layer; the kernel computes them in one call per layer and skips the cache slots no query sees
-(the unfilled end of the buffer). On CPU only, float32, head sizes that are multiples of 8;
-elsewhere the jnp reference.
+`attention_kernel` is a decode step's (or verify block's) attention of up to eight query rows over
+the cache and the block: XLA:CPU spends tens of microseconds on each of its two small batched
+products per layer; the kernel computes them in one call per layer and skips the cache slots no
+query sees (the unfilled end of the buffer). On CPU only, float32, head sizes that are multiples of
+8 (`attention_usable`). Its math is `specjax.models.layers.attention_reference`, which the decoder
+runs everywhere else (`specjax.models.layers.segment_attention` chooses).
 """
 
 from __future__ import annotations
@@ -369,41 +370,17 @@ def quant_matvec(x: jax.Array, values: jax.Array, scales: jax.Array, *, bits: in
 # Attention of a few query rows over a cache and the block (a decode step, a verify block).
 
 
-def attention_reference(q, keys, values, masks, *, scale: float, softcap: float | None):
-  """Grouped-query attention over key/value segments in jnp: the decoder's attention math
-  (`specjax.models.layers.attention` runs it wherever the kernel does not) and the kernel's oracle.
-
-  `q [B, T, KVH, G, D]`; per segment `keys`, `values` `[B, KVH, S, D]` and `masks [B, T, S]` bool
-  (which keys each query sees). One softmax spans all segments, an invisible key scoring
-  float32's lowest; only the (small) scores are concatenated, never the keys, so attending over a
-  long cache plus a new block copies neither. Returns `[B, KVH, G, T, D]` float32."""
-  all_scores = []
-  for k, visible in zip(keys, masks):
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-      scores = softcap * jnp.tanh(scores / softcap)
-    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
-  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
-  out = 0.0
-  offset = 0
-  for v in values:
-    part = probs[..., offset:offset + v.shape[2]].astype(v.dtype)
-    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
-    # a transposed value slab per layer; the small result is transposed by the caller instead.
-    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, v, preferred_element_type=jnp.float32)
-    offset += v.shape[2]
-  return out
-
-
 def attention_usable(q, keys) -> bool:
-  """Whether `attention` would reach the kernel on CPU: two segments (a cache and a block),
+  """Whether `attention_kernel` takes these inputs on CPU: two segments (a cache and a block),
   float32, a head size that is a multiple of 8, and at most `8` query rows (`B * T`), as a decode
   step or a verify block has."""
   return (len(keys) == 2 and all(a.dtype == jnp.float32 for a in (q, *keys))
           and q.shape[-1] % 8 == 0 and q.shape[0] * q.shape[1] <= 8 and available())
 
 
-def _attention_kernel(q, keys, values, masks, *, scale, softcap):
+def attention_kernel(q, keys, values, masks, *, scale: float, softcap: float | None):
+  """`specjax.models.layers.attention_reference`'s result through the kernel (CPU only; see
+  `attention_usable`). Not differentiable (decode only; training runs the cache-free forward)."""
   b, t, kvh, g, d = q.shape
   out = jax.ShapeDtypeStruct((b, kvh, g, t, d), jnp.float32)
   (k0, k1), (v0, v1) = keys, values
@@ -411,13 +388,3 @@ def _attention_kernel(q, keys, values, masks, *, scale, softcap):
       q, k0, v0, k1, v1, jnp.concatenate(masks, axis=-1), scale=np.float32(scale),
       softcap=np.float32(softcap or 0.0))
 
-
-def attention(q, keys, values, masks, *, scale: float, softcap: float | None):
-  """`attention_reference`'s result: the kernel on CPU where `attention_usable`, else jnp. Not
-  differentiable through the kernel (decode only; training runs the cache-free forward)."""
-  keys, values, masks = tuple(keys), tuple(values), tuple(masks)
-  ref = functools.partial(attention_reference, scale=scale, softcap=softcap)
-  if not attention_usable(q, keys):
-    return ref(q, keys, values, masks)
-  kernel = functools.partial(_attention_kernel, scale=scale, softcap=softcap)
-  return jax.lax.platform_dependent(q, keys, values, masks, cpu=kernel, default=ref)

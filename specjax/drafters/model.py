@@ -28,6 +28,7 @@ from specjax.drafters.base import OwnModelDrafter
 from specjax.models.quant import indivisible, quantize
 from specjax.core.sampling import PURPOSE_DRAFT, first_argmax, sample_token
 from specjax.models import quant
+from specjax.models import weights
 from specjax.models.cpu import panels as panel_layout
 from specjax.models.layers import _softcap
 from specjax.models.prefill import prefill as model_prefill
@@ -265,7 +266,7 @@ class ModelDrafter(OwnModelDrafter):
     valid = jnp.arange(width, dtype=jnp.int32)[None] >= (width - lengths)[:, None]
     recent = jnp.where(valid, recent, 0)
     table = self.model.params["embed"] if self.context_head is None else self.context_head
-    rows = quant.take_rows(table, recent)  # [B, M, E]
+    rows = weights.embed(table, recent)  # [B, M, E]
     return recent, rows, valid
 
   def _scores(self, logits, hidden, context):

@@ -1,6 +1,8 @@
 """The decoder's layer math: RMSNorm, rotary embeddings (with Llama 3.1 / linear scaling),
-grouped-query attention over cache segments with causal and sliding-window masks, and the MLP
-activation. Pure functions of arrays, shared by the target forward and the draft heads."""
+grouped-query attention over cache segments with causal and sliding-window masks (its jnp
+reference, `attention_reference`, is the math every platform runs where the CPU kernel does not),
+and the MLP activation. Pure functions of arrays, shared by the target forward and the draft
+heads."""
 
 from __future__ import annotations
 
@@ -55,11 +57,51 @@ def _softcap(x: jax.Array, cap: float | None) -> jax.Array:
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
+def attention_reference(q, keys, values, masks, *, scale: float, softcap: float | None):
+  """Grouped-query attention over key/value segments in jnp: the decoder's attention math
+  (`attention` runs it wherever the CPU kernel does not) and the kernel's oracle.
+
+  `q [B, T, KVH, G, D]`; per segment `keys`, `values` `[B, KVH, S, D]` and `masks [B, T, S]` bool
+  (which keys each query sees). One softmax spans all segments, an invisible key scoring
+  float32's lowest; only the (small) scores are concatenated, never the keys, so attending over a
+  long cache plus a new block copies neither. Returns `[B, KVH, G, T, D]` float32."""
+  all_scores = []
+  for k, visible in zip(keys, masks):
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+      scores = softcap * jnp.tanh(scores / softcap)
+    all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
+  probs = jax.nn.softmax(jnp.concatenate(all_scores, axis=-1), axis=-1)
+  out = 0.0
+  offset = 0
+  for v in values:
+    part = probs[..., offset:offset + v.shape[2]].astype(v.dtype)
+    # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
+    # a transposed value slab per layer; the small result is transposed by the caller instead.
+    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, v, preferred_element_type=jnp.float32)
+    offset += v.shape[2]
+  return out
+
+
+def segment_attention(q, keys, values, masks, *, scale: float, softcap: float | None,
+                      kernel: bool = False):
+  """`attention_reference`'s result: with `kernel`, the CPU kernel
+  (`specjax.kernels.cpu.kernel.attention_kernel`) on CPU where it is usable (two segments, a
+  decode step or a verify block), else jnp. Not differentiable through the kernel (decode only;
+  training runs the cache-free forward)."""
+  keys, values, masks = tuple(keys), tuple(values), tuple(masks)
+  ref = functools.partial(attention_reference, scale=scale, softcap=softcap)
+  if not (kernel and cpu_gemv.attention_usable(q, keys)):
+    return ref(q, keys, values, masks)
+  fast = functools.partial(cpu_gemv.attention_kernel, scale=scale, softcap=softcap)
+  return jax.lax.platform_dependent(q, keys, values, masks, cpu=fast, default=ref)
+
+
 def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False,
               causal_block: bool = False):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
-  masking: the masks here, the math in `specjax.kernels.cpu.kernel.attention_reference` (one
-  softmax over all segments; only the small scores are concatenated, never the keys).
+  masking: the masks here, the math in `attention_reference` (one softmax over all segments; only
+  the small scores are concatenated, never the keys).
 
   A long block attending a cache (at least `long_attention.LONG_BLOCK` query rows, every `valid`
   None or `[B, 1, S]`: a prompt's prefill) goes through `specjax.models.long_attention`, which
@@ -75,8 +117,8 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     window: scalar int, 0 for global attention.
     config: the model config.
     kernel: a cache and a block (two segments) of at most 8 query rows go through the CPU kernel
-      `specjax.kernels.cpu.kernel.attention` (same math up to float32 rounding; XLA:CPU spends tens
-      of microseconds on each of the two small products), where it is usable.
+      (`segment_attention`; same math up to float32 rounding; XLA:CPU spends tens of microseconds on
+      each of the two small products), where it is usable.
     causal_block: the caller's promise that the last segment is the query block itself (its
       `k_pos` is `q_pos`, its `valid` None) and that every valid key of the earlier segments lies
       at or before every query's position and inside the window (a cache before the block): a
@@ -93,7 +135,7 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     out = long_attention.long_attention(
         q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
         softcap=config.attn_logit_softcap,
-        reference=functools.partial(cpu_gemv.attention_reference, scale=config.attention_scale,
+        reference=functools.partial(attention_reference, scale=config.attention_scale,
                                     softcap=config.attn_logit_softcap),
         kernel_fits=long_attention.splash_fits(config, causal_block))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
@@ -105,9 +147,8 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
       visible &= valid
     masks.append(visible)
   keys, values = [s[0] for s in segments], [s[1] for s in segments]
-  attend = cpu_gemv.attention if kernel else cpu_gemv.attention_reference
-  out = attend(q, keys, values, masks, scale=config.attention_scale,
-               softcap=config.attn_logit_softcap)
+  out = segment_attention(q, keys, values, masks, scale=config.attention_scale,
+                          softcap=config.attn_logit_softcap, kernel=kernel)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
 
 

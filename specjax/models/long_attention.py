@@ -1,6 +1,5 @@
 """Attention for a long block of queries (a prompt's prefill) that never holds its `[heads, T, S]`
-scores: the same math as `specjax.kernels.cpu.kernel.attention_reference`, computed a tile at a
-time.
+scores: the same math as `specjax.models.layers.attention_reference`, computed a tile at a time.
 
 `specjax.models.layers.attention` sends a block of at least `LONG_BLOCK` query rows that attends
 a cache (two or more segments) here; shorter blocks (decode steps, verify blocks, trees) and the

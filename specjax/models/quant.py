@@ -8,8 +8,8 @@ integers at their narrow width, so a batch-1 step reads 1/4 (int8) or about 1/7 
 float32 bytes, and quantizes the rows of x per group too (integer dot products; where the kernel
 is not built, `cpu_gemv.quant_reference` does the same arithmetic in jnp); on TPU/GPU the product
 is `einsum(x, dequantize(w))` with float x, whose convert and scale XLA fuses into the dot.
-No float copy of the weights is kept. The layer body does not branch on the backend: it calls
-`linear(h, w)` for whatever leaf it holds.
+No float copy of the weights is kept. The layer body does not branch on the backend or the leaf
+type: `specjax.models.weights` dispatches its products on the leaf it holds.
 
 Quantization: per group, `scale = max|w| / (2^(bits-1) - 1)`, `q = round(w / scale)` (int8:
 -127..127; int4: -7..7, stored as q + 8). Asymmetric int4 (`asymmetric=True`) adds a float32
@@ -33,9 +33,10 @@ import jax.numpy as jnp
 from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
 from specjax.models.cpu import panels
+from specjax.models.cpu import rows
 
 __all__ = ["BITS", "QuantizedWeight", "abstract_quantized", "dequantize_model", "is_quantized",
-           "linear", "linear_t", "quantization_of", "quantize", "quantize_weight", "take_rows"]
+           "quantization_of", "quantize", "quantize_weight"]
 
 BITS = (8, 4)  # supported widths
 
@@ -184,29 +185,6 @@ def is_quantized(w) -> bool:
   return isinstance(w, QuantizedWeight)
 
 
-def linear(h: jax.Array, w) -> jax.Array:
-  """`h [..., in]` times a weight `[in, out]` (a float array) or a `QuantizedWeight` -> `[...,
-  out]`."""
-  if isinstance(w, QuantizedWeight):
-    return w.matmul(h)
-  return jnp.einsum("...i,io->...o", h, w)
-
-
-def linear_t(h: jax.Array, w) -> jax.Array:
-  """`h [..., in]` times a weight stored `[out, in]` (a float array, e.g. a tied embedding) or a
-  `QuantizedWeight` -> `[..., out]` float32."""
-  if isinstance(w, QuantizedWeight):
-    return w.matmul(h)
-  return jnp.einsum("...i,oi->...o", h, w, preferred_element_type=jnp.float32)
-
-
-def take_rows(w, ids: jax.Array) -> jax.Array:
-  """Rows `ids` of an `[n, d]` table (an embedding), float or quantized (dequantized rows)."""
-  if isinstance(w, QuantizedWeight):
-    return w.map_rows(lambda a: a[ids]).dequantize(w.dtype)
-  return w[ids]
-
-
 # Which float matrices `quantize` replaces, and how each lies: canonical per-layer weights are
 # `[in, out]` (transposed to `[out, in]` here); the CPU layout's step copies `<name>_t` already
 # are `[out, in]`, and their column halves are dropped (a quantized weight has one copy).
@@ -316,7 +294,10 @@ def dequantize_model(model):
     for name, w in lp.items():
       if isinstance(w, QuantizedWeight):
         dense = w.dequantize()
-        out[name] = dense if name.endswith("_t") else jnp.swapaxes(dense, -1, -2)
+        if name.endswith("_t"):  # the CPU layout's `[out, in]` copy, row-major
+          out[name] = rows.RowMajorWeight(dense)
+        else:  # a canonical `[in, out]` matrix
+          out[name] = jnp.swapaxes(dense, -1, -2)
     return out
 
   p["layers"] = layer(p["layers"]) if model.is_stacked else tuple(layer(lp) for lp in p["layers"])

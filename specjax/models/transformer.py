@@ -18,7 +18,9 @@ unrolled loop, a tuple of per-layer `[B, KVH, S, D]` cache buffers updated in pl
 the scan copies every layer's weights out of the stacked arrays on every step, the loop does not.
 On CPU the unstacked layers also fuse their projections (`with_fused_projections`: one q/k/v and
 one gate/up matrix per layer), since a batch-1 step is a chain of small matrix-vector products.
-`model.for_platform()` picks one once, at load.
+`model.for_platform()` picks one once, at load. The forward pass reads the same for every layout:
+how a weight lies is its leaf type (a float array, a quantized weight, the CPU layout's panels or
+row-major copies), and `specjax.models.weights` dispatches each product on it.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.cpu import kernel as cpu_gemv
-from specjax.core.cache import KVBlock, KVCache, write_block, write_stacked_block
+from specjax.core.cache import KVBlock, KVCache, write_stacked_block
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
 from specjax.models import quant
+from specjax.models import weights
 from specjax.parallel.rules import (CACHE_AXES, KEY_VALUE_AXES, LOGITS_AXES, MLP_AXES,
                                     QUERY_AXES, RESIDUAL_AXES, constrain)
 from specjax.models.config import ModelConfig
@@ -79,8 +82,9 @@ class Model:
     cpu_kernel: whether the CPU layout's products go through the hand-written kernel
       `specjax.kernels.cpu.kernel` rather than XLA's dot (same products up to float32 summation
       order): weights in panels (`specjax.models.cpu.panels`) at every block size, row-major ones
-      in blocks of up to `cpu_layout.KERNEL_ROWS` rows. Static, so a model with and one without
-      it compile apart; `with_fused_projections` turns it on where the kernel builds.
+      (`specjax.models.cpu.rows`) in blocks of up to `rows.KERNEL_ROWS` rows; the forward pass
+      reads it through `specjax.models.weights.Ops`. Static, so a model with and one without it
+      compile apart; `with_fused_projections` turns it on where the kernel builds.
   """
 
   params: dict
@@ -295,7 +299,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     `starts .. starts + T - 1` and `lengths = starts + T`.
   """
   c = model.config
-  kernel = model.cpu_kernel
+  ops = weights.Ops.of(model)  # each weight's product, by its leaf type (`specjax.models.weights`)
   p = model.params
   taps = check_taps(taps, c.num_layers)
   b, t = tokens.shape
@@ -307,7 +311,7 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   if positions is not None:
     q_pos = jnp.asarray(positions, jnp.int32)
 
-  x = quant.take_rows(p["embed"], tokens)
+  x = weights.embed(p["embed"], tokens)
   if c.scale_embeddings:
     x = x * jnp.asarray(math.sqrt(c.embed_dim), x.dtype)
   x = constrain(x, RESIDUAL_AXES)  # constrain() is a no-op unless a mesh is active
@@ -333,27 +337,14 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     # Cache slots before a row's start hold earlier tokens; the rest is stale or empty.
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
 
-  def project(h, w, bias):
-    out = quant.linear(h, w)  # w: [in, out] float, or a QuantizedWeight
-    return out if bias is None else out + bias
-
   def block(x, lp, window, layer_k, layer_v):
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
-    cpu = cpu_layout.is_cpu_layer(lp)
 
     def project_out(a, name, post_norm):  # an output projection, then its post-norm if any
-      out = cpu_layout.project(a, lp, name, kernel) if cpu else quant.linear(a, lp[name])
+      out = ops.output(a, lp, name)
       return rms_norm(out, lp[post_norm], c.norm_eps, c.norm_offset) if c.post_norms else out
 
-    if cpu:  # the CPU layout (with_fused_projections)
-      n_q, n_kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-      qkv = cpu_layout.project(h, lp, "wqkv", kernel)
-      qkv = qkv if "bqkv" not in lp else qkv + lp["bqkv"]
-      q, k, v = qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
-    else:
-      q = project(h, lp["wq"], lp.get("bq"))
-      k = project(h, lp["wk"], lp.get("bk"))
-      v = project(h, lp["wv"], lp.get("bv"))
+    q, k, v = ops.qkv(h, lp, c)
     q = q.reshape(b, t, c.num_heads, c.head_dim)
     k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
@@ -369,16 +360,11 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     # The block is causal over itself unless a tree's mask or positions say otherwise.
-    attn = attention(q, segments, q_pos, window, c, kernel=kernel and cache is not None,
-                     causal_block=block_mask is None and positions is None)
+    attn = ops.attention(q, segments, q_pos, window, c,
+                         causal_block=block_mask is None and positions is None)
     x = x + project_out(attn, "wo", "post_attn_norm")
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
-    if cpu:
-      gate_up = cpu_layout.project(h, lp, "w_gate_up", kernel)
-      gate, up = gate_up[..., :c.mlp_dim], gate_up[..., c.mlp_dim:]
-    else:
-      gate = quant.linear(h, lp["w_gate"])
-      up = quant.linear(h, lp["w_up"])
+    gate, up = ops.gate_up(h, lp, c)
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
     x = x + project_out(hidden, "w_down", "post_mlp_norm")
     return constrain(x, RESIDUAL_AXES), k, v, attn
@@ -399,13 +385,10 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       if cache is not None and not write_cache:
         new_k.append(k)
         new_v.append(v)
-      elif cache is not None:
-        # XLA:CPU runs independent ops concurrently, so an in-place write into a buffer that an
-        # unordered op still reads costs two copies of the buffer. Making the written block depend
-        # on the layer's attention output (+0.0: same values) orders the write after the read.
-        after = 0.0 * attn[:1, :1, :1, None].astype(k.dtype)
-        new_k.append(constrain(write_block(cache_k[i], k + after, starts), CACHE_AXES[1:]))
-        new_v.append(constrain(write_block(cache_v[i], v + after, starts), CACHE_AXES[1:]))
+      elif cache is not None:  # written after the layer's attention has read the buffer
+        written_k, written_v = cpu_layout.write_after(attn, layer_kv, (k, v), starts)
+        new_k.append(constrain(written_k, CACHE_AXES[1:]))
+        new_v.append(constrain(written_v, CACHE_AXES[1:]))
     if cache is not None and not write_cache:
       block_kv = KVBlock(tuple(new_k), tuple(new_v))
     elif cache is not None:
@@ -443,18 +426,5 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   normed = x
   if logits_at is not None:
     x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
-  if c.tie_embeddings and "lm_head" not in p:  # `embed.T` inside jit would copy [E, V] per call
-    if panel_layout.is_panels(p["embed"]):  # the CPU layout's panels, at every block size
-      logits = p["embed"].matmul(x, kernel)
-    elif kernel and not quant.is_quantized(p["embed"]):
-      logits = cpu_gemv.matvec(x, p["embed"])  # the CPU kernel reads `[V, E]` as it lies
-    else:
-      logits = quant.linear_t(x, p["embed"])  # [V, E], float or quantized
-  elif quant.is_quantized(p["lm_head"]):  # quantized untied head (stored [V, E])
-    logits = p["lm_head"].matmul(x)
-  elif panel_layout.is_panels(p["lm_head"]):  # the CPU layout's untied head, `[V, E]` in panels
-    logits = p["lm_head"].matmul(x, kernel)
-  else:  # untied, or a tied model carrying its `[E, V]` copy (`with_output_copy`)
-    logits = jnp.einsum("bte,ev->btv", x, p["lm_head"], preferred_element_type=jnp.float32)
-  logits = constrain(_softcap(logits, c.final_logit_softcap), LOGITS_AXES)
+  logits = constrain(_softcap(ops.logits(x, p, c), c.final_logit_softcap), LOGITS_AXES)
   return ForwardOutput(logits, normed if return_hidden else None, tap_out, new_cache, block_kv)

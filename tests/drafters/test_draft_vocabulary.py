@@ -27,6 +27,7 @@ import specjax as sj
 from specjax.drafters import with_draft_vocab
 from specjax.drafters.model import restrict_output
 from specjax.models import quant
+from specjax.models import weights
 from specjax.testing.models import tiny_config
 from specjax.tuning.draft_vocab import frequent_vocab, vocab_coverage
 
@@ -161,7 +162,7 @@ def test_an_untied_draft_model_scores_its_context_through_its_own_head(target, q
   hidden = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
   scores = np.asarray(drafter._scores(jnp.zeros((2, len(SUBSET))), hidden, context))[:, -3:]
   tolerance = 3e-2 if quantized else 1e-4
-  embed = np.asarray(quant.take_rows(untied.params["embed"], jnp.arange(96)))
+  embed = np.asarray(weights.embed(untied.params["embed"], jnp.arange(96)))
   for b, n in enumerate([7, 3]):
     recent = np.asarray(tokens)[b, n - 3:n]
     np.testing.assert_allclose(scores[b], full[b, n - 1, recent], atol=tolerance)

@@ -18,6 +18,7 @@ import pytest
 
 import specjax as sj
 from specjax.kernels.cpu import kernel as cpu_gemv
+from specjax.models import layers
 from specjax.testing.models import random_quantized, tiny_config
 
 pytestmark = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
@@ -291,21 +292,21 @@ def test_the_model_with_the_kernel_gives_the_same_steps_and_tokens():
 
 
 def _segments(q, k0, v0, k1, v1, visible):
-  """The cache and the block as the two segments `cpu_gemv.attention` takes."""
+  """The cache and the block as the two segments `layers.segment_attention` takes."""
   s0 = k0.shape[2]
   return q, (k0, k1), (v0, v1), (visible[..., :s0], visible[..., s0:])
 
 
 def _kernel_attention(*args, scale, softcap):
-  return cpu_gemv.attention(*_segments(*args), scale=scale, softcap=softcap)
+  return layers.segment_attention(*_segments(*args), scale=scale, softcap=softcap, kernel=True)
 
 
 def _jnp_attention(*args, scale, softcap):
-  return cpu_gemv.attention_reference(*_segments(*args), scale=scale, softcap=softcap)
+  return layers.attention_reference(*_segments(*args), scale=scale, softcap=softcap)
 
 
 def _attention_f64(q, k0, v0, k1, v1, visible, scale, softcap):
-  """The attention of `cpu_gemv.attention_reference` over a cache and a block, in float64 numpy
+  """The attention of `layers.attention_reference` over a cache and a block, in float64 numpy
   (one softmax over both; an invisible key scores float32's lowest)."""
   q, keys, values = (np.asarray(a, np.float64) for a in (
       q, np.concatenate([k0, k1], axis=2), np.concatenate([v0, v1], axis=2)))

@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 
 from specjax.models import layers, long_attention, prefill
-from specjax.kernels.cpu.kernel import attention_reference
 from specjax.models.transformer import forward, init_params
 from specjax.testing.models import tiny_config
 
@@ -49,7 +48,7 @@ def _reference(q, keys, values, k_pos, valid, q_pos, window, scale, softcap):
     seen = (kp[:, None, :] <= q_pos[:, :, None]) & (
         (window == 0) | (kp[:, None, :] > q_pos[:, :, None] - window))
     masks.append(seen if vd is None else seen & vd)
-  return attention_reference(q, keys, values, masks, scale=scale, softcap=softcap)
+  return layers.attention_reference(q, keys, values, masks, scale=scale, softcap=softcap)
 
 
 @pytest.mark.parametrize("window,softcap,tile", [(0, None, 128), (50, None, 128), (0, 5.0, 64),

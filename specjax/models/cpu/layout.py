@@ -1,4 +1,4 @@
-"""The CPU layout of a decoder layer's projections, and the one function that applies them.
+"""The CPU layout of a decoder layer's projections, and the ordering of its cache writes.
 
 At batch 1 a decode step is a chain of matrix-vector products that should stream every weight once
 at memory bandwidth, and a verify block of 2-9 rows should cost little more. The CPU layout keeps
@@ -6,11 +6,13 @@ each projection once (`<name>_t`), fused where that saves products (query/key/va
 gate/up as one). Where the kernel is built (`specjax.kernels.cpu.kernel`, `Model.cpu_kernel`) the
 copy is a `specjax.models.cpu.panels.PanelWeight`: panels of 48 output columns that the kernel
 reads at every block size, a verify block's rows for about the time of one and a prompt's in
-cache-sized steps. Elsewhere it is a row-major `[out, in]` array for XLA's dot. A quantized
-projection (`specjax.models.quant.QuantizedWeight`) takes the same place and computes its own
-product. A tied embedding goes into panels as well (its lookups take rows from them). `split_params`
-restores the canonical weights. `fuse_params` builds the layout with its weights in 2 MiB pages
-where Linux offers them.
+cache-sized steps. Elsewhere it is a `specjax.models.cpu.rows.RowMajorWeight` (`[out, in]`) for
+XLA's dot. A quantized projection (`specjax.models.quant.QuantizedWeight`) takes the same place.
+Each leaf type computes its own product (`specjax.models.weights`). A tied embedding goes into
+panels as well (its lookups take rows from them). `split_params` restores the canonical weights.
+`fuse_params` builds the layout with its weights in 2 MiB pages where Linux offers them.
+
+The unstacked model's cache writes go through `write_after` (see there).
 """
 
 from __future__ import annotations
@@ -18,15 +20,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.core.cache import write_block
 from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.cpu import host_memory
 from specjax.models.cpu import panels as panel_layout
+from specjax.models.cpu import rows
 from specjax.models import quant
 from specjax.models.config import ModelConfig
-
-# Blocks of up to this many rows (B * T) go through the kernel when the model uses it: every weight
-# is read once for all rows (the kernel's own limit per pass).
-KERNEL_ROWS = 8
 
 # fused name: (canonical parts, concatenated along the output axis)
 _PROJECTIONS = (("wqkv", ("wq", "wk", "wv")), ("wo", ("wo",)), ("w_gate_up", ("w_gate", "w_up")),
@@ -40,7 +40,7 @@ def is_cpu_layer(lp: dict) -> bool:
 def fuse_layer(lp: dict, panels: bool | None = None) -> dict:
   """Canonical per-layer weights -> the CPU layout: one fused copy per projection, in panels
   (`specjax.models.cpu.panels.PanelWeight`) when `panels` (default: where the kernel is built),
-  else a row-major `[out, in]` array for XLA's dot."""
+  else a row-major `[out, in]` copy for XLA's dot (`specjax.models.cpu.rows.RowMajorWeight`)."""
   if is_cpu_layer(lp):
     return lp
   if panels is None:
@@ -56,7 +56,7 @@ def fuse_layer(lp: dict, panels: bool | None = None) -> dict:
     w = jnp.concatenate([jnp.asarray(lp[name]) for name in parts], axis=-1)  # [in, out]
     for name in parts:
       del out[name]
-    out[fused + "_t"] = panel_layout.pack(w.T) if panels else w.T.copy()
+    out[fused + "_t"] = panel_layout.pack(w.T) if panels else rows.RowMajorWeight(w.T.copy())
   if all(name in lp for name in ("bq", "bk", "bv")):
     out["bqkv"] = jnp.concatenate([lp[name] for name in ("bq", "bk", "bv")], axis=-1)
     for name in ("bq", "bk", "bv"):
@@ -126,14 +126,11 @@ def split_layer(lp: dict, c: ModelConfig) -> dict:
   return out
 
 
-def project(h: jax.Array, lp: dict, fused: str, kernel: bool = False) -> jax.Array:
-  """`h [B, T, in] -> [B, T, out]` through the CPU layout's projection `fused` (see the module
-  docstring): the kernel for blocks of up to `KERNEL_ROWS` rows when `kernel`, else XLA's dot."""
-  step = lp[fused + "_t"]
-  if quant.is_quantized(step):  # one quantized copy, read by the kernel at every block size
-    return step.matmul(h)
-  if panel_layout.is_panels(step):  # the kernel at every block size (a prompt included)
-    return step.matmul(h, kernel)
-  if kernel and h.shape[0] * h.shape[1] <= KERNEL_ROWS:
-    return cpu_gemv.matvec(h, step)
-  return jnp.einsum("bti,oi->bto", h, step)
+def write_after(attn: jax.Array, buffers, blocks, starts: jax.Array) -> tuple:
+  """Each of `blocks` (`[B, T, KVH, D]`) written into its per-layer cache buffer at `starts`
+  (`specjax.core.cache.write_block`), ordered after the layer's attention output `attn`, which read
+  the buffers. XLA:CPU runs independent ops concurrently, so an in-place write into a buffer that an
+  unordered op still reads costs two copies of the buffer. Making the written block depend on the
+  attention output (+0.0: same values) orders the write after the read."""
+  after = 0.0 * attn[:1, :1, :1, None].astype(blocks[0].dtype)
+  return tuple(write_block(buffer, block + after, starts) for buffer, block in zip(buffers, blocks))

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.cpu import host_memory
+from specjax.models.cpu import rows
 from specjax.kernels.cpu import kernel
 
 PANEL = 48  # output columns per panel: `kPanel` in cpu_gemv.cc
@@ -128,8 +129,9 @@ def is_panels(w) -> bool:
 
 
 def dense(w):
-  """The `[out, in]` matrix of a `PanelWeight`; any other weight as it is."""
-  return w.dense() if is_panels(w) else w
+  """The `[out, in]` matrix of a CPU layout weight (a `PanelWeight`, a
+  `specjax.models.cpu.rows.RowMajorWeight`); any other weight as it is."""
+  return w.dense() if is_panels(w) or rows.is_rows(w) else w
 
 
 def reference(x: jax.Array, panels: jax.Array, out: int) -> jax.Array:
