@@ -6,14 +6,14 @@ Qwen2.5-Coder-0.5B-Instruct in int8), streams its answer to a coding question th
 the answer ended with the model's EOS token. It then times `specjax.decode` against
 `specjax.generate` on `DEMO_SET`: six conversations written for the demo and asked nowhere else, one
 per category of the real suite (Spec-Bench's six: multi-turn chat, translation, summarization, QA
-over a text, math, code), each up to the suite's budget of new tokens for the pair (`--timed-tokens`;
-the suite's committed run says how many). Each conversation is one pair of calls, repeated
-`--repeats` times, the order alternating (decode first, then generate first, ...), both compiled
-ahead without running (`specjax.precompile`; compilation is not counted; prompts are padded to a
-multiple of 32 tokens, as in the suite, so a few widths compile). It prints each conversation's
-ratio (generate time / decode time) and the overall figure, computed as the suite computes its
-own: the summed generate time over the summed decode time (decode tokens/s over generate tokens/s,
-the same tokens on both sides), then the real suite's committed figure for the pair beside it
+over a text, math, code), each up to the suite's budget of new tokens for the pair
+(`--timed-tokens`; the suite's committed run says how many). Each conversation is one pair of calls,
+repeated `--repeats` times, the order alternating (decode first, then generate first, ...), both
+compiled ahead without running (`specjax.precompile`; compilation is not counted; prompts are padded
+to a multiple of 32 tokens, as in the suite, so a few widths compile). It prints each conversation's
+ratio (generate time / decode time) and the overall figure, computed as the suite computes its own:
+the summed generate time over the summed decode time (decode tokens/s over generate tokens/s, the
+same tokens on both sides), then the real suite's committed figure for the pair beside it
 (`SUITE_RESULTS`). With `--prompt`, the user's question is streamed and timed alone.
 
 Exit status: 0, or 1 when decode's tokens differ from generate's or the target's logits were not
@@ -52,9 +52,9 @@ def _user(text: str) -> list[dict]:
 
 # One conversation per category of the real suite (benchmarks/prompts/real.json has three to six
 # of its own per category), in the suite's order. Written for the demo and asked nowhere else: not
-# among the suite's prompts, the questions of benchmarks/self_draft.py (which chose each pair's k) or
-# the EAGLE head's training prompts (specjax/training/prompts.py). The demo times them at the suite's
-# budget, so its figure and the suite's measure the same thing on different prompts.
+# among the suite's prompts, the questions of benchmarks/self_draft.py (which chose each pair's
+# k) or the EAGLE head's training prompts (specjax/training/prompts.py). The demo times them at the
+# suite's budget, so its figure and the suite's measure the same thing on different prompts.
 DEMO_SET = (
     ("multi-turn chat", [
         {"role": "user", "content": "I bought a second-hand acoustic guitar. What should I "
@@ -65,8 +65,8 @@ DEMO_SET = (
         {"role": "user", "content": "My fingertips hurt after a few minutes of playing. Am I "
          "doing something wrong?"}]),
     ("translation", _user(
-        "Put this into Spanish, please: \"The bakery on the corner opens at six in the morning, and by "
-        "eight o'clock the fresh bread is usually sold out.\"")),
+        "Put this into Spanish, please: \"The bakery on the corner opens at six in the morning, "
+        "and by eight o'clock the fresh bread is usually sold out.\"")),
     ("summarization", _user(
         "In two sentences, what does this report say?\n\nThe city started a bicycle-sharing "
         "programme two years ago with 300 bicycles at 25 stations. Use grew faster than expected: "
@@ -292,10 +292,10 @@ def run(args) -> int:
   cut = f"no, it stopped at the --max-new-tokens budget ({args.max_new_tokens})"
   console.print(f"answer ended with EOS: {'yes' if ended else cut}", soft_wrap=True)
   summary = stream_stats.summary()
-  console.print(f"streamed answer: {len(streamed)} tokens in {summary['rounds']} rounds; acceptance "
-                f"rate {summary['acceptance_rate']:.1%}, tau = {summary['tokens_per_round']:.2f} "
-                f"tokens per target pass (emitted / rounds); accepted per position "
-                f"{summary['accepted_per_position']}", soft_wrap=True)
+  console.print(f"streamed answer: {len(streamed)} tokens in {summary['rounds']} rounds; "
+                f"acceptance rate {summary['acceptance_rate']:.1%}, tau = "
+                f"{summary['tokens_per_round']:.2f} tokens per target pass (emitted / rounds); "
+                f"accepted per position {summary['accepted_per_position']}", soft_wrap=True)
 
   figure = suite_figure(args.pair)
   if args.prompt is not None:
@@ -326,7 +326,7 @@ def run(args) -> int:
                 f"{time.perf_counter() - began:.1f}s[/dim]")
   console.print(f"timing {len(cases)} conversation(s), up to {budget} new tokens each, "
                 f"{args.repeats} pair(s) of calls each, the order alternating:", soft_wrap=True)
-  rows, same, decode_total, generate_total = [], True, 0.0, 0.0
+  same, decode_total, generate_total = True, 0.0, 0.0
   totals = dict(tokens=0, rounds=0)
   for index, (category, ids_, lengths_) in enumerate(cases):
     shared = dict(timed_common, lengths=lengths_)
@@ -363,8 +363,9 @@ def run(args) -> int:
           f"{len(cases)} conversations no run saw, one per suite category")
   console.print(f"speculative decoding, {describe}, greedy: [bold]{overall:.2f}x[/bold] speedup "
                 f"over {what} (summed generate time / summed decode time, {totals['tokens']} "
-                f"tokens, {jax.devices()[0].platform}); tau {totals['tokens'] / totals['rounds']:.2f}"
-                f" (emitted tokens / rounds); output identical to generate: {same}",
+                f"tokens, {jax.devices()[0].platform}); tau "
+                f"{totals['tokens'] / totals['rounds']:.2f} (emitted tokens / rounds); output "
+                f"identical to generate: {same}",
                 soft_wrap=True)
   console.print(escape(suite_line(args.pair, figure)), soft_wrap=True)
   if args.prompt is None and figure and figure["found"] and budget == figure["max_new_tokens"]:

@@ -238,7 +238,9 @@ def test_demo_without_the_coder_packages_is_one_clear_error(capsys, monkeypatch,
   assert "specjax demo --pair smollm2-q4" in line
 
 
-@pytest.mark.slow  # loads SmolLM2-135M and compiles two decodes (~1 min): CI's slow step runs it
+# SmolLM2-135M: the demo on six conversations, then the head's two modes on one question (about
+# 4 min on 2 cores): CI's slow step runs it.
+@pytest.mark.slow
 def test_demo_runs_with_the_shipped_pair(capsys):
   try:
     sj.load_default()
@@ -254,7 +256,8 @@ def test_demo_runs_with_the_shipped_pair(capsys):
   assert "answer ended with EOS: yes" in out  # within the default budget
   assert "over 6 conversations no run saw" in out and "readme_smollm2_q4/real.json" in out
   assert "this run / the suite's: " in out
-  head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8", "--timed-tokens", "8"]
+  # The head's modes, timed on one question (one width to compile).
+  head = ["demo", "--pair", "smollm2-head", "--max-new-tokens", "8", "--prompt", demo.QUESTION]
   assert cli.main(head) == 0
   out = capsys.readouterr().out
   assert "adaptive (each round up to K = " in out  # the cost table beside the head is used
