@@ -40,6 +40,7 @@ from specjax.core.tracing import TRACE_COUNTS
 from specjax.drafters.tree import tree_drafter
 from specjax.loop.round import path_output, round_step, score_tree
 from specjax.loop.state import init_state
+from specjax.core.validation import pytree_classes
 from specjax.trees.structure import TreeSpec
 from tests.exactness.test_exactness import ALPHA, N, NEW, POWER_ALPHA, PROMPT, VOCAB, chi_square_pvalue, exact_joint
 from tests.drafters.test_heads import DRAFT_IDS, make_drafter
@@ -241,9 +242,9 @@ class OwnFeaturesEagle(EagleDrafter):
         jnp.where(kept[:, None], pick(all_logits), state.logits))
 
 
-@functools.partial(jax.jit, static_argnames=("spec",))
-def final_tree_state(target, drafter, tokens, lengths, *, spec):
-  """`decode(..., tree=)`'s loop, returning the whole state (the head's included)."""
+@functools.partial(jax.jit, static_argnames=("spec", "classes"))
+def _final_tree_state(target, drafter, tokens, lengths, *, spec, classes):
+  del classes  # a cache key only: OwnFeaturesEagle's treedef equals EagleDrafter's in jax 0.10
   drafter = tree_drafter(target, drafter, spec)
   state = init_state(target, drafter, tokens, lengths, jnp.int32(MAX_NEW), jnp.array([-1]),
                      row_seeds(jax.random.key(3), tokens.shape[0]), num_draft=spec.depth,
@@ -251,6 +252,14 @@ def final_tree_state(target, drafter, tokens, lengths, *, spec):
   step = functools.partial(round_step, target, drafter, num_draft=spec.depth,
                            sampling=sj.Sampling())
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done), step, state)
+
+
+def final_tree_state(target, drafter, tokens, lengths, *, spec):
+  """`decode(..., tree=)`'s loop, returning the whole state (the head's included). Keyed, like
+  `decode`, on the drafter's classes (`pytree_classes`), so a subclass never runs its parent's
+  program."""
+  return _final_tree_state(target, drafter, tokens, lengths, spec=spec,
+                           classes=pytree_classes(target, drafter))
 
 
 def features_mismatch(target, drafter, tokens, lengths, spec) -> float:
