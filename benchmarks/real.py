@@ -38,6 +38,7 @@ import numpy as np
 
 from benchmarks.drafters import (CORPUS, DrafterEntry, base_names, library_drafters,
                                  with_adaptive, with_corpus)
+from specjax.core.sequence import padded_prompt, prompt_width
 from specjax.drafters import as_drafter
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from benchmarks.models import environment
@@ -98,14 +99,12 @@ def history_corpus(target, tokenizer, prompt_file, template, prompts, *, eos, ma
 def _bucket(length: int) -> int:
   """The padded prompt width: the next multiple of 32 (one compile per width; a power of two
   made a 146-token prompt's prefill, which both calls pay, a 256-token one)."""
-  return max(32, -(-length // 32) * 32)
+  return prompt_width(length, 32)
 
 
 def _padded(case: PromptCase, pad_id: int):
-  width = _bucket(len(case.ids))
-  row = np.full((1, width), pad_id, np.int32)
-  row[0, :len(case.ids)] = case.ids
-  return jnp.asarray(row), jnp.asarray([len(case.ids)], jnp.int32)
+  tokens, lengths = padded_prompt(case.ids, 32, pad_id)
+  return jnp.asarray(tokens), jnp.asarray(lengths)
 
 
 def _specjax_calls(target, drafters, tokens, lengths, rng, sampling, max_new_tokens, eos):

@@ -228,6 +228,7 @@ def run(args) -> int:
   from rich.markup import escape
 
   from specjax.cli.nonfinite import NONFINITE_EXIT, nonfinite_rows, warning
+  from specjax.core.sequence import padded_prompt
 
   if args.repeats < 1 or args.max_new_tokens < 1:
     raise ValueError(f"--repeats and --max-new-tokens must be at least 1, got {args.repeats} and "
@@ -245,8 +246,7 @@ def run(args) -> int:
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
   console.print(f"[dim]loaded {escape(pair.description)} ({target.config.num_params() / 1e6:.0f}M "
                 f"target params) in {time.perf_counter() - start:.1f}s[/dim]", soft_wrap=True)
-  ids = np.asarray([tokenizer.apply_chat_template([{"role": "user", "content": prompt}])],
-                   np.int32)
+  ids = np.asarray([tokenizer.apply_chat_template(_user(prompt))], np.int32)
   lengths = np.asarray([ids.shape[1]], np.int32)
   rng = jax.random.PRNGKey(0)
   greedy = sj.Sampling(temperature=0.0)
@@ -308,13 +308,8 @@ def run(args) -> int:
   if budget < 1:
     raise ValueError(f"--timed-tokens must be at least 1, got {budget}")
   timed_common = dict(common, max_new_tokens=budget)
-  cases = []
-  for category, messages in conversations:
-    row = tokenizer.apply_chat_template(messages)
-    width = -(-len(row) // PROMPT_MULTIPLE) * PROMPT_MULTIPLE
-    padded = np.zeros((1, width), np.int32)
-    padded[0, :len(row)] = row
-    cases.append((category, padded, np.asarray([len(row)], np.int32)))
+  cases = [(category, *padded_prompt(tokenizer.apply_chat_template(messages), PROMPT_MULTIPLE))
+           for category, messages in conversations]
   # Both programs compiled ahead for every width, not run: the timed calls below start warm.
   began = time.perf_counter()
   for width in sorted({ids_.shape[1] for _, ids_, _ in cases}):
