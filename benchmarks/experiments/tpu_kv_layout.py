@@ -27,7 +27,6 @@ programs, not a measurement. Results go to benchmarks/results/tpu_kv_layout.json
 import json
 import math
 import os
-import re
 import sys
 import time
 import traceback
