@@ -23,8 +23,8 @@ The build, host side, once per (grammar, tokenizer):
 4. its transitions are trimmed to the states from which an accepting state is still reachable (a
    token that leads nowhere completable is never allowed), renumbered from the initial state 0,
    and the stop ids are allowed exactly in the accepting states (leading back to the same state);
-5. the tables are padded to power-of-two shapes (`pad_tables`) so most grammars share a compiled
-   program, checked against the memory budget, and returned as a `Constraint`.
+5. the tables are padded to bucketed shapes (`padded_sizes`: four per power of two) so most
+   grammars share a compiled program, checked against the memory budget, and returned as a `Constraint`.
 """
 
 from __future__ import annotations
