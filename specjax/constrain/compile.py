@@ -213,14 +213,30 @@ def _index(pattern: str, vocabulary):
     raise ValueError(f"invalid regex {pattern!r}: {message}") from None
 
 
-def _trim(transitions: dict, initial: int, finals: set, stop: int) -> tuple[list, dict]:
-  """Keeps the states reachable from `initial` from which a final state is reachable, and the
-  transitions between them (`stop` dropped). Returns (states in BFS order, transitions)."""
-  edges = {s: {t: n for t, n in row.items() if t != stop} for s, row in transitions.items()}
+def _edges(transitions: dict, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """outlines-core's `{state: {token: next}}` as `(source, token, target)` int64 arrays, the
+  stop id's transitions left out."""
+  sources, tokens, targets = [], [], []
+  for state, row in transitions.items():
+    sources.append(np.full(len(row), state, np.int64))
+    tokens.append(np.fromiter(row.keys(), np.int64, len(row)))
+    targets.append(np.fromiter(row.values(), np.int64, len(row)))
+  source, token, target = (np.concatenate(a) if a else np.zeros(0, np.int64)
+                           for a in (sources, tokens, targets))
+  keep = token != stop
+  return source[keep], token[keep], target[keep]
+
+
+def _trim(source, target, initial: int, finals: set) -> list[int]:
+  """The states reachable from `initial` from which a final state is reachable, `initial`
+  first, then in breadth-first order; empty when no final state can be reached."""
+  width = int(max(source.max(initial=0), target.max(initial=0), initial)) + 1
+  pairs = {divmod(int(key), width) for key in np.unique(source * width + target)}
   parents: dict[int, set] = {}
-  for state, row in edges.items():
-    for target in row.values():
-      parents.setdefault(target, set()).add(state)
+  children: dict[int, set] = {}
+  for a, b in pairs:
+    parents.setdefault(b, set()).add(a)
+    children.setdefault(a, set()).add(b)
   live, frontier = set(finals), list(finals)
   while frontier:
     for parent in parents.get(frontier.pop(), ()):
@@ -228,56 +244,58 @@ def _trim(transitions: dict, initial: int, finals: set, stop: int) -> tuple[list
         live.add(parent)
         frontier.append(parent)
   if initial not in live:
-    return [], {}
-  order, seen, kept = [initial], {initial}, {}
+    return []
+  order, seen = [initial], {initial}
   for state in order:
-    kept[state] = {t: n for t, n in edges.get(state, {}).items() if n in live}
-    for target in kept[state].values():
-      if target not in seen:
-        seen.add(target)
-        order.append(target)
-  return order, kept
+    for child in sorted(children.get(state, ())):
+      if child in live and child not in seen:
+        seen.add(child)
+        order.append(child)
+  return order
 
 
 def _build(pattern: str, tokenizer, *, schema, vocab_size, eos_ids, max_bytes) -> Constraint:
   start = time.perf_counter()
   vocab_size, eos_ids = _check_tokenizer(tokenizer, vocab_size, eos_ids)
   index = _index(pattern, _vocabulary(tokenizer, eos_ids))
-  order, kept = _trim(index.get_transitions(), index.get_initial_state(),
-                      set(index.get_final_states()), eos_ids[0])
+  finals = set(index.get_final_states())
+  source, token, target = _edges(index.get_transitions(), eos_ids[0])
+  order = _trim(source, target, index.get_initial_state(), finals)
   what = "JSON schema" if schema is not None else f"regex {pattern!r}"
   if not order:
     raise ValueError(f"the {what} is unsatisfiable over this tokenizer: no text the tokens can "
                      f"spell is a full match (empty language)")
-  if not kept[order[0]]:
+  # Renumber: state `order[i]` becomes `i`; edges into or out of dropped states go.
+  known = np.asarray(sorted(order), np.int64)
+  number = np.empty(len(known), np.int64)
+  number[np.searchsorted(known, order)] = np.arange(len(order))
+  renumber = lambda states: np.where(
+      np.isin(states, known), number[np.clip(np.searchsorted(known, states), 0,
+                                             len(known) - 1)], -1)
+  source, target = renumber(source), renumber(target)
+  keep = (source >= 0) & (target >= 0)
+  source, token, target = source[keep], token[keep], target[keep]
+  if not np.any(source == 0):
     raise ValueError(f"the {what} matches only the empty text: the initial state allows no "
                      f"token but the stop ids")
-  finals = set(index.get_final_states())
-  number = {state: i for i, state in enumerate(order)}
-  stops = np.asarray(sorted(set(eos_ids)), np.int32)
-  rows_tokens, rows_next = [], []
-  for state in order:
-    row = kept[state]
-    tokens = np.fromiter(row.keys(), np.int32, len(row))
-    targets = np.fromiter((number[n] for n in row.values()), np.int32, len(row))
-    if state in finals:
-      tokens = np.concatenate([tokens, stops])
-      targets = np.concatenate([targets, np.full(len(stops), number[state], np.int32)])
-    sort = np.argsort(tokens, kind="stable")
-    rows_tokens.append(tokens[sort])
-    rows_next.append(targets[sort])
-  widths = np.asarray([len(row) for row in rows_tokens], np.int64)
-  num_states, num_transitions = len(order), int(widths.sum())
+  # The stop ids: allowed in accepting states, leading back to the same state.
+  accepting = np.asarray([state in finals for state in order])
+  stops = np.asarray(sorted(set(eos_ids)), np.int64)
+  final_ids = np.nonzero(accepting)[0]
+  source = np.concatenate([source, np.repeat(final_ids, len(stops))])
+  token = np.concatenate([token, np.tile(stops, len(final_ids))])
+  target = np.concatenate([target, np.repeat(final_ids, len(stops))])
+  sort = np.lexsort((token, source))
+  source, token, target = source[sort], token[sort].astype(np.int32), target[sort]
+  num_states, num_transitions = len(order), len(token)
   _check_budget(num_states, num_transitions, vocab_size, max_bytes, what)
-  tokens = np.concatenate(rows_tokens)
+  widths = np.bincount(source, minlength=num_states)
   allowed = np.zeros((num_states, words_for(vocab_size)), np.uint32)
-  state_of = np.repeat(np.arange(num_states), widths)
-  np.bitwise_or.at(allowed, (state_of, tokens // WORD_BITS),
-                   (np.uint32(1) << (tokens % WORD_BITS).astype(np.uint32)))
+  np.bitwise_or.at(allowed, (source, token // WORD_BITS),
+                   (np.uint32(1) << (token % WORD_BITS).astype(np.uint32)))
   tables = ConstraintTables(
       allowed=allowed, offsets=np.concatenate([[0], np.cumsum(widths)]).astype(np.int32),
-      tokens=tokens, next_state=np.concatenate(rows_next),
-      accepting=np.asarray([state in finals for state in order]),
+      tokens=token, next_state=target.astype(np.int32), accepting=accepting,
       initial=np.asarray(0, np.int32), vocab_size=vocab_size)
   tables = pad_tables(tables)
   return Constraint(tables=tables, pattern=pattern, schema=schema, eos_ids=eos_ids,
