@@ -58,7 +58,8 @@ class IndexWalk:
 
   def __init__(self, constraint, tokenizer, vocab_size: int):
     import outlines_core
-    from specjax.constrain.compile import _vocabulary  # the outlines-core Vocabulary it was built on
+    # The outlines-core Vocabulary the constraint was built on (token bytes, stop ids left out).
+    from specjax.constrain.compile import _vocabulary
     self.index = outlines_core.Index(constraint.pattern,
                                      _vocabulary(tokenizer, constraint.eos_ids))
     self.stops = constraint.eos_ids

@@ -1,7 +1,5 @@
 """Bad input raises a ValueError that names the problem, before anything compiles."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import pytest

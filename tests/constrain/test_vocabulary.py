@@ -5,8 +5,8 @@ import pytest
 
 from specjax.constrain import token_bytes
 
-TEXTS = ("café", " naïve 日本語", '{"name": "Zoë", "n": 12}', "emoji 🙂 ok", "\ttab\nnew line",
-         "  two spaces")
+TEXTS = ("café", " naïve 日本語", '{"name": "Zoë", "n": 12}', "emoji 🙂 ok",
+         "\ttab\nnew line", "  two spaces")
 
 
 def test_bytes_of_encoded_text_concatenate_to_the_text(tokenizer):
