@@ -24,7 +24,8 @@ The build, host side, once per (grammar, tokenizer):
    token that leads nowhere completable is never allowed), renumbered from the initial state 0,
    and the stop ids are allowed exactly in the accepting states (leading back to the same state);
 5. the tables are padded to bucketed shapes (`padded_sizes`: four per power of two) so most
-   grammars share a compiled program, checked against the memory budget, and returned as a `Constraint`.
+   grammars share a compiled program, checked against the memory budget, and returned as a
+   `Constraint`.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class Constraint:
     num_states: states before padding.
     num_transitions: allowed (state, token) pairs before padding, stop ids included.
     build_seconds: wall time of the build, the outlines-core index included.
+    max_bytes: the memory budget it was built under; a call's stacked tables (several
+      constraints in one batch) must fit in the largest budget among them.
   """
 
   tables: ConstraintTables
@@ -69,6 +72,7 @@ class Constraint:
   num_states: int
   num_transitions: int
   build_seconds: float
+  max_bytes: int = DEFAULT_MAX_BYTES
 
   @property
   def vocab_size(self) -> int:
@@ -209,7 +213,8 @@ def _index(pattern: str, vocabulary):
       raise ValueError(f"the regex {pattern!r} is unsatisfiable: no text matches it (empty "
                        f"language; outlines-core: {message})") from None
     if "incompatible" in message:
-      raise ValueError(f"the tokenizer cannot spell the constraint {pattern!r}: {message}") from None
+      raise ValueError(f"the tokenizer cannot spell the constraint {pattern!r}: "
+                       f"{message}") from None
     raise ValueError(f"invalid regex {pattern!r}: {message}") from None
 
 
@@ -300,7 +305,7 @@ def _build(pattern: str, tokenizer, *, schema, vocab_size, eos_ids, max_bytes) -
   tables = pad_tables(tables)
   return Constraint(tables=tables, pattern=pattern, schema=schema, eos_ids=eos_ids,
                     num_states=num_states, num_transitions=num_transitions,
-                    build_seconds=time.perf_counter() - start)
+                    build_seconds=time.perf_counter() - start, max_bytes=int(max_bytes))
 
 
 def _check_budget(num_states, num_transitions, vocab_size, max_bytes, what) -> None:
@@ -336,8 +341,8 @@ def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInpu
   the batch and the model's vocabulary, and stacks the distinct ones' tables.
 
   Raises:
-    ValueError: not a `Constraint`, a sequence of the wrong length, or tables for another
-      vocabulary size.
+    ValueError: not a `Constraint`, a sequence of the wrong length, tables for another
+      vocabulary size, or stacked tables over the largest of the constraints' `max_bytes`.
   """
   import jax.numpy as jnp
 
@@ -358,5 +363,12 @@ def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInpu
   unique = list({id(row): row for row in rows}.values())
   schema = jnp.asarray([distinct[id(row)] for row in rows], jnp.int32)
   eos_ids = tuple(dict.fromkeys(i for row in unique for i in row.eos_ids))
-  return ConstraintInputs(as_device(stack_tables([row.tables for row in unique])), schema,
-                          eos_ids)
+  stacked = stack_tables([row.tables for row in unique])
+  budget = max(row.max_bytes for row in unique)
+  if stacked.nbytes > budget:
+    raise ValueError(f"the {len(unique)} distinct constraints of this batch stack into tables of "
+                     f"{stacked.nbytes / 2**20:.1f} MiB (each padded to {stacked.num_states} "
+                     f"states and {stacked.num_transitions} transitions), over the budget "
+                     f"max_bytes = {budget / 2**20:.1f} MiB; batch fewer distinct grammars "
+                     f"together or build them with a larger max_bytes")
+  return ConstraintInputs(as_device(stacked), schema, eos_ids)

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["DEAD", "ConstraintTables", "advance", "allowed_mask", "as_device", "check_vocab", "is_dead",
-           "mask_logits", "pad_tables", "padded_sizes", "stack_tables", "table_bytes", "token_allowed"]
+__all__ = ["DEAD", "ConstraintTables", "advance", "allowed_mask", "as_device", "check_vocab",
+           "is_dead", "mask_logits", "pad_tables", "padded_sizes", "stack_tables", "table_bytes",
+           "token_allowed"]
 
 DEAD = -1  # the state after a disallowed token; it allows nothing
 

@@ -51,6 +51,25 @@ def test_tables_over_the_budget(tokenizer):
                   max_bytes=100_000)
 
 
+def test_stacked_tables_over_the_budget(model, tokenizer, vocab_size):
+  small = dict(vocab_size=vocab_size, max_bytes=int(1.5 * 2**20))
+  free = C.json_schema({"type": "object", "properties": {"a": {"type": "string"}}}, tokenizer,
+                       **small)
+  digits = C.regex("[0-9]{3}", tokenizer, **small)
+  assert free.nbytes < 1.5 * 2**20 and digits.nbytes < 1.5 * 2**20
+  tokens = jnp.asarray([[1, 2, 3]] * 3)
+  sj.generate(model, tokens, jax.random.key(0), max_new_tokens=1, constraint=[free] * 3)
+  with pytest.raises(ValueError, match="3 distinct constraints of this batch stack into tables"):
+    sj.generate(model, tokens, jax.random.key(0), max_new_tokens=1,
+                constraint=[free, digits, C.regex("[a-z]{3}", tokenizer, **small)])
+
+
+def test_stack_tables_needs_one_vocabulary(tokenizer, vocab_size):
+  with pytest.raises(ValueError, match="share one vocabulary size"):
+    C.stack_tables([C.regex("[0-9]", tokenizer).tables,
+                    C.regex("[0-9]", tokenizer, vocab_size=vocab_size).tables])
+
+
 def test_check_vocab(tokenizer, vocab_size):
   tables = C.regex("[0-9]+", tokenizer, vocab_size=vocab_size).tables
   C.check_vocab(tables, vocab_size)
