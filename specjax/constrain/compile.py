@@ -61,8 +61,8 @@ class Constraint:
     num_states: states before padding.
     num_transitions: allowed (state, token) pairs before padding, stop ids included.
     build_seconds: wall time of the build, the outlines-core index included.
-    max_bytes: the memory budget it was built under; a call's stacked tables (several
-      constraints in one batch) must fit in the largest budget among them.
+    max_bytes: the memory budget it was built under; in a batch of several constraints, its
+      tables padded to the batch's common shape (`stack_tables`) must still fit in it.
   """
 
   tables: ConstraintTables
@@ -342,7 +342,8 @@ def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInpu
 
   Raises:
     ValueError: not a `Constraint`, a sequence of the wrong length, tables for another
-      vocabulary size, or stacked tables over the largest of the constraints' `max_bytes`.
+      vocabulary size, or a constraint whose tables padded to the batch's common shape exceed
+      its `max_bytes`.
   """
   import jax.numpy as jnp
 
@@ -364,11 +365,12 @@ def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInpu
   schema = jnp.asarray([distinct[id(row)] for row in rows], jnp.int32)
   eos_ids = tuple(dict.fromkeys(i for row in unique for i in row.eos_ids))
   stacked = stack_tables([row.tables for row in unique])
-  budget = max(row.max_bytes for row in unique)
-  if stacked.nbytes > budget:
-    raise ValueError(f"the {len(unique)} distinct constraints of this batch stack into tables of "
-                     f"{stacked.nbytes / 2**20:.1f} MiB (each padded to {stacked.num_states} "
-                     f"states and {stacked.num_transitions} transitions), over the budget "
-                     f"max_bytes = {budget / 2**20:.1f} MiB; batch fewer distinct grammars "
-                     f"together or build them with a larger max_bytes")
+  share = stacked.nbytes // len(unique)  # one constraint's tables padded to the common shape
+  for row in unique:
+    if share > row.max_bytes:
+      raise ValueError(f"in this batch of {len(unique)} distinct constraints, each one's tables "
+                       f"are padded to {stacked.num_states} states and "
+                       f"{stacked.num_transitions} transitions ({share / 2**20:.2f} MiB), over "
+                       f"the budget of {row!r} (max_bytes = {row.max_bytes / 2**20:.2f} MiB); "
+                       f"batch grammars of similar sizes together or raise its max_bytes")
   return ConstraintInputs(as_device(stacked), schema, eos_ids)
