@@ -258,3 +258,20 @@ def test_a_dead_state_stops_the_row_without_a_token(model, tokenizer, vocab_size
   assert not np.any(np.asarray(out.tokens[0, 1:])) and not np.any(np.asarray(out.tokens[1]))
   assert re.fullmatch(r"x[0-9]{3}", tokenizer.decode(out.tokens[2, :out.num_tokens[2] - 1]))
   assert out.stats.summary()["constraint_dead"] == 2
+
+
+def test_sharded_generate_equals_one_device(biased, tokenizer, constraints):
+  """On a (data 2, model 4) mesh of the 8 simulated CPU devices (the vocabulary split over
+  `model`), the constrained greedy tokens are the single-device ones."""
+  from specjax import parallel as sh
+  rows = [constraints["get_weather"], constraints["permissions"]] * 2
+  tokens, lengths = _prompts(tokenizer, 4)
+  kwargs = dict(lengths=lengths, max_new_tokens=NEW, eos_id=tokenizer.eos_ids, constraint=rows)
+  single = sj.generate(biased, tokens, jax.random.key(0), **kwargs)
+  mesh = sj.make_mesh((2, 4))
+  sharded_model = Biased(sj.shard(biased.model, mesh), biased.bias)
+  with sh.use_mesh(mesh):
+    out = sj.generate(sharded_model, tokens, jax.random.key(0), **kwargs)
+  assert out.tokens.sharding.spec[0] == "data"  # rows stayed data parallel
+  np.testing.assert_array_equal(out.tokens, single.tokens)
+  _check_rows(out, rows, tokenizer)
