@@ -275,3 +275,24 @@ def test_sharded_generate_equals_one_device(biased, tokenizer, constraints):
   assert out.tokens.sharding.spec[0] == "data"  # rows stayed data parallel
   np.testing.assert_array_equal(out.tokens, single.tokens)
   _check_rows(out, rows, tokenizer)
+
+
+@pytest.mark.costly  # loads SmolLM2-135M and decodes with it: 15 s on 2 cores, over the default budget
+def test_the_real_model_writes_a_valid_tool_call(tokenizer):
+  """SmolLM2-135M-Instruct itself, asked for a weather tool call in its chat template: greedy and
+  sampled outputs under the schema parse and validate, and end with its stop id."""
+  from specjax.io.gguf import find_packaged_gguf
+  target = sj.from_gguf(find_packaged_gguf("smollm2"), platform="cpu")
+  schema = SCHEMAS["get_weather"]
+  constraint = C.json_schema(schema, tokenizer, vocab_size=target.vocab_size)
+  ids = tokenizer.apply_chat_template(
+      [{"role": "user", "content": "Call get_weather for Paris in celsius. Answer with the "
+                                   "JSON arguments only."}], add_generation_prompt=True)
+  tokens = jnp.asarray([ids, ids])
+  keys = jax.random.split(jax.random.key(0), 2)
+  for sampling in (sj.Sampling(), sj.Sampling(0.7, top_p=0.9)):
+    out = sj.generate(target, tokens, keys, max_new_tokens=NEW, sampling=sampling,
+                      eos_id=tokenizer.eos_ids, constraint=constraint)
+    _check_rows(out, [constraint] * 2, tokenizer)
+    print(sampling, [tokenizer.decode(np.asarray(out.tokens[r, :out.num_tokens[r] - 1]))
+                     for r in range(2)])
