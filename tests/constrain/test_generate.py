@@ -277,7 +277,7 @@ def test_sharded_generate_equals_one_device(biased, tokenizer, constraints):
   _check_rows(out, rows, tokenizer)
 
 
-@pytest.mark.costly  # loads SmolLM2-135M and decodes with it: 15 s on 2 cores, over the default budget
+@pytest.mark.costly  # loads and runs SmolLM2-135M: 15 s on 2 cores
 def test_the_real_model_writes_a_valid_tool_call(tokenizer):
   """SmolLM2-135M-Instruct itself, asked for a weather tool call in its chat template: greedy and
   sampled outputs under the schema parse and validate, and end with its stop id."""
