@@ -7,9 +7,12 @@ meshes. Everything else lives in its subpackage: the loop's pieces in `specjax.l
 types in `specjax.models`, further drafters and the `Drafter` protocol in `specjax.drafters`
 (adaptive length and calibrations in `specjax.drafters.adaptive`), checkpoints and tokenizers in
 `specjax.io`, shipped pairs in `specjax.pretrained`, sharding rules in `specjax.parallel`, the
-audit's report in `specjax.exactness`.
+audit's report in `specjax.exactness`, grammar constraints (`sj.constrain.json_schema`,
+`sj.constrain.regex`, their tables and the constrained law) in `specjax.constrain`.
 """
 
+from specjax import constrain
+from specjax.constrain import Constraint
 from specjax.core.outputs import DecodeOutput
 from specjax.core.sampling import Sampling
 from specjax.drafters import EagleDrafter, ModelDrafter, NGramDrafter, SuffixDrafter, self_drafter
@@ -30,7 +33,7 @@ __version__ = "0.1.0"
 __all__ = [
     # Decoding.
     "decode", "generate", "decode_stream", "precompile", "audit", "Sampling", "Model",
-    "DecodeOutput",
+    "DecodeOutput", "Constraint",
     # Models: loaders, and a model from a config (`init_params(ModelConfig(...), key)`).
     "load_pair", "load_default", "from_hf", "from_gguf", "self_drafter", "quantize",
     "ModelConfig", "init_params",

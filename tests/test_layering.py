@@ -34,6 +34,7 @@ LAYERS = (
     ("verify", ("specjax.verify",)),  # the exact rule, chain and tree, its dispatch and sharding
     ("models", ("specjax.models",)),  # the decoder, quantized leaves, the CPU layout
     ("io", ("specjax.io",)),  # GGUF, Hugging Face, Orbax, tokenizers
+    ("constrain", ("specjax.constrain",)),  # grammars as token automata, the constrained law
     ("drafters", ("specjax.drafters",)),  # what proposes: models, heads, lookup, trees, adaptive
     ("loop", ("specjax.loop",)),  # state, round (draft -> verify -> advance), decode, stream
     ("exactness", ("specjax.exactness",)),  # sj.audit

@@ -30,6 +30,9 @@ class DecodeStats:
     nonfinite: `[B]` bool, set when the target's logits at a position the row emitted from
       held a NaN or an infinity (broken weights or an overflow): the row's tokens are then not the
       target's. Set on device, no host sync, by `decode` and by `generate` alike.
+    constraint_dead: `[B]` bool, set when a grammar constraint (`generate(..., constraint=)`)
+      stopped the row because its automaton state allowed no token, or every allowed token had
+      a `-inf` logit: the row ended there without emitting a token (and without a stop id).
   """
 
   rounds: jax.Array
@@ -40,6 +43,7 @@ class DecodeStats:
   draft_calls: jax.Array
   emitted: jax.Array
   nonfinite: jax.Array
+  constraint_dead: jax.Array
 
   @property
   def acceptance_rate(self) -> jax.Array:
@@ -59,7 +63,8 @@ class DecodeStats:
 
   def summary(self) -> dict:
     """Batch totals as plain Python numbers (`tokens_per_round` = emitted tokens / rounds;
-    `nonfinite` = rows whose target logits were not finite)."""
+    `nonfinite` = rows whose target logits were not finite; `constraint_dead` = rows a grammar
+    constraint stopped with no allowed token)."""
     rounds = int(np.sum(self.rounds))
     drafted = int(np.sum(self.drafted))
     accepted = int(np.sum(self.accepted))
@@ -75,6 +80,7 @@ class DecodeStats:
         "target_calls": int(np.max(self.target_calls)) if self.target_calls.size else 0,
         "draft_calls": int(np.max(self.draft_calls)) if self.draft_calls.size else 0,
         "nonfinite": int(np.sum(self.nonfinite)),
+        "constraint_dead": int(np.sum(self.constraint_dead)),
     }
 
 

@@ -15,6 +15,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.constrain.compile import constraint_inputs
+from specjax.constrain.law import sample_constrained, stuck
+from specjax.constrain.tables import ConstraintTables, advance, allowed_mask, mask_logits
 from specjax.core import validation
 from specjax.core.outputs import DecodeOutput, DecodeStats
 from specjax.loop.program import Program
@@ -32,7 +35,7 @@ __all__ = ["GenerateState", "generate", "generate_start", "generate_step", "last
 
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
-             pad_id: int | None = None) -> DecodeOutput:
+             pad_id: int | None = None, constraint=None) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with the model alone.
 
   Args:
@@ -46,17 +49,26 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
     eos_id: a row stops after emitting this id, or any id of a sequence of them (the stop token is
       included in the output); None = never.
     pad_id: fills the output after each row's end; defaults to the model config's `pad_id`.
+    constraint: a `specjax.Constraint` for every row, or a sequence of `B` of them (one per row,
+      a ragged batch of grammars), or None. Each step then samples from the constrained law of
+      `specjax.constrain.law`: the warped distribution (temperature, top-k, top-p on the
+      unconstrained logits) restricted to the tokens the row's grammar state allows,
+      renormalized (greedy: the argmax over the allowed tokens). The constraint's stop ids are
+      allowed exactly where the text is a whole match, and end the row (they join `eos_id`). A
+      row whose state allows nothing, or whose allowed tokens all have `-inf` logits, stops
+      without emitting a token and is flagged in `stats.constraint_dead`.
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
   """
   return prepare_generate(model, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-                          sampling=sampling, eos_id=eos_id, pad_id=pad_id).run()
+                          sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+                          constraint=constraint).run()
 
 
 def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                      sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
-                     pad_id: int | None = None) -> Program:
+                     pad_id: int | None = None, constraint=None) -> Program:
   """`generate`'s checks, and the program the call runs (`specjax.precompile` compiles it).
 
   Takes `generate`'s arguments.
@@ -72,10 +84,16 @@ def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 
   eos = validation.check_eos(eos_id, model.vocab_size)
   validation.check_sampling(sampling)
   pad = validation.resolve_pad_id(model, pad_id)
+  grammar = None
+  if constraint is not None:
+    grammar = constraint_inputs(constraint, tokens.shape[0], model.vocab_size)
+    eos = tuple(dict.fromkeys(i for i in eos + grammar.eos_ids if i >= 0))
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad),
                 classes=validation.pytree_classes(model))
-  inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32))
+  inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32),
+            None if grammar is None else grammar.tables,
+            None if grammar is None else grammar.schema)
   return Program(_generate, inputs, static, max_new_tokens)
 
 
@@ -86,19 +104,22 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
                                              "classes"))
-def _generate(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
-              capacity: int, pad_id: int, rules=None, classes=()) -> DecodeOutput:
+def _generate(model, tokens, lengths, rng, eos_ids, tables, schema, max_new_tokens, *,
+              sampling: Sampling, capacity: int, pad_id: int, rules=None,
+              classes=()) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["generate"] += 1
   with rules_scope(rules):
     return _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens,
-                          sampling=sampling, capacity=capacity, pad_id=pad_id)
+                          sampling=sampling, capacity=capacity, pad_id=pad_id, tables=tables,
+                          schema=schema)
 
 
 def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
-                   capacity: int, pad_id: int) -> DecodeOutput:
+                   capacity: int, pad_id: int, tables=None, schema=None) -> DecodeOutput:
   state = generate_start(model, tokens, lengths, row_seeds(rng, tokens.shape[0]), eos_ids,
-                         max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id)
+                         max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id,
+                         tables=tables, schema=schema)
   state = jax.lax.while_loop(lambda state: ~jnp.all(state.done),
                              lambda state: generate_step(model, state, sampling=sampling,
                                                          pad_id=pad_id),
@@ -121,6 +142,11 @@ class GenerateState:
   eos_ids: jax.Array  # [E] int32 stop ids, -1 = none
   max_new_tokens: jax.Array  # [] int32
   nonfinite: jax.Array  # [B] bool: the logits a row sampled from held a NaN or an infinity
+  constraint_dead: jax.Array  # [B] bool: the row stopped because its grammar allowed no token
+  # A grammar constraint (None without one): stacked tables, each row's schema and state.
+  tables: ConstraintTables | None = None  # [G, ...] (`specjax.constrain.stack_tables`)
+  schema: jax.Array | None = None  # [B] int32 index into the stacked tables
+  grammar_state: jax.Array | None = None  # [B] int32 automaton state after the row's tokens
 
   @property
   def stats(self) -> DecodeStats:
@@ -129,11 +155,11 @@ class GenerateState:
     return DecodeStats(rounds=self.num_tokens, drafted=zeros, accepted=zeros,
                        accepted_per_position=jnp.zeros((self.num_tokens.shape[0], 0), jnp.int32),
                        target_calls=self.num_tokens, draft_calls=zeros, emitted=self.num_tokens,
-                       nonfinite=self.nonfinite)
+                       nonfinite=self.nonfinite, constraint_dead=self.constraint_dead)
 
 
 def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sampling: Sampling,
-                   capacity: int, pad_id: int) -> GenerateState:
+                   capacity: int, pad_id: int, tables=None, schema=None) -> GenerateState:
   """The prefill and each row's first token: the state before `generate`'s first step.
 
   Args:
@@ -145,6 +171,8 @@ def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sa
     sampling: the sampling settings.
     capacity: static upper bound on `max_new_tokens` (the buffers' size).
     pad_id: fills `GenerateState.tokens` past each row's end.
+    tables: stacked `ConstraintTables` of a grammar constraint, or None.
+    schema: `[B]` int32 each row's index into `tables` (with `tables`).
   """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
@@ -156,15 +184,35 @@ def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sa
     logits = out.logits[:, 0]
   else:
     logits = last_logits(out.logits, lengths)
-  first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
-  num_tokens = jnp.ones((batch,), jnp.int32)
+  grammar_state = None
+  if tables is None:
+    first = sample_token(logits, sampling, seeds, lengths, PURPOSE_SAMPLE)
+    emit = jnp.ones((batch,), bool)
+    nonfinite = no_distribution(logits)
+  else:
+    schema = jnp.asarray(schema, jnp.int32)
+    first, emit, grammar_state, nonfinite = _constrained_token(
+        tables, schema, tables.initial[schema], logits, sampling, seeds, lengths)
+  num_tokens = emit.astype(jnp.int32)
+  first = jnp.where(emit, first, pad_id)
   return GenerateState(
       cache=out.cache.with_lengths(lengths), token=first,
       tokens=jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first),
       num_tokens=num_tokens,
-      done=validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens),
+      done=~emit | validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens),
       seeds=seeds, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
-      nonfinite=no_distribution(logits))
+      nonfinite=nonfinite, constraint_dead=~emit, tables=tables, schema=schema,
+      grammar_state=grammar_state)
+
+
+def _constrained_token(tables, schema, state, logits, sampling: Sampling, seeds, positions):
+  """`(token, emit, next_state, nonfinite)` of one constrained step (`specjax.constrain.law`):
+  `emit` is False where the row's grammar leaves nothing to sample (the token is then unused)."""
+  mask = allowed_mask(tables, state, schema)
+  token = sample_constrained(logits, mask, sampling, seeds, positions, PURPOSE_SAMPLE)
+  emit = ~stuck(logits, mask)
+  nonfinite = emit & no_distribution(mask_logits(logits, mask))
+  return token, emit, jnp.where(emit, advance(tables, state, token, schema), state), nonfinite
 
 
 def generate_step(model, state: GenerateState, *, sampling: Sampling,
@@ -173,9 +221,21 @@ def generate_step(model, state: GenerateState, *, sampling: Sampling,
   its distribution at the next position. Done rows are left unchanged."""
   cache = state.cache
   step = model(state.token[:, None], cache.lengths, cache)
+  logits = step.logits[:, 0]
   positions = cache.lengths + 1  # absolute position of the token being sampled
-  new_token = sample_token(step.logits[:, 0], sampling, state.seeds, positions, PURPOSE_SAMPLE)
   live = ~state.done
+  grammar_state = state.grammar_state
+  if state.tables is None:
+    new_token = sample_token(logits, sampling, state.seeds, positions, PURPOSE_SAMPLE)
+    nonfinite = no_distribution(logits)
+    dead = jnp.zeros_like(live)
+  else:
+    new_token, emit, next_state, nonfinite = _constrained_token(
+        state.tables, state.schema, state.grammar_state, logits, sampling, state.seeds,
+        positions)
+    dead = live & ~emit
+    live = live & emit
+    grammar_state = jnp.where(live, next_state, state.grammar_state)
   rows = jnp.arange(new_token.shape[0], dtype=jnp.int32)
   num_tokens = state.num_tokens + live
   return dataclasses.replace(
@@ -183,7 +243,8 @@ def generate_step(model, state: GenerateState, *, sampling: Sampling,
       token=jnp.where(live, new_token, state.token),
       tokens=state.tokens.at[rows, state.num_tokens].set(jnp.where(live, new_token, pad_id),
                                                          mode="drop"),
-      num_tokens=num_tokens,
-      nonfinite=state.nonfinite | (live & no_distribution(step.logits[:, 0])),
-      done=(state.done | validation.is_eos(new_token, state.eos_ids)
+      num_tokens=num_tokens, grammar_state=grammar_state,
+      nonfinite=state.nonfinite | (live & nonfinite),
+      constraint_dead=state.constraint_dead | dead,
+      done=(state.done | dead | (live & validation.is_eos(new_token, state.eos_ids))
             | (num_tokens >= state.max_new_tokens)))
