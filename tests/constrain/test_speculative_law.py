@@ -214,3 +214,33 @@ def test_broken_variants_are_rejected(target, draft, constraint, kind):
   sampling = SETTINGS["t1"]
   tokens, num_tokens, _ = run_decode(target, draft, constraint, sampling, kind=kind)
   assert chi_square_pvalue(tokens, exact_joint(target, sampling), num_tokens) < POWER_ALPHA
+
+
+@pytest.mark.costly
+def test_stream_yields_the_constrained_decode(target, draft, constraint):
+  prompts = jnp.asarray([PROMPT, PROMPT[:4] + [0, 0, 0]], jnp.int32)
+  lengths = jnp.asarray([7, 4], jnp.int32)
+  sampling = SETTINGS["t0.7_topk3_topp0.9"]
+  want = sj.decode(target, draft, prompts, jax.random.key(3), lengths=lengths, max_new_tokens=10,
+                   num_draft=2, sampling=sampling, constraint=constraint)
+  rows = [[], []]
+  for new, _ in sj.decode_stream(target, draft, prompts, jax.random.key(3), lengths=lengths,
+                                 max_new_tokens=10, num_draft=2, sampling=sampling,
+                                 constraint=constraint):
+    for b, tokens in enumerate(new):
+      rows[b].extend(tokens.tolist())
+  for b in range(2):
+    assert rows[b] == np.asarray(want.tokens)[b, :int(want.num_tokens[b])].tolist()
+
+
+def test_bad_combinations_are_refused_before_tracing(target, draft, constraint):
+  prompts = jnp.asarray([PROMPT], jnp.int32)
+  with pytest.raises(ValueError, match="trees under a grammar constraint"):
+    sj.decode(target, draft, prompts, jax.random.key(0), constraint=constraint,
+              tree=sj.TreeSpec(builder="ngram"))
+  wrapped = grammar_drafter(draft, constraint, 1)
+  with pytest.raises(ValueError, match="already a GrammarDrafter"):
+    sj.decode(target, wrapped, prompts, jax.random.key(0), constraint=constraint)
+  other = sj.init_params(tiny_config(vocab_size=VOCAB + 8, num_layers=1), jax.random.key(2))
+  with pytest.raises(ValueError, match="vocabulary"):
+    sj.decode(target, other, prompts, jax.random.key(0), constraint=constraint)
