@@ -1,7 +1,8 @@
 """Deliberately broken grammar-constrained speculation, for the tests' power checks.
 
 Each is a `GrammarDrafter` with one step wrong; `specjax.decode` runs one through the real loop
-when it is passed as the drafter (`wrap` builds it from the `GrammarDrafter` a constraint gives). The exactness tests must reject every one.
+when it is passed as the drafter (`wrap` builds it from the `GrammarDrafter` a constraint
+gives). The exactness tests must reject every one.
 """
 
 from __future__ import annotations

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from specjax.constrain.speculative import GrammarDrafter
+from specjax.constrain.tables import ConstraintTables, words_for
 from specjax.core import validation
 from specjax.core.sampling import Sampling
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
@@ -407,6 +409,35 @@ def _ngram(setup: Setup) -> Program:
 def _suffix(setup: Setup) -> Program:
   return _decode_program(setup, lambda t, corpus: SuffixDrafter(corpus=corpus),
                          (_suffix_corpus(setup),))
+
+
+# A typical tool-call schema's automaton at V = 151,936, padded (`specjax.constrain.pad_tables`).
+GRAMMAR_STATES = 256
+GRAMMAR_TRANSITIONS = 8192
+
+
+def _grammar_tables(setup: Setup):
+  """`(tables, schema)`: abstract stacked `ConstraintTables` of one grammar
+  (`GRAMMAR_STATES` states, `GRAMMAR_TRANSITIONS` transitions) and each row's index into them,
+  replicated: traced arguments, as `decode(..., constraint=)` passes them."""
+  vocab = setup.config(setup.target).vocab_size
+  s, n = GRAMMAR_STATES, GRAMMAR_TRANSITIONS
+  shape = lambda *dims, dtype=jnp.int32: jax.ShapeDtypeStruct(dims, dtype)
+  tables = ConstraintTables(allowed=shape(1, s, words_for(vocab), dtype=jnp.uint32),
+                            offsets=shape(1, s + 1), tokens=shape(1, n), next_state=shape(1, n),
+                            accepting=shape(1, s, dtype=jnp.bool_), initial=shape(1),
+                            vocab_size=vocab)
+  return setup.replicated(tables), setup.replicated(shape(setup.batch))
+
+
+@_register("constrained", "sj.decode(..., constraint=) with the draft model: a grammar's "
+           f"tables ({GRAMMAR_STATES} states, {GRAMMAR_TRANSITIONS} transitions, traced) mask the "
+           "drafts' q and the target's p at every block position")
+def _constrained(setup: Setup) -> Program:
+  tables, schema = _grammar_tables(setup)
+  return _decode_program(
+      setup, lambda t, draft, tables, schema: GrammarDrafter(ModelDrafter(draft), tables, schema),
+      (setup.draft_model(), tables, schema))
 
 
 @_register("adaptive", "sj.decode with AdaptiveDrafter(draft model, fixed round_ms and prior): "
