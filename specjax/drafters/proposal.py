@@ -34,7 +34,7 @@ class Proposal:
     confidence: `[B, k]` float32 the drafter's top probability at each slot it decided (its
       stop rule's input; 0 past the slot where every row had stopped), or None.
     grammar_states: `[B, k + 1]` int32 under a grammar constraint
-      (`specjax.constrain.speculative.GrammarDrafter`): each row's automaton state before each
+      (`specjax.drafters.grammar.GrammarDrafter`): each row's automaton state before each
       position of the verify block, whose target logits the verify restricts to what it allows;
       else None.
   """

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.constrain.compile import constraint_inputs
-from specjax.constrain.speculative import GrammarDrafter
+from specjax.drafters.grammar import GrammarDrafter
 from specjax.core import validation
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
@@ -190,7 +190,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
     constraint: a `specjax.Constraint` (`specjax.constrain.json_schema` / `regex`) for every
       row, or a sequence of `B` of them, or None. The output then follows exactly
       `specjax.generate(..., constraint=)`'s law (greedy: its tokens): the drafts follow the
-      grammar (`specjax.constrain.speculative.GrammarDrafter` wraps the drafter; tokens the
+      grammar (`specjax.drafters.grammar.GrammarDrafter` wraps the drafter; tokens the
       grammar forces are drafted for free, `stats.forced`), and the verify restricts the target's
       distribution at each position to what the row's automaton allows there. A chain drafter
       only (no `tree=` yet). The constraint's stop ids join `eos_id`.

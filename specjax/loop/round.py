@@ -40,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from specjax.constrain.speculative import constrain_verify, verify_sampling
+from specjax.drafters.grammar import constrain_verify, verify_sampling
 from specjax.core.cache import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
@@ -193,7 +193,7 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   logits, slots = scored.logits, max(width - 1, 1)
   bad = no_distribution(logits)  # [B, width]
   rule_sampling, stuck_at = sampling, None
-  if proposal.grammar_states is not None:  # the constrained law (specjax.constrain.speculative)
+  if proposal.grammar_states is not None:  # the constrained law (specjax.drafters.grammar)
     logits, stuck_at = constrain_verify(drafter, logits, proposal.grammar_states[:, :width],
                                         sampling)
     rule_sampling = verify_sampling(sampling)

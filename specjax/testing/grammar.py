@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.constrain.law import constrained_logits, stuck
-from specjax.constrain.speculative import GrammarDrafter
+from specjax.drafters.grammar import GrammarDrafter
 from specjax.core.sampling import warp_logits
 
 __all__ = ["MasksPOnly", "MasksQOnly", "RoundStartMask", "wrap"]

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax.constrain.speculative import GrammarDrafter
+from specjax.drafters.grammar import GrammarDrafter
 from specjax.constrain.tables import ConstraintTables, words_for
 from specjax.core import validation
 from specjax.core.sampling import Sampling

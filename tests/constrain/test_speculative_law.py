@@ -19,7 +19,7 @@ import pytest
 
 import specjax as sj
 from specjax.constrain.compile import Constraint, constraint_inputs
-from specjax.constrain.speculative import GrammarDrafter
+from specjax.drafters.grammar import GrammarDrafter
 from specjax.constrain.tables import WORD_BITS, ConstraintTables, pad_tables, words_for
 from specjax.models.transformer import forward
 from specjax.testing import grammar as broken
