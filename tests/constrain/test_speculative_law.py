@@ -20,7 +20,7 @@ import pytest
 import specjax as sj
 from specjax.constrain.compile import Constraint, constraint_inputs
 from specjax.drafters.grammar import GrammarDrafter
-from specjax.constrain.tables import WORD_BITS, ConstraintTables, pad_tables, words_for
+from specjax.constrain.tables import from_transitions, pad_tables
 from specjax.models.transformer import forward
 from specjax.testing import grammar as broken
 from specjax.testing.models import tiny_config
@@ -45,20 +45,11 @@ SETTINGS = {
 
 def automaton_constraint(automaton=AUTOMATON, vocab=VOCAB) -> Constraint:
   """The hand-written automaton as a `Constraint` (state 0 initial, every state accepting)."""
-  states = sorted(automaton)
-  rows = [sorted(automaton[s].items()) for s in states]
-  tokens = np.asarray([t for row in rows for t, _ in row], np.int32)
-  nexts = np.asarray([n for row in rows for _, n in row], np.int32)
-  offsets = np.concatenate([[0], np.cumsum([len(row) for row in rows])]).astype(np.int32)
-  allowed = np.zeros((len(states), words_for(vocab)), np.uint32)
-  for s, row in zip(states, rows):
-    for t, _ in row:
-      allowed[s, t // WORD_BITS] |= np.uint32(1) << np.uint32(t % WORD_BITS)
-  tables = ConstraintTables(allowed=allowed, offsets=offsets, tokens=tokens, next_state=nexts,
-                            accepting=np.ones(len(states), bool), initial=np.asarray(0, np.int32),
-                            vocab_size=vocab)
+  edges = [(s, t, n) for s, row in sorted(automaton.items()) for t, n in sorted(row.items())]
+  source, token, target = (np.asarray(x) for x in zip(*edges))
+  tables = from_transitions(source, token, target, np.ones(len(automaton), bool), vocab)
   return Constraint(tables=pad_tables(tables), pattern="<test automaton>", schema=None,
-                    eos_ids=(), num_states=len(states), num_transitions=len(tokens),
+                    eos_ids=(), num_states=len(automaton), num_transitions=len(edges),
                     build_seconds=0.0)
 
 
