@@ -127,9 +127,6 @@ def from_transitions(source, token, target, accepting, vocab_size: int,
   if len(source) and (min(source.min(), target.min()) < 0
                       or max(source.max(), target.max()) >= states):
     raise ValueError(f"transition states must lie in [0, {states})")
-  if len(np.unique(source * vocab_size + token)) != len(token):
-    raise ValueError("the automaton is not deterministic: a state has two transitions on one "
-                     "token")
   with np.errstate(over="ignore"):
     # Each (source, target) pair as one 64-bit key through the splitmix64 finalizer: sums of
     # these pseudo-random words identify a token's transition set.
@@ -139,7 +136,9 @@ def from_transitions(source, token, target, accepting, vocab_size: int,
     pair = pair ^ (pair >> np.uint64(31))
     order = np.argsort(token, kind="stable")
     sorted_tokens = token[order]
-    present, starts = np.unique(sorted_tokens, return_index=True)
+    starts = np.flatnonzero(np.r_[True, sorted_tokens[1:] != sorted_tokens[:-1]]) if len(
+        order) else np.zeros(0, np.int64)
+    present = sorted_tokens[starts]
     sums = np.add.reduceat(pair[order], starts) if len(order) else np.zeros(0, np.uint64)
   counts = np.diff(np.append(starts, len(order)))
   _, inverse = np.unique(np.stack([sums, counts.astype(np.uint64)], axis=1), axis=0,
@@ -152,6 +151,9 @@ def from_transitions(source, token, target, accepting, vocab_size: int,
   per_class = np.count_nonzero(next_state >= 0, axis=0)
   if (not np.array_equal(next_state[source, classes[token]], target)
       or not np.array_equal(per_class[classes[present]], counts)):
+    if len(np.unique(source * vocab_size + token)) != len(token):
+      raise ValueError("the automaton is not deterministic: a state has two transitions on one "
+                       "token")
     raise RuntimeError("token classes: a 64-bit hash collision merged unlike tokens")
   return ConstraintTables(classes=classes, next_state=next_state, accepting=accepting,
                           initial=np.asarray(initial, np.int32), vocab_size=int(vocab_size))
