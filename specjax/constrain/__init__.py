@@ -12,11 +12,12 @@ from specjax.constrain.compile import DEFAULT_MAX_BYTES, Constraint, json_schema
 from specjax.constrain.law import (constrained_logits, constrained_probs, sample_constrained,
                                    stuck)
 from specjax.constrain.tables import (DEAD, ConstraintTables, advance, allowed_mask, check_vocab,
-                                      is_dead, mask_logits, pad_tables, stack_tables,
-                                      token_allowed)
+                                      from_transitions, is_dead, mask_logits, pad_tables,
+                                      stack_tables, token_allowed)
 from specjax.constrain.vocabulary import token_bytes
 
 __all__ = ["DEAD", "DEFAULT_MAX_BYTES", "Constraint", "ConstraintTables", "advance",
-           "allowed_mask", "check_vocab", "constrained_logits", "constrained_probs", "is_dead",
+           "allowed_mask", "check_vocab", "constrained_logits", "constrained_probs",
+           "from_transitions", "is_dead",
            "json_schema", "mask_logits", "pad_tables", "regex", "sample_constrained",
            "stack_tables", "stuck", "token_allowed", "token_bytes"]

@@ -5,7 +5,7 @@ token can lead to, inside one jitted loop, so the automaton must be a fixed tabl
 device and be walked with array ops. `outlines_core.Index` is exactly that: a deterministic
 finite automaton over token ids (the regex's byte DFA lifted to the tokenizer's vocabulary), and
 it exports every state's full transition map (`get_transitions`), which this module turns into
-the bitmask and CSR tables once, on the host. llguidance and xgrammar are the other well-kept
+the token-class tables (`specjax.constrain.tables`) once, on the host. llguidance and xgrammar are the other well-kept
 choices, but both compute masks at run time from a parser (an Earley parser, a pushdown
 automaton with a per-state cache) driven token by token from the host: they export no fixed
 tables to walk on device, and their grammars (context-free, recursive JSON) have no finite state
@@ -23,7 +23,8 @@ The build, host side, once per (grammar, tokenizer):
 4. its transitions are trimmed to the states from which an accepting state is still reachable (a
    token that leads nowhere completable is never allowed), renumbered from the initial state 0,
    and the stop ids are allowed exactly in the accepting states (leading back to the same state);
-5. the tables are padded to bucketed shapes (`padded_sizes`: four per power of two) so most
+5. the tokens are grouped into classes of like transitions (`tables.from_transitions`);
+6. the tables are padded to bucketed shapes (`padded_sizes`: four per power of two) so most
    grammars share a compiled program, checked against the memory budget, and returned as a
    `Constraint`.
 """
@@ -40,8 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from specjax.constrain.tables import (WORD_BITS, ConstraintTables, check_vocab, pad_tables,
-                                      padded_sizes, table_bytes, words_for)
+from specjax.constrain.tables import (ConstraintTables, check_vocab, from_transitions,
+                                      pad_tables, padded_sizes, table_bytes)
 from specjax.constrain.vocabulary import token_bytes
 
 __all__ = ["DEFAULT_MAX_BYTES", "Constraint", "json_schema", "regex"]
@@ -290,29 +291,20 @@ def _build(pattern: str, tokenizer, *, schema, vocab_size, eos_ids, max_bytes) -
   source = np.concatenate([source, np.repeat(final_ids, len(stops))])
   token = np.concatenate([token, np.tile(stops, len(final_ids))])
   target = np.concatenate([target, np.repeat(final_ids, len(stops))])
-  sort = np.lexsort((token, source))
-  source, token, target = source[sort], token[sort].astype(np.int32), target[sort]
   num_states, num_transitions = len(order), len(token)
-  _check_budget(num_states, num_transitions, vocab_size, max_bytes, what)
-  widths = np.bincount(source, minlength=num_states)
-  allowed = np.zeros((num_states, words_for(vocab_size)), np.uint32)
-  np.bitwise_or.at(allowed, (source, token // WORD_BITS),
-                   (np.uint32(1) << (token % WORD_BITS).astype(np.uint32)))
-  tables = ConstraintTables(
-      allowed=allowed, offsets=np.concatenate([[0], np.cumsum(widths)]).astype(np.int32),
-      tokens=token, next_state=target.astype(np.int32), accepting=accepting,
-      initial=np.asarray(0, np.int32), vocab_size=vocab_size)
+  tables = from_transitions(source, token, target, accepting, vocab_size)
+  _check_budget(num_states, tables.num_classes, vocab_size, max_bytes, what)
   tables = pad_tables(tables)
   return Constraint(tables=tables, pattern=pattern, schema=schema, eos_ids=eos_ids,
                     num_states=num_states, num_transitions=num_transitions,
                     build_seconds=time.perf_counter() - start, max_bytes=int(max_bytes))
 
 
-def _check_budget(num_states, num_transitions, vocab_size, max_bytes, what) -> None:
-  need = table_bytes(*padded_sizes(num_states, num_transitions), vocab_size)
+def _check_budget(num_states, num_classes, vocab_size, max_bytes, what) -> None:
+  need = table_bytes(*padded_sizes(num_states, num_classes), vocab_size)
   if need > max_bytes:
     raise ValueError(f"the {what}'s tables need {need / 2**20:.1f} MiB ({num_states} states, "
-                     f"{num_transitions} transitions at V = {vocab_size}), over the budget "
+                     f"{num_classes} token classes at V = {vocab_size}), over the budget "
                      f"max_bytes = {max_bytes / 2**20:.1f} MiB; simplify the grammar or raise "
                      f"max_bytes")
 
@@ -370,7 +362,7 @@ def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInpu
     if share > row.max_bytes:
       raise ValueError(f"in this batch of {len(unique)} distinct constraints, each one's tables "
                        f"are padded to {stacked.num_states} states and "
-                       f"{stacked.num_transitions} transitions ({share / 2**20:.2f} MiB), over "
+                       f"{stacked.num_classes} token classes ({share / 2**20:.2f} MiB), over "
                        f"the budget of {row!r} (max_bytes = {row.max_bytes / 2**20:.2f} MiB); "
                        f"batch grammars of similar sizes together or raise its max_bytes")
   return ConstraintInputs(as_device(stacked), schema, eos_ids)

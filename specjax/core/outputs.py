@@ -33,6 +33,9 @@ class DecodeStats:
     constraint_dead: `[B]` bool, set when a grammar constraint (`generate(..., constraint=)`)
       stopped the row because its automaton state allowed no token, or every allowed token had
       a `-inf` logit: the row ended there without emitting a token (and without a stop id).
+    forced: `[B]` int32 under a grammar constraint in `decode`: emitted drafts that the grammar
+      forced (the only token their state allowed), drafted with `q = 1` and accepted for free;
+      part of `accepted`. 0 otherwise.
   """
 
   rounds: jax.Array
@@ -44,6 +47,7 @@ class DecodeStats:
   emitted: jax.Array
   nonfinite: jax.Array
   constraint_dead: jax.Array
+  forced: jax.Array
 
   @property
   def acceptance_rate(self) -> jax.Array:
@@ -81,6 +85,7 @@ class DecodeStats:
         "draft_calls": int(np.max(self.draft_calls)) if self.draft_calls.size else 0,
         "nonfinite": int(np.sum(self.nonfinite)),
         "constraint_dead": int(np.sum(self.constraint_dead)),
+        "forced": int(np.sum(self.forced)),
     }
 
 

@@ -33,12 +33,17 @@ class Proposal:
       slot `num_drafted[b]` from the target (the bonus). None = every row proposes all `k`.
     confidence: `[B, k]` float32 the drafter's top probability at each slot it decided (its
       stop rule's input; 0 past the slot where every row had stopped), or None.
+    grammar_states: `[B, k + 1]` int32 under a grammar constraint
+      (`specjax.drafters.grammar.GrammarDrafter`): each row's automaton state before each
+      position of the verify block, whose target logits the verify restricts to what it allows;
+      else None.
   """
 
   tokens: jax.Array
   logits: jax.Array | None
   num_drafted: jax.Array | None = None
   confidence: jax.Array | None = None
+  grammar_states: jax.Array | None = None
 
 
 def check_confidence(confidence) -> float | None:

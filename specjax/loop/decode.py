@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.constrain.compile import constraint_inputs
+from specjax.drafters.grammar import GrammarDrafter
 from specjax.core import validation
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
@@ -82,7 +84,7 @@ def resolve_num_draft(drafter, num_draft, *, verify_widths=None) -> tuple[int, t
 
 def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_tokens, num_draft,
                            sampling, eos_id, verify_impl, verify_widths=None,
-                           tree: TreeSpec | None = None) -> DecodeArguments:
+                           tree: TreeSpec | None = None, constraint=None) -> DecodeArguments:
   """Validates `decode`'s arguments before anything is traced (also used by `decode_stream`).
 
   Raises:
@@ -116,7 +118,19 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
     validation.check_context(lengths, tokens.shape[1], max_new_tokens + scratch,
                              drafter.max_len, "draft", reserve(getattr(drafter, "model", None)))
   rng = validation.check_rng(rng, tokens.shape[0])
-  eos_ids = jnp.array(validation.check_eos(eos_id, target.vocab_size), jnp.int32)
+  eos = validation.check_eos(eos_id, target.vocab_size)
+  if isinstance(drafter, GrammarDrafter) and (constraint is not None or tree is not None):
+    raise ValueError("draft is already a GrammarDrafter (it carries its grammar): leave "
+                     "constraint= and tree= out")
+  if constraint is not None:
+    if tree is not None:
+      raise ValueError("constraint= runs with a chain drafter; trees under a grammar constraint "
+                       "are not supported yet (leave tree= out)")
+    if not drafter.plain:  # else `prepare_decode` runs `generate(..., constraint=)`
+      grammar = constraint_inputs(constraint, tokens.shape[0], target.vocab_size)
+      drafter = GrammarDrafter(drafter, grammar.tables, grammar.schema)
+      eos = tuple(dict.fromkeys(i for i in eos + grammar.eos_ids if i >= 0))
+  eos_ids = jnp.array(eos, jnp.int32)
   validation.check_sampling(sampling)
   check_verify_impl(verify_impl, tree=tree is not None)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
@@ -129,7 +143,7 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
            tree: TreeSpec | None = None,
-           verify_widths: tuple[int, ...] | None = None) -> DecodeOutput:
+           verify_widths: tuple[int, ...] | None = None, constraint=None) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -173,6 +187,13 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       drafter that stops rows early (`confidence=`): each round the target's forward runs at the
       smallest width holding every live row's drafts plus one, chosen on device (`lax.switch`).
       None = `k + 1` only (an `AdaptiveDrafter`'s own widths, which these must equal).
+    constraint: a `specjax.Constraint` (`specjax.constrain.json_schema` / `regex`) for every
+      row, or a sequence of `B` of them, or None. The output then follows exactly
+      `specjax.generate(..., constraint=)`'s law (greedy: its tokens): the drafts follow the
+      grammar (`specjax.drafters.grammar.GrammarDrafter` wraps the drafter; tokens the
+      grammar forces are drafted for free, `stats.forced`), and the verify restricts the target's
+      distribution at each position to what the row's automaton allows there. A chain drafter
+      only (no `tree=` yet). The constraint's stop ids join `eos_id`.
 
   Returns:
     `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
@@ -183,14 +204,14 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   return prepare_decode(target, draft, tokens, rng, lengths=lengths,
                         max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
                         eos_id=eos_id, pad_id=pad_id, verify_impl=verify_impl, tree=tree,
-                        verify_widths=verify_widths).run()
+                        verify_widths=verify_widths, constraint=constraint).run()
 
 
 def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                    num_draft: int | None = None, sampling: Sampling = GREEDY,
                    eos_id: int | tuple[int, ...] | None = None, pad_id: int | None = None,
                    verify_impl: str = "auto", tree: TreeSpec | None = None,
-                   verify_widths: tuple[int, ...] | None = None) -> Program:
+                   verify_widths: tuple[int, ...] | None = None, constraint=None) -> Program:
   """`decode`'s checks, and the program the call runs (`specjax.precompile` compiles it).
 
   Takes `decode`'s arguments. Where the drafter is `plain` (drafting cannot beat a plain step:
@@ -203,10 +224,11 @@ def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: 
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, tree=tree)
+                                verify_widths=verify_widths, tree=tree, constraint=constraint)
   if args.drafter.plain:
     return prepare_generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-                            sampling=sampling, eos_id=eos_id, pad_id=pad_id)
+                            sampling=sampling, eos_id=eos_id, pad_id=pad_id,
+                            constraint=constraint)
   static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
                 pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
                 widths=args.widths, classes=validation.pytree_classes(target, args.drafter))

@@ -155,7 +155,8 @@ class GenerateState:
     return DecodeStats(rounds=self.num_tokens, drafted=zeros, accepted=zeros,
                        accepted_per_position=jnp.zeros((self.num_tokens.shape[0], 0), jnp.int32),
                        target_calls=self.num_tokens, draft_calls=zeros, emitted=self.num_tokens,
-                       nonfinite=self.nonfinite, constraint_dead=self.constraint_dead)
+                       nonfinite=self.nonfinite, constraint_dead=self.constraint_dead,
+                       forced=zeros)
 
 
 def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sampling: Sampling,

@@ -40,6 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.drafters.grammar import constrain_verify, verify_sampling
 from specjax.core.cache import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
@@ -191,20 +192,32 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   drafted = None if num_drafted is None else jnp.minimum(num_drafted, width - 1)
   logits, slots = scored.logits, max(width - 1, 1)
   bad = no_distribution(logits)  # [B, width]
+  rule_sampling, stuck_at = sampling, None
+  if proposal.grammar_states is not None:  # the constrained law (specjax.drafters.grammar)
+    logits, stuck_at = constrain_verify(drafter, logits, proposal.grammar_states[:, :width],
+                                        sampling)
+    rule_sampling = verify_sampling(sampling)
   if width == 1:  # no drafts: the rule with one unproposed slot gives the bonus from p
     logits = jnp.concatenate([logits, logits], axis=1)
     drafted = jnp.zeros_like(lengths)
   draft_logits = None if proposal.logits is None else proposal.logits[:, :slots]
-  result = verify_tokens(logits, draft_logits, proposal.tokens[:, :slots], sampling=sampling,
-                         seeds=state.seeds, positions=lengths, num_drafted=drafted, impl=impl)
+  result = verify_tokens(logits, draft_logits, proposal.tokens[:, :slots],
+                         sampling=rule_sampling, seeds=state.seeds, positions=lengths,
+                         num_drafted=drafted, impl=impl)
   result = result._replace(tokens=result.tokens[:, :width])
   accepted = result.num_accepted
   count, hit_eos = _keep(result.tokens, accepted, state)
+  dead = jnp.zeros_like(hit_eos)
+  if stuck_at is not None:  # nothing allowed where the row would emit its correction: stop there
+    at = jnp.minimum(accepted, width - 1)[:, None]
+    dead = jnp.take_along_axis(stuck_at, at, axis=1)[:, 0] & (count > accepted)
+    count = jnp.where(dead, accepted, count)
+    hit_eos = hit_eos & ~dead
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
   written = scored.block_kv.padded(k + 1) if defer else scored.cache
   return (tokens, accepted, count, hit_eos, _nonfinite_emitted(bad, count), written,
-          draft_state)
+          draft_state, dead)
 
 
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
@@ -249,7 +262,7 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
     branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
     out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
-  emitted, accepted, count, hit_eos, nonfinite, target_cache, draft_state = out
+  emitted, accepted, count, hit_eos, nonfinite, target_cache, draft_state, dead = out
   if defer:
     target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
     axes = CACHE_AXES[1:] if target_cache.per_layer else CACHE_AXES  # as the forward's own write
@@ -257,7 +270,12 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
         target_cache, k=jax.tree.map(lambda x: constrain(x, axes), target_cache.k),
         v=jax.tree.map(lambda x: constrain(x, axes), target_cache.v))
   target_cache = target_cache.with_lengths(lengths + count - 1)
-  return _advance(state, emitted, accepted=accepted, count=count, hit_eos=hit_eos,
+  if proposal.grammar_states is not None:
+    forced = draft_state.free  # the round's emitted drafts the grammar forced
+    state = dataclasses.replace(state, stats=dataclasses.replace(
+        state.stats, constraint_dead=state.stats.constraint_dead | (dead & live),
+        forced=state.stats.forced + jnp.where(live, forced, 0)))
+  return _advance(state, emitted, accepted=accepted, count=count, hit_eos=hit_eos | dead,
                   drafted=k if num_drafted is None else num_drafted, nonfinite=nonfinite,
                   target_cache=target_cache, draft_state=draft_state)
 

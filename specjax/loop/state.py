@@ -89,7 +89,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
                       accepted_per_position=jnp.zeros((batch, num_draft), jnp.int32),
                       target_calls=zeros + 1, draft_calls=zeros, emitted=zeros,
                       nonfinite=jnp.zeros((batch,), bool),
-                      constraint_dead=jnp.zeros((batch,), bool))
+                      constraint_dead=jnp.zeros((batch,), bool), forced=zeros)
   return DecodeState(tokens=sequence, lengths=lengths, prompt_lengths=lengths,
                      limits=lengths + max_new_tokens,
                      eos_ids=jnp.atleast_1d(jnp.asarray(eos_ids, jnp.int32)),

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.core import validation
+from specjax.constrain.compile import constraint_inputs
 from specjax.loop.decode import check_decode_arguments
 from specjax.loop.generate import GenerateState, generate_start, generate_step
 from specjax.parallel.mesh import call_context
@@ -53,12 +54,13 @@ def _round(target, drafter, state, *, num_draft, sampling, verify_impl, widths=N
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
                                              "classes"))
-def _start_plain(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling, capacity,
-                 pad_id, rules=None, classes=()) -> GenerateState:
+def _start_plain(model, tokens, lengths, rng, eos_ids, max_new_tokens, tables=None, schema=None,
+                 *, sampling, capacity, pad_id, rules=None, classes=()) -> GenerateState:
   del classes  # a cache key only (`validation.pytree_classes`)
   with rules_scope(rules):
     return generate_start(model, tokens, lengths, row_seeds(rng, tokens.shape[0]), eos_ids,
-                          max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id)
+                          max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id,
+                          tables=tables, schema=schema)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "pad_id", "rules", "classes"),
@@ -69,18 +71,26 @@ def _step_plain(model, state, *, sampling, pad_id, rules=None, classes=()) -> Ge
     return generate_step(model, state, sampling=sampling, pad_id=pad_id)
 
 
-def _stream_plain(target, args, sampling: Sampling):
+def _stream_plain(target, args, sampling: Sampling, constraint=None):
   """`decode_stream` where `decode` runs `specjax.generate`: its start and steps from the host,
   yielding each row's token of every step."""
   pad_id = validation.resolve_pad_id(target, None)
-  inputs = (target, args.tokens, args.lengths, args.rng, args.eos_ids)
+  tables = schema = None
+  eos_ids = args.eos_ids
+  if constraint is not None:
+    grammar = constraint_inputs(constraint, args.tokens.shape[0], target.vocab_size)
+    tables, schema = grammar.tables, grammar.schema
+    eos = tuple(dict.fromkeys(int(i) for i in np.asarray(eos_ids).tolist() + list(grammar.eos_ids)
+                              if i >= 0))
+    eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
+  inputs = (target, args.tokens, args.lengths, args.rng, eos_ids, tables, schema)
   with call_context(inputs) as call:
-    target, tokens, lengths, rng, eos_ids = call.inputs
+    target, tokens, lengths, rng, eos_ids, tables, schema = call.inputs
     rules = call.rules
     classes = validation.pytree_classes(target)
     state = _start_plain(target, tokens, lengths, rng, eos_ids, jnp.int32(args.max_new_tokens),
-                         sampling=sampling, capacity=args.capacity, pad_id=pad_id, rules=rules,
-                         classes=classes)
+                         tables, schema, sampling=sampling, capacity=args.capacity,
+                         pad_id=pad_id, rules=rules, classes=classes)
   seen = np.zeros(args.tokens.shape[0], np.int64)
   while True:
     now = np.asarray(state.num_tokens)
@@ -97,13 +107,13 @@ def _stream_plain(target, args, sampling: Sampling):
 def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                   num_draft: int | None = None, sampling: Sampling = GREEDY,
                   eos_id: int | tuple[int, ...] | None = None, verify_impl: str = "auto",
-                  verify_widths: tuple[int, ...] | None = None, tree=None
+                  verify_widths: tuple[int, ...] | None = None, tree=None, constraint=None
                   ) -> Iterator[tuple[list[np.ndarray], DecodeState | GenerateState]]:
   """Speculative decoding that yields after every round.
 
   Args:
-    Same as `specjax.decode` (without `pad_id`; `num_draft`, `verify_widths` and `tree` as
-    there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`).
+    Same as `specjax.decode` (without `pad_id`; `num_draft`, `verify_widths`, `tree` and
+    `constraint` as there: an int `num_draft`, or a `specjax.adaptive_drafter(...)` as `draft`).
 
   Yields:
     `(new_tokens, state)` after each round: `new_tokens[b]` is the int32 array of tokens row `b`
@@ -117,9 +127,9 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,
-                                verify_widths=verify_widths, tree=tree)
+                                verify_widths=verify_widths, tree=tree, constraint=constraint)
   if args.drafter.plain:
-    yield from _stream_plain(target, args, sampling)
+    yield from _stream_plain(target, args, sampling, constraint)
     return
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   with call_context(inputs) as call:

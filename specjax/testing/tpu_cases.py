@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from specjax.drafters.grammar import GrammarDrafter
+from specjax.constrain.tables import ConstraintTables
 from specjax.core import validation
 from specjax.core.sampling import Sampling
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
@@ -407,6 +409,35 @@ def _ngram(setup: Setup) -> Program:
 def _suffix(setup: Setup) -> Program:
   return _decode_program(setup, lambda t, corpus: SuffixDrafter(corpus=corpus),
                          (_suffix_corpus(setup),))
+
+
+# A tool-call schema's automaton at V = 151,936, padded (`specjax.constrain.pad_tables`): the
+# largest of `benchmarks.constrained`'s 25 schemas has 1,704 states and 427 token classes.
+GRAMMAR_STATES = 2048
+GRAMMAR_CLASSES = 512
+
+
+def _grammar_tables(setup: Setup):
+  """`(tables, schema)`: abstract stacked `ConstraintTables` of one grammar (`GRAMMAR_STATES`
+  states, `GRAMMAR_CLASSES` token classes) and each row's index into them, replicated: traced
+  arguments, as `decode(..., constraint=)` passes them."""
+  vocab = setup.config(setup.target).vocab_size
+  s, c = GRAMMAR_STATES, GRAMMAR_CLASSES
+  shape = lambda *dims, dtype=jnp.int32: jax.ShapeDtypeStruct(dims, dtype)
+  tables = ConstraintTables(classes=shape(1, vocab), next_state=shape(1, s, c),
+                            accepting=shape(1, s, dtype=jnp.bool_), initial=shape(1),
+                            vocab_size=vocab)
+  return setup.replicated(tables), setup.replicated(shape(setup.batch))
+
+
+@_register("constrained", "sj.decode(..., constraint=) with the draft model: a grammar's "
+           f"tables ({GRAMMAR_STATES} states, {GRAMMAR_CLASSES} token classes, traced) mask the "
+           "drafts' q and the target's p at every block position")
+def _constrained(setup: Setup) -> Program:
+  tables, schema = _grammar_tables(setup)
+  return _decode_program(
+      setup, lambda t, draft, tables, schema: GrammarDrafter(ModelDrafter(draft), tables, schema),
+      (setup.draft_model(), tables, schema))
 
 
 @_register("adaptive", "sj.decode with AdaptiveDrafter(draft model, fixed round_ms and prior): "

@@ -241,13 +241,12 @@ def test_a_dead_state_stops_the_row_without_a_token(model, tokenizer, vocab_size
   constraint = C.regex(r"x[0-9]{3}", tokenizer, vocab_size=vocab_size)
   tables = constraint.tables
   after_x = int(C.advance(tables, tables.initial, tokenizer.token_to_id("x")))
-  allowed = np.asarray(tables.allowed).copy()
-  allowed[after_x] = 0
-  first_dead = dataclasses.replace(constraint, tables=dataclasses.replace(tables, allowed=allowed))
-  allowed = np.asarray(tables.allowed).copy()
-  allowed[int(tables.initial)] = 0
-  start_dead = dataclasses.replace(constraint,
-                                   tables=dataclasses.replace(tables, allowed=allowed))
+  def dead_at(state):
+    next_state = np.asarray(tables.next_state).copy()
+    next_state[state] = C.DEAD
+    return dataclasses.replace(constraint,
+                               tables=dataclasses.replace(tables, next_state=next_state))
+  first_dead, start_dead = dead_at(after_x), dead_at(int(tables.initial))
   tokens, lengths = _prompts(tokenizer, 3)
   out = sj.generate(model, tokens, jax.random.key(0), lengths=lengths, max_new_tokens=8,
                     eos_id=tokenizer.eos_ids, pad_id=0,

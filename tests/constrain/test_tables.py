@@ -37,12 +37,6 @@ def _completable(index, stop):
 _ADVANCE = jax.jit(C.advance)
 
 
-def _csr_row(tables, state):
-  offsets = np.asarray(tables.offsets)
-  lo, hi = offsets[state], offsets[state + 1]
-  return np.asarray(tables.tokens)[lo:hi], np.asarray(tables.next_state)[lo:hi]
-
-
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_walks_agree_with_outlines_index_and_fullmatch(pattern, tokenizer, vocab_size):
   constraint = C.regex(pattern, tokenizer, vocab_size=vocab_size)
@@ -77,19 +71,36 @@ def test_walks_agree_with_outlines_index_and_fullmatch(pattern, tokenizer, vocab
       text += spelled[token]
 
 
-def test_bitmask_rows_equal_csr_rows_and_stops_only_where_accepting(tokenizer, vocab_size):
+def test_class_rows_are_the_index_rows_and_stops_only_where_accepting(tokenizer, vocab_size):
+  """Every state's allowed tokens and next states, read through the token classes, equal the
+  outlines-core Index's completable transitions (numbered as the walk numbers them)."""
   constraint = C.json_schema({"type": "object", "properties": {"a": {"enum": ["x", "y"]},
                                                                 "b": {"type": "integer"}}},
                              tokenizer, vocab_size=vocab_size)
   tables = constraint.tables
+  index = _index(constraint, tokenizer)
   masks = np.asarray(C.allowed_mask(tables, jnp.arange(tables.num_states)))
   accepting = np.asarray(tables.accepting)
   assert accepting.any() and not accepting.all()
-  for state in range(tables.num_states):
-    tokens, _ = _csr_row(tables, state)
-    assert np.all(np.diff(tokens) > 0)  # sorted, no repeats
-    np.testing.assert_array_equal(np.nonzero(masks[state])[0], tokens)
-    assert masks[state][list(constraint.eos_ids)].all() == accepting[state]
+  assert tables.num_classes < 1000 < vocab_size  # the classes are what keeps the tables small
+  stops = set(constraint.eos_ids)
+  live = _completable(index, min(stops))
+  ours_of = {index.get_initial_state(): int(tables.initial)}
+  frontier = [index.get_initial_state()]
+  while frontier:  # breadth over the Index's completable states, mapped to ours by `advance`
+    theirs = frontier.pop()
+    ours = ours_of[theirs]
+    row = {t: n for t, n in index.get_transitions()[theirs].items()
+           if t not in stops and n in live}
+    np.testing.assert_array_equal(np.nonzero(masks[ours])[0],
+                                  sorted(set(row) | (stops if accepting[ours] else set())))
+    nexts = np.asarray(C.advance(tables, jnp.full(len(row), ours), jnp.asarray(list(row))))
+    for their_next, our_next in zip(row.values(), nexts.tolist()):
+      if their_next not in ours_of:
+        ours_of[their_next] = our_next
+        frontier.append(their_next)
+      assert ours_of[their_next] == our_next
+  assert len(set(ours_of.values())) == len(ours_of) == constraint.num_states
   assert not masks[:, tokenizer.vocab_size:].any()
   # Padding states (past num_states) allow nothing: the dead rows.
   assert tables.num_states > constraint.num_states
@@ -100,12 +111,11 @@ def test_bitmask_rows_equal_csr_rows_and_stops_only_where_accepting(tokenizer, v
 def test_advance_every_transition_and_the_dead_sentinel(tokenizer, vocab_size):
   constraint = C.regex(r"[0-9]{2}(px|em)", tokenizer, vocab_size=vocab_size)
   tables = constraint.tables
-  states, tokens, targets = [], [], []
-  for state in range(constraint.num_states):
-    row, nxt = _csr_row(tables, state)
-    states += [state] * len(row)
-    tokens += row.tolist()
-    targets += nxt.tolist()
+  # Every allowed (state, token) pair, from the mask, against the class table read in NumPy.
+  masks = np.asarray(C.allowed_mask(tables, jnp.arange(constraint.num_states)))
+  states, tokens = np.nonzero(masks)
+  targets = np.asarray(tables.next_state)[states, np.asarray(tables.classes)[tokens]]
+  assert np.all(targets >= 0)
   got = jax.jit(C.advance)(tables, jnp.asarray(states), jnp.asarray(tokens))
   np.testing.assert_array_equal(got, targets)
   # Disallowed tokens, ids past the vocabulary and DEAD itself all lead to DEAD.
@@ -179,8 +189,24 @@ def test_stacked_tables_equal_each_table(tokenizer, vocab_size):
 def test_memory_report(tokenizer, vocab_size):
   constraint = C.regex(r"(yes|no)", tokenizer, vocab_size=vocab_size)
   report = constraint.tables.memory_report()
-  states, count = constraint.tables.num_states, constraint.tables.num_transitions
-  words = -(-vocab_size // 32)
-  assert report["allowed"] == states * words * 4
-  assert report["total"] == constraint.nbytes == (
-      states * words * 4 + (states + 1) * 4 + 2 * count * 4 + states + 4)
+  states, classes = constraint.tables.num_states, constraint.tables.num_classes
+  assert report["next_state"] == states * classes * 4
+  assert report["classes"] == vocab_size * 4
+  assert report["total"] == constraint.nbytes == states * classes * 4 + vocab_size * 4 + states + 4
+
+
+def test_from_transitions_groups_alike_tokens_only():
+  """Tokens with the same transitions share a class, tokens with any difference do not, and an
+  automaton that is not deterministic is refused."""
+  # 3 states over 8 tokens: 1 and 2 behave alike, 3 differs from them in state 1 only.
+  edges = [(0, 1, 1), (0, 2, 1), (0, 3, 1), (1, 1, 2), (1, 2, 2), (1, 3, 0), (2, 5, 2)]
+  source, token, target = (np.asarray(x) for x in zip(*edges))
+  tables = C.from_transitions(source, token, target, [False, False, True], 8)
+  classes = np.asarray(tables.classes)
+  assert classes[1] == classes[2] != classes[3]
+  assert len({classes[0], classes[4], classes[6], classes[7]}) == 1 and classes[0] == 0
+  for s, t, n in edges:
+    assert int(C.advance(tables, s, t)) == n
+  assert int(C.advance(tables, 2, 1)) == C.DEAD
+  with pytest.raises(ValueError, match="not deterministic"):
+    C.from_transitions([0, 0], [1, 1], [1, 2], [False, True, True], 8)

@@ -68,7 +68,7 @@ DEFAULT_SECONDS: dict[str, float] = {
     "self_q4": 17.5, "tree_static_medusa": 17.3, "eagle3_parallel": 15.5, "self_int8": 13.6,
     "draft_model_confidence": 13.1, "hybrid": 10.9, "eagle3": 10.0, "mtp": 9.9, "medusa": 9.6,
     "tree_ngram": 9.1, "tree_ngram_suffix": 9.0, "draft_model": 8.5, "draft_model_kernel": 8.3,
-    "stream_start": 7.6, "suffix": 5.5, "audit_scoring": 4.8, "generate": 4.7,
+    "stream_start": 7.6, "suffix": 5.5, "audit_scoring": 4.8, "generate": 4.7, "constrained": 17.0,
     "tree_verify_sampled_without_replacement": 4.4, "ngram": 3.9}
 # Default-setup cases moved to `costly` for the default selection's time budget (every case over
 # 20 s, except the two programs whose VMEM and gathers the tier first caught: the dynamic tree and
@@ -177,6 +177,13 @@ def _variant_params():
 def test_dtype_and_vocab(name, topology, batch, dtype, vocab):
   check_compiles(name, dataclasses.replace(DEFAULT, topology=topology, batch=batch, dtype=dtype,
                                            vocab=vocab))
+
+
+@pytest.mark.costly
+def test_constrained_decode_on_a_mesh():
+  """The grammar-constrained decode on a (1, 4) v5e mesh (the vocabulary split over "model"):
+  its masks are full-vocabulary `[B, k + 1, V]` arrays beside the sharded logits."""
+  check_compiles("constrained", dataclasses.replace(DEFAULT, topology="v5e-1x4", batch=8))
 
 
 def test_vmem_overflow_is_a_compile_error():
