@@ -183,7 +183,8 @@ def test_compiled_generate_holds_a_sharded_cache(models, prompts):
   mesh = sj.make_mesh((2, 4))
   with sh.use_mesh(mesh):
     compiled = _generate.lower(sj.shard(target, mesh), jnp.asarray(tokens), jnp.asarray(lengths),
-                               jax.random.key(0), jnp.int32(-1), jnp.int32(4), sampling=Sampling(),
+                               jax.random.key(0), jnp.int32(-1), None, None, jnp.int32(4),
+                               sampling=Sampling(),
                                capacity=64, pad_id=0).compile()
   text = compiled.as_text()
   assert "f32[2,4,1,70,8]" in text  # S = 6 prompt + 64 capacity
