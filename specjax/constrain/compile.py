@@ -327,6 +327,10 @@ class ConstraintInputs:
   schema: Any
   eos_ids: tuple[int, ...]
 
+  def stop_ids(self, eos_ids) -> tuple[int, ...]:
+    """A call's own stop ids (`-1` for none is dropped) joined with the constraints'."""
+    return tuple(dict.fromkeys(int(i) for i in (*eos_ids, *self.eos_ids) if i >= 0))
+
 
 def constraint_inputs(constraint, batch: int, vocab_size: int) -> ConstraintInputs:
   """Checks a call's `constraint=` (one `Constraint`, or a sequence of `batch` of them) against

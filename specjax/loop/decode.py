@@ -129,7 +129,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
     if not drafter.plain:  # else `prepare_decode` runs `generate(..., constraint=)`
       grammar = constraint_inputs(constraint, tokens.shape[0], target.vocab_size)
       drafter = GrammarDrafter(drafter, grammar.tables, grammar.schema)
-      eos = tuple(dict.fromkeys(i for i in eos + grammar.eos_ids if i >= 0))
+      eos = grammar.stop_ids(eos)
   eos_ids = jnp.array(eos, jnp.int32)
   validation.check_sampling(sampling)
   check_verify_impl(verify_impl, tree=tree is not None)

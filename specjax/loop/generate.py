@@ -87,7 +87,7 @@ def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 
   grammar = None
   if constraint is not None:
     grammar = constraint_inputs(constraint, tokens.shape[0], model.vocab_size)
-    eos = tuple(dict.fromkeys(i for i in eos + grammar.eos_ids if i >= 0))
+    eos = grammar.stop_ids(eos)
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad),
                 classes=validation.pytree_classes(model))

@@ -80,8 +80,7 @@ def _stream_plain(target, args, sampling: Sampling, constraint=None):
   if constraint is not None:
     grammar = constraint_inputs(constraint, args.tokens.shape[0], target.vocab_size)
     tables, schema = grammar.tables, grammar.schema
-    eos = tuple(dict.fromkeys(int(i) for i in np.asarray(eos_ids).tolist() + list(grammar.eos_ids)
-                              if i >= 0))
+    eos = grammar.stop_ids(np.asarray(eos_ids).tolist())
     eos_ids = jnp.asarray(eos or (-1,), jnp.int32)
   inputs = (target, args.tokens, args.lengths, args.rng, eos_ids, tables, schema)
   with call_context(inputs) as call:

@@ -11,6 +11,7 @@ import pytest
 
 import specjax.constrain as C
 from specjax.constrain.compile import _vocabulary
+from tests.constrain.reference import completable
 
 PATTERNS = (r"[0-9]{1,3}(\.[0-9]+)?", r"(yes|no|maybe)", r"café [a-zé]{1,6}!",
             r"\{\"k\": \"[a-z]{1,4}\"\}", r"(ab|cd)e?")
@@ -19,19 +20,6 @@ PATTERNS = (r"[0-9]{1,3}(\.[0-9]+)?", r"(yes|no|maybe)", r"café [a-zé]{1,6}!",
 def _index(constraint, tokenizer):
   import outlines_core
   return outlines_core.Index(constraint.pattern, _vocabulary(tokenizer, constraint.eos_ids))
-
-
-def _completable(index, stop):
-  """The Index's states from which a final state is reachable (a plain BFS over its map)."""
-  transitions = index.get_transitions()
-  live, changed = set(index.get_final_states()), True
-  while changed:
-    changed = False
-    for state, row in transitions.items():
-      if state not in live and any(t != stop and n in live for t, n in row.items()):
-        live.add(state)
-        changed = True
-  return live
 
 
 _ADVANCE = jax.jit(C.advance)
@@ -43,7 +31,7 @@ def test_walks_agree_with_outlines_index_and_fullmatch(pattern, tokenizer, vocab
   tables = constraint.tables
   index = _index(constraint, tokenizer)
   stop = constraint.eos_ids[0]
-  completable = _completable(index, stop)
+  live = completable(index, stop)
   spelled = C.token_bytes(tokenizer)
   accepting = np.asarray(tables.accepting)
   masks = np.asarray(C.allowed_mask(tables, jnp.arange(tables.num_states)))
@@ -56,7 +44,7 @@ def test_walks_agree_with_outlines_index_and_fullmatch(pattern, tokenizer, vocab
       mask = masks[ours]
       allowed = set(np.nonzero(mask)[0].tolist())
       expected = {t for t in index.get_allowed_tokens(theirs)
-                  if t != stop and index.get_next_state(theirs, t) in completable}
+                  if t != stop and index.get_next_state(theirs, t) in live}
       assert accepting[ours] == index.is_final_state(theirs)
       if accepting[ours]:
         expected |= set(constraint.eos_ids)
@@ -84,7 +72,7 @@ def test_class_rows_are_the_index_rows_and_stops_only_where_accepting(tokenizer,
   assert accepting.any() and not accepting.all()
   assert tables.num_classes < 1000 < vocab_size  # the classes are what keeps the tables small
   stops = set(constraint.eos_ids)
-  live = _completable(index, min(stops))
+  live = completable(index, min(stops))
   ours_of = {index.get_initial_state(): int(tables.initial)}
   frontier = [index.get_initial_state()]
   while frontier:  # breadth over the Index's completable states, mapped to ours by `advance`
