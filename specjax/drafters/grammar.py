@@ -132,8 +132,8 @@ class GrammarDrafter(DrafterWrapper):
     inner, proposal = self.drafter.propose(state.inner, sequence, lengths, num_draft=num_draft,
                                            sampling=sampling, seeds=seeds, **kwargs)
     if not isinstance(proposal, Proposal):
-      raise ValueError("a grammar constraint needs a chain drafter (trees are not supported "
-                       "under a constraint yet)")
+      raise ValueError("GrammarDrafter wraps a chain drafter; a tree drafter under a constraint "
+                       "is a specjax.drafters.grammar_tree.GrammarTreeDrafter")
     k = proposal.tokens.shape[1]
     batch = lengths.shape[0]
     drafted = (jnp.full((batch,), k, jnp.int32) if proposal.num_drafted is None
@@ -218,13 +218,15 @@ def verify_sampling(sampling: Sampling) -> Sampling:
   return GREEDY if sampling.greedy else Sampling(temperature=1.0)
 
 
-def constrain_verify(drafter: GrammarDrafter, logits, states, sampling: Sampling):
+def constrain_verify(drafter, logits, states, sampling: Sampling):
   """The target's constrained logits at each block position and where a position allows nothing.
 
   Args:
-    drafter: the round's `GrammarDrafter`.
-    logits: `[B, W, V]` the target's raw logits over the block's first `W` positions.
-    states: `[B, W]` int32 the automaton state before each of them.
+    drafter: the round's `GrammarDrafter` (or, for a tree, its
+      `specjax.drafters.grammar_tree.GrammarTreeDrafter`).
+    logits: `[B, W, V]` the target's raw logits over the block's first `W` positions (a tree's
+      `W = N + 1` extended nodes).
+    states: `[B, W]` int32 the automaton state before each of them (after each extended node).
     sampling: the call's sampling settings.
 
   Returns:
