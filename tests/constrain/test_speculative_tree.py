@@ -185,6 +185,7 @@ def test_tree_nodes_follow_the_grammar(target, draft, name):
   tree, roots = propose_once(target, draft, spec, SETTINGS["t0.7_topk3_topp0.9"])
   tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parents)
   valid, states = np.asarray(tree.valid), np.asarray(tree.grammar_states)
+  logits = np.asarray(tree.logits) if tree.logits is not None else None
   for b in range(tokens.shape[0]):
     assert states[b, 0] == roots[b]
     for i in range(tokens.shape[1]):
@@ -194,7 +195,7 @@ def test_tree_nodes_follow_the_grammar(target, draft, name):
         assert allowed
         assert states[b, i + 1] == DEAD_END[parent_state][int(tokens[b, i])]
       if name == "sampled":
-        q = np.asarray(tree.logits[b, i])
+        q = logits[b, i]
         assert valid[b, i] == (bool(DEAD_END[parent_state]) if parent_state >= 0 else False)
         outside = [t for t in range(VOCAB) if t not in DEAD_END.get(parent_state, {})]
         if DEAD_END.get(parent_state):
