@@ -22,8 +22,9 @@ are tests/constrain/test_speculative_law.py's (imported, not copied).
   / top-p. Power (costly): `specjax.testing.grammar`'s tree variants (children drawn from the
   unrestricted `q`; `p` unrestricted; `p` restricted with the root's state) fail the same test
   at the same N with p < POWER_ALPHA = 1e-6.
-* `decode_stream` with a tree and a constraint yields `decode`'s tokens; bad combinations raise a
-  ValueError before tracing.
+* `decode_stream` with a tree and a constraint yields `decode`'s tokens; the fused tree kernel
+  (interpreted) and a (2, 4) mesh that splits the vocabulary give the reference's tokens; bad
+  combinations raise a ValueError before tracing.
 """
 
 import jax
@@ -330,3 +331,21 @@ def test_tree_kernel_on_constrained_logits(target, draft, ragged, grammars, name
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
   np.testing.assert_array_equal(np.asarray(got.num_tokens), np.asarray(want.num_tokens))
   assert np.any(np.asarray(want.stats.constraint_dead))
+
+
+@pytest.mark.costly
+def test_sharded_tree_decode_equals_one_device(target, draft, ragged, grammars):
+  """On a (data 2, model 4) mesh of the 8 simulated CPU devices (the vocabulary split over
+  `model`: the tree rule runs on vocabulary slices), the constrained sampled tree's tokens are
+  the single-device ones."""
+  from specjax import parallel as sh
+  tokens, lengths = ragged
+  common = dict(lengths=lengths, max_new_tokens=10, sampling=SETTINGS["t0.7_topk3_topp0.9"],
+                tree=SPECS["sampled"], constraint=grammars)
+  single = sj.decode(target, draft, tokens, jax.random.key(1), **common)
+  mesh = sj.make_mesh((2, 4))
+  with sh.use_mesh(mesh):
+    out = sj.decode(sj.shard(target, mesh), sj.shard(draft, mesh), tokens, jax.random.key(1),
+                    **common)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(single.tokens))
+  np.testing.assert_array_equal(np.asarray(out.num_tokens), np.asarray(single.num_tokens))
