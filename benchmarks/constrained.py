@@ -11,8 +11,8 @@ Phases (results in `benchmarks/results/constrained_<pair>.json` after each, and 
 
   * `tables`: every schema's automaton over the pair's tokenizer at the model's vocabulary:
     build seconds, states, transitions, device bytes (`Constraint.nbytes`);
-  * `validity`: all 50 requests in one ragged batch (each row its own schema), greedy and at
-    T = 0.7 (top-k 50, top-p 0.9), by `decode(constraint=)`; every row must end with a stop id,
+  * `validity`: all 50 requests in ragged batches of 10 (each row its own schema), greedy and
+    at T = 0.7 (top-k 50, top-p 0.9), by `decode(constraint=)`; every row must end with a stop id,
     and its text must parse as JSON and validate against its schema (`jsonschema`). The greedy
     tokens are compared with `generate(constraint=)`'s;
   * `speed`: one request (the first) of each of the first `--speed-tools` tools (12), batch 1,
@@ -132,7 +132,9 @@ def phase_tables(tools, tokenizer, vocab_size) -> tuple[dict, list]:
   return dict(summary=summary, schemas=records), constraints
 
 
-def phase_validity(pair, tools, constraints) -> dict:
+def phase_validity(pair, tools, constraints, rows_per_batch: int = 10) -> dict:
+  """All requests, in ragged batches of `rows_per_batch` rows (each row its own schema), greedy
+  and at T = 0.7; per batch the greedy tokens are compared with `generate(constraint=)`'s."""
   import specjax as sj
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
   conversations, row_constraints, schemas = [], [], []
@@ -141,24 +143,41 @@ def phase_validity(pair, tools, constraints) -> dict:
       conversations.append(messages(tool, request))
       row_constraints.append(constraint)
       schemas.append(tool["schema"])
-  tokens, lengths = batch(tokenizer, conversations)
   eos = tuple(tokenizer.eos_ids) or None
   out = {}
   for name, sampling in (("greedy", sj.Sampling()), ("t0.7", sj.Sampling(**SAMPLED))):
-    start = time.perf_counter()
-    got = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,
-                    max_new_tokens=VALIDITY_TOKENS, num_draft=pair.num_draft, sampling=sampling,
-                    eos_id=eos, constraint=row_constraints)
-    seconds = time.perf_counter() - start
-    rows = check_rows(got, tokenizer, row_constraints, schemas)
-    record = dict(rows=rows, seconds=round(seconds, 1), stats=got.stats.summary(),
+    rows, seconds, identical, stats = [], 0.0, [], []
+    for first in range(0, len(conversations), rows_per_batch):
+      part = slice(first, first + rows_per_batch)
+      tokens, lengths = batch(tokenizer, conversations[part])
+      start = time.perf_counter()
+      got = sj.decode(target, draft, tokens, jax.random.key(first), lengths=lengths,
+                      max_new_tokens=VALIDITY_TOKENS, num_draft=pair.num_draft,
+                      sampling=sampling, eos_id=eos, constraint=row_constraints[part])
+      jax.block_until_ready(got.tokens)
+      seconds += time.perf_counter() - start
+      checked = check_rows(got, tokenizer, row_constraints[part], schemas[part])
+      for record in checked:
+        record["row"] += first
+      rows += checked
+      stats.append(got.stats.summary())
+      if sampling.greedy:
+        want = sj.generate(target, tokens, jax.random.key(first), lengths=lengths,
+                           max_new_tokens=VALIDITY_TOKENS, eos_id=eos,
+                           constraint=row_constraints[part])
+        identical.append(bool(np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))))
+      print(f"validity {name} rows {first}..{first + len(checked) - 1}: "
+            f"{sum(r['valid'] for r in checked)}/{len(checked)} valid", flush=True)
+    total = lambda key: int(sum(s[key] for s in stats))
+    record = dict(rows=rows, seconds=round(seconds, 1), rows_per_batch=rows_per_batch,
+                  emitted=total("emitted"), rounds=total("rounds"), forced=total("forced"),
+                  constraint_dead=total("constraint_dead"),
+                  tau=total("emitted") / max(total("rounds"), 1),
                   ended=sum(r["ended"] for r in rows), parsed=sum(r["parsed"] for r in rows),
                   valid=sum(r["valid"] for r in rows), total=len(rows))
     if sampling.greedy:
-      want = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
-                         max_new_tokens=VALIDITY_TOKENS, eos_id=eos, constraint=row_constraints)
-      record["identical_to_generate"] = bool(
-          np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)))
+      record["identical_to_generate"] = all(identical)
+      record["batches_identical"] = identical
     out[name] = record
     print(f"validity {name}: {record['valid']}/{record['total']} valid, {record['ended']} ended, "
           f"{seconds:.0f} s", flush=True)
@@ -300,6 +319,8 @@ def main(argv=None) -> None:
   parser.add_argument("--phases", nargs="+", default=["tables", "validity", "speed"])
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--speed-tools", type=int, default=12)
+  parser.add_argument("--validity-batch", type=int, default=10,
+                      help="rows per ragged batch in the validity phase")
   args = parser.parse_args(argv)
   path = RESULTS / f"constrained_{args.pair}.json"
   data = json.loads(path.read_text()) if path.exists() else {}
@@ -316,7 +337,7 @@ def main(argv=None) -> None:
   save = lambda: path.write_text(json.dumps(data, indent=1) + "\n")
   save()
   if "validity" in args.phases:
-    data["validity"] = phase_validity(pair, tools, constraints)
+    data["validity"] = phase_validity(pair, tools, constraints, args.validity_batch)
     save()
   if "speed" in args.phases:
     data["speed"] = phase_speed(pair, args.pair, tools[:args.speed_tools],
