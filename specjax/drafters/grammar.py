@@ -22,6 +22,13 @@ row's state, and at draft `i` in state `s_i`:
     drafter's later drafts were conditioned on a token the proposal no longer holds, so only
     forced tokens follow it.
 
+A draft model (`ModelDrafter`, the self-draft included) is *guided*: it draws every draft from
+`q'_i` inside its own loop (`Guide`), advancing a scratch copy of the row's state along its
+drafts, so its chain stays in the grammar and each draft is conditioned on drafts the proposal
+keeps; the walk then finds every draft allowed (nothing redrawn, no cache cut) and only adds the
+forced tokens past its stop. An unguided drafter (n-gram, suffix, feature heads, adaptive and
+hybrid wrappers) is walked as above.
+
 The proposal carries `grammar_states [B, k + 1]`: the state before each block position.
 
 **The verify** (`constrain_verify`, called by `specjax.loop.round`): the target's logits at block
@@ -52,8 +59,8 @@ from specjax.core.sampling import GREEDY, Sampling, first_argmax, sample_race
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.proposal import Proposal
 
-__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "constrain_verify",
-           "verify_sampling"]
+__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "Guide",
+           "constrain_verify", "verify_sampling"]
 
 # The noise of a redrawn draft: its own stream, independent of the drafter's draws and of the
 # verify's uniforms and residual draws (`specjax.core.sampling`'s purposes).
@@ -129,6 +136,9 @@ class GrammarDrafter(DrafterWrapper):
     return allowed_mask(self.tables, state, schema)
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, **kwargs):
+    guided = getattr(type(self.drafter), "guided", False)
+    if guided:
+      kwargs = dict(kwargs, guide=Guide(self, state.state, sampling))
     inner, proposal = self.drafter.propose(state.inner, sequence, lengths, num_draft=num_draft,
                                            sampling=sampling, seeds=seeds, **kwargs)
     if not isinstance(proposal, Proposal):
@@ -157,7 +167,9 @@ class GrammarDrafter(DrafterWrapper):
         ok = keep | forced
         q = None
       else:
-        q = _restricted(proposal.logits[:, i], mask, sampling)
+        # A guided drafter drew from the restriction itself (`Guide`); the walk keeps its draws.
+        q = (proposal.logits[:, i] if guided
+             else _restricted(proposal.logits[:, i], mask, sampling))
         kept = jnp.take_along_axis(q, x[:, None], axis=1)[:, 0] > -jnp.inf
         keep = offered & kept
         if sampling.greedy:
@@ -168,7 +180,9 @@ class GrammarDrafter(DrafterWrapper):
         ok = offered | forced
         # Past the wrapped drafter's proposal only forced tokens follow: a point mass there.
         point = jnp.where(jax.nn.one_hot(only, q.shape[-1], dtype=bool), 0.0, -jnp.inf)
-        q = jnp.where(offered[:, None], self.reported_q(q, proposal.logits[:, i], sampling), point)
+        if not guided:
+          q = self.reported_q(q, proposal.logits[:, i], sampling)
+        q = jnp.where(offered[:, None], q, point)
       going = going & ok & (s >= 0)
       token = jnp.where(going, token, proposal.tokens[:, i])
       # From the first draft that is not the wrapped drafter's own, only forced tokens follow.
@@ -211,6 +225,37 @@ class GrammarDrafter(DrafterWrapper):
       s = jnp.where(j < count, advance(self.tables, s, emitted[:, j], self.schema), s)
       free = free + ((j < count) & ((state.forced >> j) & 1 == 1)).astype(jnp.int32)
     return GrammarState(inner, s, state.redrawn, state.forced, free)
+
+
+@dataclasses.dataclass(frozen=True)
+class Guide:
+  """What a guided drafter (a class with `guided = True`: `specjax.drafters.model.ModelDrafter`)
+  drafts with inside its own loop, so its chain follows the grammar: `restrict(state, logits)`
+  gives `q'` (drawn with `draw_sampling`, the identity warp or greedy, and reported as the
+  draft's `q`) and `advance(state, token)` the state after a draft.
+
+  Attributes:
+    drafter: the `GrammarDrafter` (its tables and each row's schema).
+    state: `[B]` int32 each row's automaton state before the round's first draft.
+    sampling: the call's sampling settings.
+  """
+
+  drafter: Any
+  state: jax.Array
+  sampling: Sampling
+
+  @property
+  def draw_sampling(self) -> Sampling:
+    return verify_sampling(self.sampling)
+
+  def restrict(self, state, logits):
+    """`(q' [B, V], reported [B, V])`: the law to draw from and the `q` the proposal carries
+    (`GrammarDrafter.reported_q`: `q'` itself)."""
+    restricted = _restricted(logits, self.drafter.mask(state), self.sampling)
+    return restricted, self.drafter.reported_q(restricted, logits, self.sampling)
+
+  def advance(self, state, token):
+    return advance(self.drafter.tables, state, token.astype(jnp.int32), self.drafter.schema)
 
 
 def verify_sampling(sampling: Sampling) -> Sampling:

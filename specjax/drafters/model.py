@@ -219,8 +219,19 @@ class ModelDrafter(OwnModelDrafter):
     cache, _ = jax.lax.while_loop(lambda carry: carry[1], body, (cache, todo))
     return cache
 
+  # `propose` takes a `guide` (`specjax.drafters.grammar.Guide`): the drafts follow a grammar.
+  guided = True
+
   def propose(self, cache, sequence, lengths, *, num_draft, sampling, seeds, limits=None,
-              stop=None):
+              stop=None, guide=None):
+    """The round's drafts (see the class docstring).
+
+    With a `guide`, every draft is drawn from `guide.restrict(state, logits)`, the drafter's
+    distribution restricted to what the row's automaton state allows there (`q'`, warped and
+    restricted: drawn and reported with the identity warp), and the state advances along the
+    drafts (`guide.advance`): the chain stays inside the grammar, so each draft is conditioned
+    on the drafts before it as the verify will see them. The confidence stop still reads the
+    raw logits."""
     cache = self.catch_up(cache, sequence, lengths, num_draft + 1)
     # Valid draft cache: what it has seen that is still in the sequence (rollback). After a
     # confidence stop the cache may hold more than that; `start` cuts it back.
@@ -238,7 +249,13 @@ class ModelDrafter(OwnModelDrafter):
       ids = jnp.broadcast_to(self.draft_ids, (lengths.shape[0],) + self.draft_ids.shape)
       ids = ids if context is None else jnp.concatenate([ids, context[0]], axis=1)
 
-    def draw(logits, positions):  # (token, the full-vocabulary logits it was drawn from or None)
+    def draw(logits, positions, grammar=None):
+      """(token, the full-vocabulary logits it was drawn from or None)."""
+      if guide is not None:  # q' = the restriction to what `grammar` allows, drawn as it is
+        full = logits if ids is None else self.full_logits(logits, ids)
+        restricted, reported = guide.restrict(grammar, full)
+        token = sample_token(restricted, guide.draw_sampling, seeds, positions, PURPOSE_DRAFT)
+        return token, None if sampling.greedy else reported
       if ids is None:
         token = sample_token(logits, sampling, seeds, positions, PURPOSE_DRAFT)
         return token, None if sampling.greedy else logits
@@ -247,13 +264,19 @@ class ModelDrafter(OwnModelDrafter):
       full = self.full_logits(logits, ids)
       return sample_token(full, sampling, seeds, positions, PURPOSE_DRAFT), full
 
-    def step(cache, i, token):
+    def step(carry, i, token):
+      cache, grammar = carry
       out = self.model(token[:, None], lengths + i - 1, cache, return_hidden=hidden)
       next_logits = self._scores(out.logits[:, 0], out.hidden[:, 0] if hidden else None, context)
-      return out.cache, (*draw(next_logits, lengths + i), next_logits)
+      if guide is not None:
+        grammar = guide.advance(grammar, token)
+      return (out.cache, grammar), (*draw(next_logits, lengths + i, grammar), next_logits)
 
-    return draft_chain(step, cache, (*draw(logits, lengths), logits), num_draft,
-                       confidence=self.confidence, limits=limits, stop=stop)
+    grammar = None if guide is None else guide.state
+    (cache, _), proposal = draft_chain(
+        step, (cache, grammar), (*draw(logits, lengths, grammar), logits), num_draft,
+        confidence=self.confidence, limits=limits, stop=stop)
+    return cache, proposal
 
   def _context(self, sequence, lengths):
     """None, or `(recent [B, M], rows [B, M, E], valid [B, M])`: the row's last `M =

@@ -12,6 +12,8 @@ must never occur. The three broken variants of `specjax.testing.grammar` must be
 p < 1e-6 by the same test at the same N. Seeded throughout.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,11 +22,13 @@ import pytest
 import specjax as sj
 from specjax.constrain.compile import Constraint, constraint_inputs
 from specjax.drafters.grammar import GrammarDrafter
+from specjax.drafters.model import ModelDrafter
 from specjax.constrain.tables import from_transitions, pad_tables
 from specjax.models.transformer import forward
 from specjax.testing import grammar as broken
 from specjax.testing.models import tiny_config
 from tests.constrain import reference
+from tests.exactness.test_exactness import numpy_distribution
 
 VOCAB = 8
 NEW = 3
@@ -62,31 +66,14 @@ def draft():
 def constraint():
   return automaton_constraint()
 
-def numpy_warp(logits: np.ndarray, sampling: sj.Sampling) -> np.ndarray:
-  """Temperature, top-k, top-p in float64 (written without specjax's code): probabilities."""
-  x = logits.astype(np.float64) / sampling.temperature
-  keep = np.isfinite(x)
-  if sampling.top_k is not None:
-    kth = np.sort(x, axis=-1)[..., ::-1][..., sampling.top_k - 1:sampling.top_k]
-    keep &= x >= kth
-  probs = np.where(keep, np.exp(np.where(keep, x, -np.inf) - x[keep].max()), 0.0)
-  probs /= probs.sum(-1, keepdims=True)
-  if sampling.top_p is not None:
-    order = np.sort(probs, axis=-1)[..., ::-1]
-    first = np.argmax(np.cumsum(order, axis=-1) >= sampling.top_p - 1e-12, axis=-1)
-    threshold = np.take_along_axis(order, first[..., None], axis=-1)
-    probs = np.where(probs >= threshold, probs, 0.0)
-    probs /= probs.sum(-1, keepdims=True)
-  return probs
-
 def numpy_law(logits: np.ndarray, allowed: set, sampling: sj.Sampling) -> np.ndarray:
   """The constrained law at one position: warp, restrict, renormalize; if nothing allowed
   survives the warp, the allowed tokens' logits warped alone."""
   mask = np.isin(np.arange(VOCAB), sorted(allowed))
-  probs = numpy_warp(logits, sampling) * mask
+  probs = numpy_distribution(logits, sampling) * mask
   if probs.sum() > 0:
     return probs / probs.sum()
-  return numpy_warp(np.where(mask, logits, -np.inf), sampling)
+  return numpy_distribution(np.where(mask, logits, -np.inf), sampling)
 
 def exact_joint(target, sampling) -> np.ndarray:
   """P(x1, x2, x3) under the constrained law, enumerating all 8^3 continuations."""
@@ -158,10 +145,48 @@ def test_forced_tokens_are_free(target, draft, constraint):
   assert summary["forced"] > 0
   assert summary["forced"] <= summary["accepted"]
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class UnguidedModelDrafter(ModelDrafter):
+  """A draft model whose raw chain the grammar walk redraws (as an n-gram's or a head's is)."""
+
+  guided = False
+
+
+def test_a_draft_model_drafts_inside_the_grammar(target, draft, constraint):
+  """Guided: every draft of the draft model's chain is allowed where it stands, so the walk
+  keeps all `k` of every row and redraws none; the same model unguided has drafts redrawn."""
+  batch, k = 64, 4
+  tokens = jnp.tile(jnp.asarray(PROMPT + [0] * 8, jnp.int32), (batch, 1))
+  lengths = jnp.full((batch,), len(PROMPT), jnp.int32)
+  seeds = jnp.arange(batch, dtype=jnp.uint32)
+  redraws = {}
+  for guided, inner in ((True, ModelDrafter(draft)), (False, UnguidedModelDrafter(draft))):
+    drafter = grammar_drafter(inner, constraint, batch)
+    state = drafter.init(tokens, lengths, tokens.shape[1], None)
+    for name, sampling in (("greedy", sj.Sampling()), ("t1", SETTINGS["t1"])):
+      after, proposal = drafter.propose(state, tokens, lengths, num_draft=k, sampling=sampling,
+                                        seeds=seeds)
+      redraws[guided, name] = int(jnp.sum(after.redrawn < k))
+      if guided:
+        np.testing.assert_array_equal(np.asarray(proposal.num_drafted), k)
+        for row in np.asarray(proposal.tokens):
+          state_id = 0
+          for token in row:
+            assert int(token) in AUTOMATON[state_id]
+            state_id = AUTOMATON[state_id][int(token)]
+  assert redraws[True, "greedy"] == redraws[True, "t1"] == 0
+  assert redraws[False, "greedy"] + redraws[False, "t1"] > 0, redraws
+
+
 @pytest.mark.costly
+@pytest.mark.parametrize("guided", [True, False], ids=["guided", "walked"])
 @pytest.mark.parametrize("name", sorted(SETTINGS))
-def test_draft_model_matches_the_constrained_law(target, draft, constraint, name):
-  tokens, num_tokens, summary = run_decode(target, draft, constraint, SETTINGS[name])
+def test_draft_model_matches_the_constrained_law(target, draft, constraint, name, guided):
+  """Guided (the draft model draws from `q'` in its own loop) and walked (its raw draws kept
+  where allowed, the rest redrawn from `q'`)."""
+  drafter = ModelDrafter(draft) if guided else UnguidedModelDrafter(draft)
+  tokens, num_tokens, summary = run_decode(target, drafter, constraint, SETTINGS[name])
   assert 0.05 < summary["acceptance_rate"] < 0.98  # the rule is exercised both ways
   assert summary["forced"] > 0
   assert chi_square_pvalue(tokens, exact_joint(target, SETTINGS[name]), num_tokens) > ALPHA
@@ -177,9 +202,11 @@ def test_ngram_matches_the_constrained_law(target, constraint):
 @pytest.mark.costly
 @pytest.mark.parametrize("kind", [broken.MasksPOnly, broken.MasksQOnly, broken.RoundStartMask],
                          ids=lambda kind: kind.__name__)
-def test_broken_variants_are_rejected(target, draft, constraint, kind):
+@pytest.mark.parametrize("guided", [True, False], ids=["guided", "walked"])
+def test_broken_variants_are_rejected(target, draft, constraint, kind, guided):
   sampling = SETTINGS["t1"]
-  tokens, num_tokens, _ = run_decode(target, draft, constraint, sampling, kind=kind)
+  drafter = ModelDrafter(draft) if guided else UnguidedModelDrafter(draft)
+  tokens, num_tokens, _ = run_decode(target, drafter, constraint, sampling, kind=kind)
   assert chi_square_pvalue(tokens, exact_joint(target, sampling), num_tokens) < POWER_ALPHA
 
 @pytest.mark.costly
