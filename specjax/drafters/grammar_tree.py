@@ -101,9 +101,10 @@ class TreeGuide:
     """`[B, ...]` the states after `tokens` (`[B, ...]`) from `states`."""
     return self.drafter.advance(states, tokens)
 
-  def restrict(self, logits, states) -> jax.Array:
-    """`[B, ..., V]` float32 the draft logits at nodes in `states` (`[B, ...]`) as the builder
-    sees them: `q'`, the drafter's `draft_law`."""
+  def restrict(self, states, logits) -> jax.Array:
+    """`[B, ..., V]` float32 the draft logits `logits` at nodes in `states` (`[B, ...]`) as the
+    builder sees them: `q'`, the drafter's `draft_law` (the argument order of the chain's
+    `specjax.drafters.grammar.Guide`)."""
     return self.drafter.draft_law(logits, self.drafter.mask(states), self.sampling)
 
 

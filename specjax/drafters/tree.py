@@ -122,7 +122,7 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
         chain_cache = out.cache
         logits = out.logits[:, 0]
         if guide is not None:
-          logits = guide.restrict(logits, chain_state)
+          logits = guide.restrict(chain_state, logits)
         top = jax.lax.top_k(logits, k)[1]
         ranked.append(top)
         token = top[:, 0]

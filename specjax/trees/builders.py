@@ -176,7 +176,7 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
     q_logits = draft[:, parent_ext].astype(jnp.float32)  # [B, count, V]
     if guide is not None:
       parent_states = states[:, parent_ext]  # [B, count]
-      q_logits = guide.restrict(q_logits, parent_states)
+      q_logits = guide.restrict(parent_states, q_logits)
     vocab_ids = jnp.arange(draft.shape[-1], dtype=jnp.int32)
     pos = (positions.astype(jnp.int32) + d)[:, None, None]  # [B, 1, 1] position of the child
     ranks = jnp.asarray(ranks_host[level], jnp.int32)[None, :, None]
@@ -259,7 +259,7 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
       node_logits = jnp.zeros((batch, pool, draft.shape[-1]), jnp.float32)
     q_logits = jnp.take_along_axis(draft, (frontier + 1)[..., None], axis=1)  # [B, F, V]
     if guide is not None:
-      q_logits = guide.restrict(q_logits, frontier_state)
+      q_logits = guide.restrict(frontier_state, q_logits)
     logp = jax.nn.log_softmax(q_logits, axis=-1)
     top_logp, top_tokens = jax.lax.top_k(logp, width)  # [B, F, m]
     f = frontier.shape[1]

@@ -41,11 +41,11 @@ also passed `built=slice(start, stop)`, the (static) node indices set since its 
 
 Guides: under a grammar constraint the builders take a `guide`
 (`specjax.drafters.grammar_tree.TreeGuide`): `guide.root` `[B]` is the root's automaton state,
-`guide.advance(states, tokens)` the states after `tokens`, and `guide.restrict(logits, states)`
+`guide.advance(states, tokens)` the states after `tokens`, and `guide.restrict(states, logits)`
 the draft logits at nodes in `states` as the constrained law sees them (warped, then restricted
 to what the state allows). The builders then track every node's state (a child's is its
-parent's advanced by its token), draw or rank children from `restrict(logits at the parent,
-parent's state)` and record those logits in `Tree.logits`; a static tree's greedy chain ranks its
+parent's advanced by its token), draw or rank children from `restrict(parent's state, logits
+at the parent)` and record those logits in `Tree.logits`; a static tree's greedy chain ranks its
 candidates the same way along the chain's states.
 """
 

@@ -96,7 +96,7 @@ def guided_chain(logits_at, guide, depth: int, k: int) -> jax.Array:
   chain_state, tokens, ranked = guide.root, [], []
   for d in range(depth):
     chain = jnp.stack(tokens, axis=1) if tokens else None
-    top = jax.lax.top_k(guide.restrict(logits_at(d, chain), chain_state), k)[1]
+    top = jax.lax.top_k(guide.restrict(chain_state, logits_at(d, chain)), k)[1]
     ranked.append(top.astype(jnp.int32))
     tokens.append(top[:, 0].astype(jnp.int32))
     chain_state = guide.advance(chain_state, tokens[-1])
