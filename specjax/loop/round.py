@@ -208,10 +208,13 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   accepted = result.num_accepted
   count, hit_eos = _keep(result.tokens, accepted, state)
   dead = jnp.zeros_like(hit_eos)
-  if stuck_at is not None:  # nothing allowed where the row would emit its correction: stop there
-    at = jnp.minimum(accepted, width - 1)[:, None]
-    dead = jnp.take_along_axis(stuck_at, at, axis=1)[:, 0] & (count > accepted)
-    count = jnp.where(dead, accepted, count)
+  if stuck_at is not None:
+    # Nothing allowed has weight at a position the row emits from: `generate` stops there, so
+    # the row stops there, keeping what came before. Usually the correction's position; an
+    # earlier one only where a greedy argmax over nothing matched the draft.
+    first = jnp.where(jnp.any(stuck_at, axis=1), jnp.argmax(stuck_at, axis=1), width)
+    dead = (first <= accepted) & (count > first)
+    count = jnp.where(dead, first, count)
     hit_eos = hit_eos & ~dead
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))

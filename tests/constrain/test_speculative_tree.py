@@ -127,6 +127,17 @@ def test_greedy_tree_decode_is_constrained_generate(target, draft, ragged, gramm
   assert summary["accepted"] > 0
 
 
+@pytest.mark.parametrize("kind", ["draft", "ngram", "self_int8"])
+def test_greedy_chain_with_dead_ends_is_constrained_generate(target, draft, ragged, grammars,
+                                                             kind):
+  """The chain's counterpart (`tree=None`) on the same dead-end grammars: a row whose drafts walk
+  into the state that allows nothing stops there without a token, as `generate`'s does, even
+  where a draft past it matches the verify's greedy argmax over nothing."""
+  drafter = {"draft": draft, "ngram": sj.NGramDrafter(max_ngram=2),
+             "self_int8": sj.self_drafter(target, bits=8)}[kind]
+  assert_greedy_equals_generate(target, drafter, None, ragged, grammars)
+
+
 @pytest.mark.costly
 def test_greedy_suffix_trie_is_constrained_generate(target, ragged, grammars):
   corpus = SuffixCorpus.from_sequences([[5, 1, 4, 0, 5, 3, 2, 7, 1, 4], [5, 3, 0, 6, 4, 5]],
