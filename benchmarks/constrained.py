@@ -132,9 +132,13 @@ def phase_tables(tools, tokenizer, vocab_size) -> tuple[dict, list]:
   return dict(summary=summary, schemas=records), constraints
 
 
-def phase_validity(pair, tools, constraints, rows_per_batch: int = 10) -> dict:
+def phase_validity(pair, tools, constraints, data: dict, save, rows_per_batch: int = 10,
+                   settings=("greedy", "t0.7")) -> None:
   """All requests, in ragged batches of `rows_per_batch` rows (each row its own schema), greedy
-  and at T = 0.7; per batch the greedy tokens are compared with `generate(constraint=)`'s."""
+  and at T = 0.7; per batch the greedy tokens are compared with `generate(constraint=)`'s.
+
+  Results go to `data["validity"]`, saved after every batch (`save()`); a rerun skips the
+  batches already there (same `rows_per_batch`)."""
   import specjax as sj
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
   conversations, row_constraints, schemas = [], [], []
@@ -144,10 +148,16 @@ def phase_validity(pair, tools, constraints, rows_per_batch: int = 10) -> dict:
       row_constraints.append(constraint)
       schemas.append(tool["schema"])
   eos = tuple(tokenizer.eos_ids) or None
-  out = {}
+  out = data.setdefault("validity", {})
   for name, sampling in (("greedy", sj.Sampling()), ("t0.7", sj.Sampling(**SAMPLED))):
-    rows, seconds, identical, stats = [], 0.0, [], []
+    if name not in settings:
+      continue
+    if out.get(name, {}).get("rows_per_batch") != rows_per_batch:
+      out[name] = dict(rows_per_batch=rows_per_batch, batches={})
+    record = out[name]
     for first in range(0, len(conversations), rows_per_batch):
+      if str(first) in record["batches"]:
+        continue
       part = slice(first, first + rows_per_batch)
       tokens, lengths = batch(tokenizer, conversations[part])
       start = time.perf_counter()
@@ -155,33 +165,37 @@ def phase_validity(pair, tools, constraints, rows_per_batch: int = 10) -> dict:
                       max_new_tokens=VALIDITY_TOKENS, num_draft=pair.num_draft,
                       sampling=sampling, eos_id=eos, constraint=row_constraints[part])
       jax.block_until_ready(got.tokens)
-      seconds += time.perf_counter() - start
+      seconds = time.perf_counter() - start
       checked = check_rows(got, tokenizer, row_constraints[part], schemas[part])
-      for record in checked:
-        record["row"] += first
-      rows += checked
-      stats.append(got.stats.summary())
+      for row in checked:
+        row["row"] += first
+      summary = got.stats.summary()
+      done = dict(rows=checked, seconds=round(seconds, 1), load=load_average(),
+                  **{key: summary[key] for key in ("emitted", "rounds", "forced",
+                                                   "constraint_dead")})
       if sampling.greedy:
         want = sj.generate(target, tokens, jax.random.key(first), lengths=lengths,
                            max_new_tokens=VALIDITY_TOKENS, eos_id=eos,
                            constraint=row_constraints[part])
-        identical.append(bool(np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens))))
+        done["identical_to_generate"] = bool(
+            np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)))
+      record["batches"][str(first)] = done
+      save()
       print(f"validity {name} rows {first}..{first + len(checked) - 1}: "
             f"{sum(r['valid'] for r in checked)}/{len(checked)} valid", flush=True)
-    total = lambda key: int(sum(s[key] for s in stats))
-    record = dict(rows=rows, seconds=round(seconds, 1), rows_per_batch=rows_per_batch,
-                  emitted=total("emitted"), rounds=total("rounds"), forced=total("forced"),
+    batches = list(record["batches"].values())
+    rows = [row for b in batches for row in b["rows"]]
+    total = lambda key: int(sum(b[key] for b in batches))
+    record.update(emitted=total("emitted"), rounds=total("rounds"), forced=total("forced"),
                   constraint_dead=total("constraint_dead"),
                   tau=total("emitted") / max(total("rounds"), 1),
                   ended=sum(r["ended"] for r in rows), parsed=sum(r["parsed"] for r in rows),
                   valid=sum(r["valid"] for r in rows), total=len(rows))
     if sampling.greedy:
-      record["identical_to_generate"] = all(identical)
-      record["batches_identical"] = identical
-    out[name] = record
-    print(f"validity {name}: {record['valid']}/{record['total']} valid, {record['ended']} ended, "
-          f"{seconds:.0f} s", flush=True)
-  return out
+      record["identical_to_generate"] = all(b["identical_to_generate"] for b in batches)
+    save()
+    print(f"validity {name}: {record['valid']}/{record['total']} valid, {record['ended']} ended",
+          flush=True)
 
 
 def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> dict:
@@ -321,6 +335,7 @@ def main(argv=None) -> None:
   parser.add_argument("--speed-tools", type=int, default=12)
   parser.add_argument("--validity-batch", type=int, default=10,
                       help="rows per ragged batch in the validity phase")
+  parser.add_argument("--validity-settings", nargs="+", default=["greedy", "t0.7"])
   args = parser.parse_args(argv)
   path = RESULTS / f"constrained_{args.pair}.json"
   data = json.loads(path.read_text()) if path.exists() else {}
@@ -337,8 +352,8 @@ def main(argv=None) -> None:
   save = lambda: path.write_text(json.dumps(data, indent=1) + "\n")
   save()
   if "validity" in args.phases:
-    data["validity"] = phase_validity(pair, tools, constraints, args.validity_batch)
-    save()
+    phase_validity(pair, tools, constraints, data, save, args.validity_batch,
+                   args.validity_settings)
   if "speed" in args.phases:
     data["speed"] = phase_speed(pair, args.pair, tools[:args.speed_tools],
                                 constraints[:args.speed_tools], args.repeats)
