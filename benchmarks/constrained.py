@@ -198,7 +198,9 @@ def phase_validity(pair, tools, constraints, data: dict, save, rows_per_batch: i
           flush=True)
 
 
-def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> dict:
+def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int,
+                results: dict | None = None, save=lambda: None,
+                names=("greedy", "t0.7")) -> dict:
   """Timed `decode` against `generate`, constrained and not, on each tool's first request."""
   import specjax as sj
   from specjax.cli.demo import time_pairs
@@ -208,8 +210,11 @@ def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> di
   rng = jax.random.key(0)
   settings = (("greedy", sj.Sampling()), ("t0.7", sj.Sampling(**SAMPLED)))
   costs = suite_costs(pair, name_of_pair)
-  results = {"load_before": load_average(), "bound_costs": costs}
+  results = {} if results is None else results
+  results.update(load_before=load_average(), bound_costs=costs)
   for name, sampling in settings:
+    if name not in names:
+      continue
     for mode in ("constrained", "unconstrained"):
       totals = dict(decode=0.0, generate=0.0, prompt_decode=0.0, prompt_generate=0.0,
                     emitted=0, rounds=0, forced=0, accepted=0, drafted=0)
@@ -281,7 +286,9 @@ def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> di
                     generate_s_per_token_after_prompt=generate_per_token,
                     speedup_after_prompt=after,
                     efficiency_after_prompt=None if bound is None else after / bound)
+      record["load_after"] = load_average()
       results[f"{name}/{mode}"] = record
+      save()
       print(f"speed {name} {mode}: {record['speedup']:.2f}x, past the prompt "
             f"{record['speedup_after_prompt']:.2f}x "
             f"({record['decode_s_per_token_after_prompt'] * 1e3:.0f} ms/token), tau "
@@ -336,6 +343,8 @@ def main(argv=None) -> None:
   parser.add_argument("--validity-batch", type=int, default=10,
                       help="rows per ragged batch in the validity phase")
   parser.add_argument("--validity-settings", nargs="+", default=["greedy", "t0.7"])
+  parser.add_argument("--speed-settings", nargs="+", default=["greedy", "t0.7"],
+                      help="a subset reruns those settings into the saved speed results")
   args = parser.parse_args(argv)
   path = RESULTS / f"constrained_{args.pair}.json"
   data = json.loads(path.read_text()) if path.exists() else {}
@@ -355,8 +364,10 @@ def main(argv=None) -> None:
     phase_validity(pair, tools, constraints, data, save, args.validity_batch,
                    args.validity_settings)
   if "speed" in args.phases:
-    data["speed"] = phase_speed(pair, args.pair, tools[:args.speed_tools],
-                                constraints[:args.speed_tools], args.repeats)
+    subset = sorted(args.speed_settings) != ["greedy", "t0.7"]
+    data["speed"] = (data.get("speed") or {}) if subset else {}
+    phase_speed(pair, args.pair, tools[:args.speed_tools], constraints[:args.speed_tools],
+                args.repeats, data["speed"], save, args.speed_settings)
     save()
   plot(data, path.with_suffix(".png"))
 
