@@ -59,7 +59,7 @@ from specjax.core.sampling import GREEDY, Sampling, first_argmax, sample_race
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.proposal import Proposal
 
-__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "Guide",
+__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "GrammarWrapper", "Guide",
            "constrain_verify", "verify_sampling"]
 
 # The noise of a redrawn draft: its own stream, independent of the drafter's draws and of the
@@ -97,9 +97,47 @@ def _restricted(logits, mask, sampling: Sampling):
   return jnp.where(empty[..., None], jnp.where(mask, 0.0, -jnp.inf), scores)
 
 
+class GrammarWrapper(DrafterWrapper):
+  """What the chain's `GrammarDrafter` and the tree's `GrammarTreeDrafter` share: the wrapped
+  drafter's costs, each row's grammar (`tables`, `schema`: the subclass's fields) and the
+  target's constrained law."""
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    return self.drafter.forwards_per_round(num_draft)
+
+  def forwards_in_round(self, state, num_draft: int):
+    return self.drafter.forwards_in_round(state.inner, num_draft)
+
+  def extra_slots(self, num_draft: int) -> int:
+    return self.drafter.extra_slots(num_draft)
+
+  def initial_states(self, batch: int) -> jax.Array:
+    """`[B]` int32 each row's initial automaton state."""
+    start = jnp.asarray(self.tables.initial)[self.schema]
+    return jnp.broadcast_to(start, (batch,)).astype(jnp.int32)
+
+  def _schema(self, state):
+    return self.schema.reshape(self.schema.shape + (1,) * (jnp.ndim(state) - 1))
+
+  def mask(self, state):
+    """`[B, ..., V]` bool: what `state` (`[B, ...]`) allows, each row in its own grammar."""
+    return allowed_mask(self.tables, state, self._schema(state))
+
+  def advance(self, state, token):
+    """`[B, ...]` int32 the states after `token` from `state` (both `[B, ...]`)."""
+    return advance(self.tables, state, token, self._schema(state))
+
+  def target_law(self, logits, states, sampling: Sampling):
+    """`(constrained [B, W, V], stuck [B, W])`: the target's constrained logits at each block
+    position (or extended tree node), from the state before it, and where nothing allowed has
+    weight."""
+    mask = self.mask(states)
+    return constrained_logits(logits, mask, sampling), stuck(logits, mask)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GrammarDrafter(DrafterWrapper):
+class GrammarDrafter(GrammarWrapper):
   """A chain drafter whose proposals follow a grammar (see the module docstring).
 
   Attributes:
@@ -113,27 +151,10 @@ class GrammarDrafter(DrafterWrapper):
   tables: ConstraintTables
   schema: jax.Array
 
-  def forwards_per_round(self, num_draft: int) -> int:
-    return self.drafter.forwards_per_round(num_draft)
-
-  def forwards_in_round(self, state, num_draft: int):
-    return self.drafter.forwards_in_round(state.inner, num_draft)
-
-  def extra_slots(self, num_draft: int) -> int:
-    return self.drafter.extra_slots(num_draft)
-
   def init(self, tokens, lengths, buffer_len, prefill):
     inner = self.drafter.init(tokens, lengths, buffer_len, prefill)
-    batch = tokens.shape[0]
-    start = jnp.asarray(self.tables.initial)[self.schema]
-    zeros = jnp.zeros((batch,), jnp.int32)
-    return GrammarState(inner, jnp.broadcast_to(start, (batch,)).astype(jnp.int32), zeros,
-                        zeros, zeros)
-
-  def mask(self, state):
-    """`[B, ..., V]` bool: what `state` (`[B, ...]`) allows, each row in its own grammar."""
-    schema = self.schema.reshape(self.schema.shape + (1,) * (state.ndim - 1))
-    return allowed_mask(self.tables, state, schema)
+    zeros = jnp.zeros((tokens.shape[0],), jnp.int32)
+    return GrammarState(inner, self.initial_states(tokens.shape[0]), zeros, zeros, zeros)
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, **kwargs):
     guided = getattr(type(self.drafter), "guided", False)
@@ -208,11 +229,6 @@ class GrammarDrafter(DrafterWrapper):
     del raw, sampling
     return restricted
 
-  def target_law(self, logits, states, sampling: Sampling):
-    """`(constrained [B, W, V], stuck [B, W])`: the target's constrained logits at each block
-    position, from the state before it, and where nothing allowed has weight."""
-    mask = self.mask(states)
-    return constrained_logits(logits, mask, sampling), stuck(logits, mask)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     inner = state.inner

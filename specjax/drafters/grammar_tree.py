@@ -60,11 +60,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.constrain.law import constrained_logits, stuck
-from specjax.constrain.tables import ConstraintTables, advance, allowed_mask
+from specjax.constrain.tables import ConstraintTables
 from specjax.core.sampling import Sampling
-from specjax.drafters.base import DrafterWrapper
-from specjax.drafters.grammar import _restricted, verify_sampling
+from specjax.drafters.grammar import GrammarWrapper, _restricted, verify_sampling
 from specjax.trees import structure as trees
 from specjax.trees.structure import Tree, TreeSpec
 
@@ -110,7 +108,7 @@ class TreeGuide:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GrammarTreeDrafter(DrafterWrapper):
+class GrammarTreeDrafter(GrammarWrapper):
   """A tree drafter whose trees follow a grammar (see the module docstring).
 
   Attributes:
@@ -128,30 +126,9 @@ class GrammarTreeDrafter(DrafterWrapper):
   def spec(self) -> TreeSpec:
     return self.drafter.spec
 
-  def forwards_per_round(self, num_draft: int) -> int:
-    return self.drafter.forwards_per_round(num_draft)
-
-  def forwards_in_round(self, state, num_draft: int):
-    return self.drafter.forwards_in_round(state.inner, num_draft)
-
-  def extra_slots(self, num_draft: int) -> int:
-    return self.drafter.extra_slots(num_draft)
-
   def init(self, tokens, lengths, buffer_len, prefill):
     inner = self.drafter.init(tokens, lengths, buffer_len, prefill)
-    start = jnp.asarray(self.tables.initial)[self.schema]
-    return GrammarTreeState(inner, jnp.broadcast_to(start, (tokens.shape[0],)).astype(jnp.int32))
-
-  def _schema(self, state):
-    return self.schema.reshape(self.schema.shape + (1,) * (jnp.ndim(state) - 1))
-
-  def mask(self, state):
-    """`[B, ..., V]` bool: what `state` (`[B, ...]`) allows, each row in its own grammar."""
-    return allowed_mask(self.tables, state, self._schema(state))
-
-  def advance(self, state, token):
-    """`[B, ...]` int32 the states after `token` from `state` (both `[B, ...]`)."""
-    return advance(self.tables, state, token, self._schema(state))
+    return GrammarTreeState(inner, self.initial_states(tokens.shape[0]))
 
   def draft_law(self, logits, mask, sampling: Sampling):
     """`q'`: the draft logits a builder sees at a node whose state allows `mask`: the
@@ -189,12 +166,6 @@ class GrammarTreeDrafter(DrafterWrapper):
       raise ValueError("GrammarTreeDrafter wraps a tree drafter (specjax.drafters.tree); a chain "
                        "drafter under a constraint is a GrammarDrafter")
     return GrammarTreeState(inner, state.state), self.constrain_tree(tree, state.state)
-
-  def target_law(self, logits, states, sampling: Sampling):
-    """`(constrained [B, N + 1, V], stuck [B, N + 1])`: the target's constrained logits at each
-    extended node, from its state, and where nothing allowed has weight."""
-    mask = self.mask(states)
-    return constrained_logits(logits, mask, sampling), stuck(logits, mask)
 
   def forced(self, states) -> jax.Array:
     """`[B, ...]` bool: `states` allow exactly one token."""
