@@ -244,9 +244,14 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     check_rollout_config(self._config)
     self._max_len = int(self._config.kv_cache_size)
     tunix_weights.model_config(rollout_actor, self._max_len)  # the architecture is supported
-    self._actor = rollout_actor  # its class, config and graph; its weights are never written
-    # The current weights, a plain dict of arrays: what the rollout program is called with.
-    self._params = tunix_weights.policy_params(nnx.state(rollout_actor, nnx.Param))
+    self._actor = rollout_actor  # its class and config; its weights are never written here
+    # The policy's weights as tunix's vanilla engine holds them: the module's own variables (so a
+    # trainer that shares them with the rollout, `RLCluster`'s colocated case, is read live), until
+    # `update_params` replaces them with new ones.
+    self._graphdef, self._state, self._rest = nnx.split(rollout_actor, nnx.Param, ...)
+    placed = _on_mesh(tunix_weights.policy_params(self._state), mesh)
+    if placed is not None:  # a rollout mesh of its own: a copy of the weights there, synced by
+      self._replace(placed)  # `RLCluster.sync_weights` (`update_params`) after each step
     self._spec, self._extra = _drafter_spec(drafter, self._max_len)
     self._calls = 0
     self.last_stats: dict | None = None  # the last call's `DecodeStats.summary()`
@@ -295,7 +300,8 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     dtype = (jnp.dtype(rollout_config.data_type) if rollout_config.data_type is not None
              else tunix_weights.compute_dtype(self._actor))
     eos = self._eos_ids(rollout_config, config.vocab_size)
-    out = _rollout(self._params, self._extra, jnp.asarray(right),
+    params = tunix_weights.policy_params(self._state)  # the current values, no copy
+    out = _rollout(params, self._extra, jnp.asarray(right),
                    jnp.asarray(lengths), self._key(rollout_config.seed), config=config,
                    dtype=dtype, spec=self._spec, num_draft=self.num_draft,
                    sampling=sampling_of(rollout_config), max_new_tokens=new, eos_ids=eos,
@@ -329,23 +335,39 @@ class SpecjaxRollout(base_rollout.BaseRollout):
 
   def update_params(self, params, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
     """Takes the trainer's new weights (the whole policy's, or the subset `filter_types`
-    selects), resharded like the rollout's and cast to its dtypes. Nothing is converted or
-    copied to the host here: the next `generate` call's program converts the weights and
-    rebuilds the drafter from them."""
+    selects: its `nnx.Param` state), resharded like the rollout's and cast to its dtypes.
+    Nothing is converted or copied to the host here: the next `generate` call's program converts
+    the weights and rebuilds the drafter from them."""
+    del filter_types  # the state holds what it holds; its paths say where each weight goes
     new = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
     new_flat = _flat(new)
-    old_flat = _flat(self._params)
+    old_flat = _flat(tunix_weights.policy_params(self._state))
     unknown = sorted(set(new_flat) - set(old_flat))
     if unknown:
       raise ValueError(f"update_params got weights the policy does not have: {unknown[:3]}")
-    if filter_types is not None:
-      target = {k: old_flat[k] for k in new_flat}
-      new_flat = reshard.reshard_pytree(new_flat, target)
+    moved = [k for k in new_flat
+             if getattr(new_flat[k], "sharding", None) != getattr(old_flat[k], "sharding", None)]
+    if moved:  # onto the rollout's shardings (device to device), as tunix's vanilla engine does
+      target = {k: old_flat[k] for k in moved}
+      source = {k: new_flat[k] for k in moved}
+      if all(isinstance(x.sharding, jax.sharding.NamedSharding) for x in target.values()):
+        new_flat.update(reshard.reshard_pytree(source, target))
+      else:
+        new_flat.update({k: jax.device_put(x, target[k].sharding) for k, x in source.items()})
     merged = dict(old_flat)
     for key, value in new_flat.items():
       old = old_flat[key]
       merged[key] = value if value.dtype == old.dtype else value.astype(old.dtype)
-    self._params = _unflat(merged)
+    self._replace(_unflat(merged))
+
+  def _replace(self, params: dict) -> None:
+    """Holds `params` (a nested dict) in new variables (a clone), never writing the old ones: the
+    module given at construction, and a trainer sharing its variables, keep theirs."""
+    module = nnx.clone(self.model())
+    state = nnx.state(module, nnx.Param)
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(module, state)
+    self._graphdef, self._state, self._rest = nnx.split(module, nnx.Param, ...)
 
   def pad_id(self) -> int:
     return self.tokenizer.pad_id()
@@ -354,13 +376,14 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     return self.tokenizer.eos_id()
 
   def model(self) -> nnx.Module:
-    """The policy with the current weights: a new nnx module (a clone of the policy given at
-    construction, whose own variables are never written)."""
-    module = nnx.clone(self._actor)
-    state = nnx.state(module, nnx.Param)
-    nnx.replace_by_pure_dict(state, self._params)
-    nnx.update(module, state)
-    return module
+    """The policy with the engine's current weights (an nnx module over its variables: the
+    module given at construction until `update_params`)."""
+    return nnx.merge(self._graphdef, self._state, self._rest)
+
+  @property
+  def params(self) -> dict:
+    """The current weights as a nested dict of arrays (what the rollout program reads)."""
+    return tunix_weights.policy_params(self._state)
 
   # --- helpers -------------------------------------------------------------------------------
 
@@ -382,12 +405,40 @@ class SpecjaxRollout(base_rollout.BaseRollout):
       return jax.random.fold_in(jax.random.key(0), self._calls)
     if isinstance(seed, numbers.Integral) and not isinstance(seed, bool):
       return jax.random.key(int(seed))
-    seed = jnp.asarray(seed)
-    if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
-      return seed
-    if seed.dtype == jnp.uint32 and seed.shape == (2,):
-      return jax.random.wrap_key_data(seed)
+    if isinstance(seed, (jax.Array, np.ndarray)):
+      if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) and seed.shape == ():
+        return seed
+      if seed.dtype == jnp.uint32 and seed.shape == (2,):  # a raw `jax.random.PRNGKey`
+        return jax.random.wrap_key_data(seed)
+      if seed.shape == () and jnp.issubdtype(seed.dtype, jnp.integer):
+        return jax.random.key(int(seed))
     raise _field_error("seed", seed, "must be None, an int or a PRNG key")
+
+
+def _on_mesh(params: dict, mesh) -> dict | None:
+  """`params` placed on `mesh` where some weight lies elsewhere (each keeps its partition spec
+  where `mesh` has its axes, else is replicated), or None where every weight is there already
+  (or no mesh is given)."""
+  if mesh is None:
+    return None
+  leaves, tree = jax.tree.flatten(params)
+
+  def placed(x):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh:
+      return None
+    spec = jax.sharding.PartitionSpec()
+    if isinstance(sharding, jax.sharding.NamedSharding) and all(
+        name in mesh.axis_names for part in sharding.spec if part is not None
+        for name in (part if isinstance(part, tuple) else (part,))):
+      spec = sharding.spec
+    return jax.sharding.NamedSharding(mesh, spec)
+
+  targets = [placed(x) for x in leaves]
+  if all(t is None for t in targets):
+    return None
+  return jax.tree.unflatten(tree, [x if t is None else jax.device_put(x, t)
+                                   for x, t in zip(leaves, targets)])
 
 
 def _flat(tree: dict, prefix: tuple = ()) -> dict[tuple, Any]:

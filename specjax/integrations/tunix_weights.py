@@ -3,7 +3,7 @@ pure jnp wherever they are (inside the caller's `jax.jit`, traced: no host round
 
 tunix's decoders (`tunix.models.qwen2`, `qwen3`, `llama3`) are the Llama-family layer specjax's
 own decoder computes: RMSNorm (`w * x / sqrt(mean(x^2) + eps)` in float32), rotate-half RoPE with
-`theta ** (2i / D)` timescales and no scaling, grouped-query attention scaled by `head_dim ** -0.5`,
+`theta ** (2i / D)` timescales and no scaling (the theta tunix's forward uses: `FAMILIES`), grouped-query attention scaled by `head_dim ** -0.5`,
 a SwiGLU MLP, q/k/v biases (Qwen2) or per-head q/k RMSNorms (Qwen3), a tied or separate output
 projection. Their einsum weights differ from specjax's canonical ones only in shape:
 
@@ -37,12 +37,26 @@ from specjax.models.transformer import Model
 __all__ = ["FAMILIES", "as_platform_model", "compute_dtype", "family_of", "model_config",
            "policy_params", "to_specjax"]
 
-# tunix's model module -> (specjax family, the config field saying the embedding is tied)
+# tunix's model module -> (specjax family, the config field saying the embedding is tied, whether
+# its attention rotates by `config.rope_theta`). tunix 0.1.7's Qwen3 and Llama 3 attention call
+# their module's `apply_rope` without a theta, so they rotate by that function's default (1e6)
+# whatever the config says; the policy being trained is what tunix computes, so that is the theta
+# taken here (`_rope_theta`; tests/integrations/test_tunix.py holds the logits to tunix's).
 FAMILIES = {
-    "tunix.models.qwen2.model": ("qwen2", "use_tied_embedding"),
-    "tunix.models.qwen3.model": ("qwen3", "use_tied_embedding"),
-    "tunix.models.llama3.model": ("llama", "weight_tying"),
+    "tunix.models.qwen2.model": ("qwen2", "use_tied_embedding", True),
+    "tunix.models.qwen3.model": ("qwen3", "use_tied_embedding", False),
+    "tunix.models.llama3.model": ("llama", "weight_tying", False),
 }
+
+
+def _rope_theta(module) -> float:
+  """The RoPE base tunix's forward of `module` rotates by (see `FAMILIES`)."""
+  name = type(module).__module__
+  if FAMILIES[name][2]:
+    return float(module.config.rope_theta)
+  import inspect
+  import sys
+  return float(inspect.signature(sys.modules[name].apply_rope).parameters["rope_theta"].default)
 
 
 def family_of(module) -> str:
@@ -77,7 +91,7 @@ def model_config(module, max_len: int) -> ModelConfig:
   return ModelConfig(
       vocab_size=int(c.vocab_size), embed_dim=int(c.embed_dim), num_layers=int(c.num_layers),
       num_heads=int(c.num_heads), num_kv_heads=int(c.num_kv_heads), head_dim=int(c.head_dim),
-      mlp_dim=int(c.hidden_dim), max_len=int(max_len), rope_theta=float(c.rope_theta),
+      mlp_dim=int(c.hidden_dim), max_len=int(max_len), rope_theta=_rope_theta(module),
       norm_eps=float(c.norm_eps), tie_embeddings=tied, qkv_bias=family == "qwen2",
       qk_norm=family == "qwen3", family=family)
 
