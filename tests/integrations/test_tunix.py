@@ -393,7 +393,7 @@ ALPHA = 1e-3  # family-wise, Bonferroni over each run's position tests
 CHI_PROMPTS = ["w5 w9 w3 w5 w9", "w7 w8 w7", "w40 w41 w42 w43"]
 CHI_SETTINGS = {"t1": dict(temperature=1.0, top_p=1.0),
                 "t0.7_topp0.9": dict(temperature=0.7, top_p=0.9)}
-STEP = 0.4  # the broken variant's previous policy: the current one minus an update of this size
+STEP = 0.03  # the previous step: every weight of the current policy moved by 3% of its spread
 
 
 def _peaked_policy():
