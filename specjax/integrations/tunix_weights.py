@@ -35,7 +35,7 @@ from specjax.models.config import ModelConfig
 from specjax.models.transformer import Model
 
 __all__ = ["FAMILIES", "as_platform_model", "compute_dtype", "family_of", "model_config",
-           "policy_params", "to_specjax"]
+           "policy_params", "to_specjax", "to_tunix"]
 
 # tunix's model module -> (specjax family, the config field saying the embedding is tied, whether
 # its attention rotates by `config.rope_theta`). tunix 0.1.7's Qwen3 and Llama 3 attention call
@@ -174,3 +174,39 @@ def as_platform_model(model: Model, platform: str | None = None) -> Model:
   platform = platform or jax.default_backend()
   return model if platform == "cpu" else model.stacked()
 
+
+
+def to_tunix(model: Model) -> dict:
+  """The inverse of `to_specjax`: a `specjax.Model`'s weights (any layout of the Qwen2 / Qwen3 /
+  Llama family) as the nested dict of a tunix policy's `nnx.Param` state, so a checkpoint specjax
+  reads (GGUF, Hugging Face) loads into tunix's module of the same shape:
+
+      state = nnx.state(module, nnx.Param)
+      nnx.replace_by_pure_dict(state, to_tunix(model))
+      nnx.update(module, state)
+  """
+  c = model.config
+  e, d = c.embed_dim, c.head_dim
+  layers = model.without_fused_projections().unstacked().params["layers"]
+
+  def layer(lp: dict) -> dict:
+    attn = {"q_proj": {"w": lp["wq"].reshape(e, c.num_heads, d)},
+            "k_proj": {"w": lp["wk"].reshape(e, c.num_kv_heads, d)},
+            "v_proj": {"w": lp["wv"].reshape(e, c.num_kv_heads, d)},
+            "o_proj": {"w": lp["wo"].reshape(c.num_heads, d, e)}}
+    if c.qkv_bias:
+      attn.update(q_bias=lp["bq"], k_bias=lp["bk"], v_bias=lp["bv"])
+    if c.qk_norm:
+      attn.update(q_norm={"w": lp["q_norm"]}, k_norm={"w": lp["k_norm"]})
+    return {"input_layernorm": {"w": lp["attn_norm"]}, "attn": attn,
+            "post_attention_layernorm": {"w": lp["mlp_norm"]},
+            "mlp": {"gate_proj": {"kernel": lp["w_gate"]}, "up_proj": {"kernel": lp["w_up"]},
+                    "down_proj": {"kernel": lp["w_down"]}}}
+
+  params = model.without_fused_projections().params
+  out = {"embedder": {"input_embedding": jnp.asarray(params["embed"])},
+         "layers": {i: layer(lp) for i, lp in enumerate(layers)},
+         "final_norm": {"w": params["final_norm"]}}
+  if not c.tie_embeddings:
+    out["lm_head"] = {"w": params["lm_head"]}
+  return out

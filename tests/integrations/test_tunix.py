@@ -176,6 +176,17 @@ def test_converted_policy_computes_tunix_logits(make):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
 
 
+def test_a_specjax_model_loads_into_a_tunix_module():
+  module = qwen2(seed=5)
+  model = sj.init_params(tunix_weights.model_config(module, 32), jax.random.key(2))
+  state = nnx.state(module, nnx.Param)
+  nnx.replace_by_pure_dict(state, tunix_weights.to_tunix(model))
+  nnx.update(module, state)
+  back = tunix_weights.to_specjax(tunix_weights.policy_params(nnx.state(module, nnx.Param)),
+                                  model.config)
+  jax.tree.map(np.testing.assert_array_equal, back.params, model.unstacked().params)
+
+
 def test_an_unsupported_module_is_refused():
   with pytest.raises(ValueError, match="is not a supported tunix policy"):
     tunix_weights.model_config(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), 32)
