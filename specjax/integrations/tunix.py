@@ -9,14 +9,15 @@ Qwen2, Qwen3 or Llama 3), `tokenizer=`, `mesh=` and `rollout_config=`, calls `ge
 rollouts, `get_per_token_logps` for old-policy log-probabilities and `update_params` after each
 training step (`RLCluster.sync_weights`, under JAX's transfer guard).
 
-**The rollout is one jitted program** (`_rollout`), whose arguments are the policy's weights as
-tunix holds them. Inside it the weights become a `specjax.Model` (`tunix_weights.to_specjax`:
-reshapes and a cast, traced), the drafter is built from that traced model (by default the policy's
-own int8 copy, `specjax.self_drafter(policy, bits=8)`: quantized in jnp, inside the program), and
-`specjax.decode` runs the draft/verify loop. So the drafter is rebuilt from the current weights at
-every call and never goes stale, and `update_params` only swaps the arrays the program is called
-with: no host round trip of the weights, no conversion step outside the program, one compiled
-program for every training step.
+**Two jitted programs, both on the policy's weights as tunix holds them.** In each, the weights
+become a `specjax.Model` (`tunix_weights.to_specjax`: reshapes and a cast, traced). The drafter
+program (`_build_drafter`) builds the drafter from that traced model, by default the policy's own
+int8 copy (`specjax.self_drafter(policy, bits=8)`: quantized in jnp); it runs whenever the weights
+changed since the last rollout (after `update_params`, or when a trainer sharing the variables
+wrote new arrays), so the copy never goes stale, and is reused by every rollout of one weight
+version (micro-batches, evaluation). The rollout program (`_rollout`) runs `specjax.decode`'s
+draft/verify loop with it. `update_params` only swaps the arrays the programs are called with: no
+host round trip of the weights, one compiled program each for every training step.
 
 **Exact.** Every drafter gives the policy's own sampling distribution (`specjax.decode`'s rule with
 the drafter's own q), so the rollouts are on-policy samples: what the policy gradient assumes. The
@@ -41,10 +42,10 @@ subclass that tunix does not define, and keyword arguments to `generate` (a beam
 ...), which no exact sampler of the policy's distribution can honour here.
 
 **Drafters** (`drafter=`): "int8" (default) or "int4" (the policy's own quantized copy, rebuilt
-every call); `specjax.NGramDrafter()` / `specjax.SuffixDrafter(...)` (no weights: agentic rollouts
-with repeated tool output); a separate draft model (a tunix nnx module of a supported family, or
-a `specjax.Model`); or a function `policy (specjax.Model, traced) -> drafter` called inside the
-program.
+for every weight version); `specjax.NGramDrafter()` / `specjax.SuffixDrafter(...)` (no weights:
+agentic rollouts with repeated tool output); a separate draft model (a tunix nnx module of a
+supported family, or a `specjax.Model`), which training does not update; or a function `policy
+(specjax.Model, traced) -> drafter` called inside the drafter program.
 """
 
 from __future__ import annotations
@@ -194,17 +195,26 @@ def _drafter_spec(drafter, max_len: int) -> tuple[_DrafterSpec, Any]:
   return _DrafterSpec("fixed"), as_drafter(drafter)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "spec", "num_draft", "sampling",
+def _policy(params, config, dtype) -> Model:
+  return tunix_weights.as_platform_model(tunix_weights.to_specjax(params, config, dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "spec"))
+def _build_drafter(params, extra, *, config, dtype, spec: _DrafterSpec):
+  """The drafter program: the policy built from the traced weights, and the drafter from it (the
+  int8 copy quantized in jnp), returned as a pytree of device arrays."""
+  return spec.build(_policy(params, config, dtype), extra)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "num_draft", "sampling",
                                              "max_new_tokens", "eos_ids", "logprobs"))
-def _rollout(params, extra, tokens, lengths, rng, *, config, dtype, spec: _DrafterSpec,
-             num_draft: int, sampling: Sampling, max_new_tokens: int, eos_ids, logprobs: bool):
-  """The rollout program: the policy and its drafter built from the traced weights, then
-  `specjax.decode` (see the module docstring)."""
-  policy = tunix_weights.as_platform_model(tunix_weights.to_specjax(params, config, dtype))
-  drafter = spec.build(policy, extra)
-  return decode(policy, drafter, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
-                num_draft=num_draft, sampling=sampling, eos_id=eos_ids, pad_id=0,
-                return_logprobs=logprobs)
+def _rollout(params, drafter, tokens, lengths, rng, *, config, dtype, num_draft: int,
+             sampling: Sampling, max_new_tokens: int, eos_ids, logprobs: bool):
+  """The rollout program: the policy built from the traced weights, then `specjax.decode` with
+  the drafter `_build_drafter` made from the same weights."""
+  return decode(_policy(params, config, dtype), drafter, tokens, rng, lengths=lengths,
+                max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
+                eos_id=eos_ids, pad_id=0, return_logprobs=logprobs)
 
 
 class SpecjaxRollout(base_rollout.BaseRollout):
@@ -253,6 +263,8 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     if placed is not None:  # a rollout mesh of its own: a copy of the weights there, synced by
       self._replace(placed)  # `RLCluster.sync_weights` (`update_params`) after each step
     self._spec, self._extra = _drafter_spec(drafter, self._max_len)
+    self._built = None  # (program key, the weights' arrays, the drafter built from them)
+    self.drafter_builds = 0  # how many times the drafter was rebuilt from new weights
     self._calls = 0
     self.last_stats: dict | None = None  # the last call's `DecodeStats.summary()`
 
@@ -301,11 +313,11 @@ class SpecjaxRollout(base_rollout.BaseRollout):
              else tunix_weights.compute_dtype(self._actor))
     eos = self._eos_ids(rollout_config, config.vocab_size)
     params = tunix_weights.policy_params(self._state)  # the current values, no copy
-    out = _rollout(params, self._extra, jnp.asarray(right),
-                   jnp.asarray(lengths), self._key(rollout_config.seed), config=config,
-                   dtype=dtype, spec=self._spec, num_draft=self.num_draft,
-                   sampling=sampling_of(rollout_config), max_new_tokens=new, eos_ids=eos,
-                   logprobs=bool(rollout_config.return_logprobs))
+    drafter = self._drafter(params, config, dtype)
+    out = _rollout(params, drafter, jnp.asarray(right), jnp.asarray(lengths),
+                   self._key(rollout_config.seed), config=config, dtype=dtype,
+                   num_draft=self.num_draft, sampling=sampling_of(rollout_config),
+                   max_new_tokens=new, eos_ids=eos, logprobs=bool(rollout_config.return_logprobs))
     tokens, counts = np.asarray(out.tokens), np.asarray(out.num_tokens)
     logprobs = None if out.logprobs is None else np.asarray(out.logprobs)
     self.last_stats = out.stats.summary()
@@ -386,6 +398,21 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     return tunix_weights.policy_params(self._state)
 
   # --- helpers -------------------------------------------------------------------------------
+
+  def _drafter(self, params: dict, config, dtype):
+    """The drafter for the weights `params`: built by `_build_drafter` (one jitted program on the
+    traced weights) when they changed since the last call (`update_params`, or a trainer that
+    shares the variables and wrote new arrays into them), else the one built then."""
+    leaves = jax.tree.leaves(params)
+    key = (config, dtype)
+    cached = self._built
+    if cached is not None and cached[0] == key and len(cached[1]) == len(leaves) and all(
+        a is b for a, b in zip(cached[1], leaves)):
+      return cached[2]
+    drafter = _build_drafter(params, self._extra, config=config, dtype=dtype, spec=self._spec)
+    self._built = (key, leaves, drafter)  # the leaves kept: their ids stay theirs
+    self.drafter_builds += 1
+    return drafter
 
   def _tokenize(self, text: str) -> list[int]:
     """tunix's sampler's tokenization: BOS (where the tokenizer has one), the text, no doubled

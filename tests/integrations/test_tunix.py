@@ -49,7 +49,8 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
 import specjax as sj  # noqa: E402
 from specjax.drafters.base import Drafter  # noqa: E402
 from specjax.integrations import tunix_weights  # noqa: E402
-from specjax.integrations.tunix import SpecjaxRollout, _rollout  # noqa: E402
+from specjax.integrations.tunix import (SpecjaxRollout, _build_drafter,  # noqa: E402
+                                        _rollout)
 
 VOCAB = 64
 # The pad id lies outside the policies' vocabulary, as a real tokenizer's pad token is one a policy
@@ -265,14 +266,17 @@ def test_update_params_rebuilds_the_drafter_inside_the_program():
   eng = engine(first)
   config = rollout_config(max_tokens_to_generate=24)
   eng.generate(PROMPTS, config)
-  compiled = _rollout._cache_size()
+  eng.generate(PROMPTS[:2], config)  # the same weights: the same drafter
+  assert eng.drafter_builds == 1
+  compiled = (_rollout._cache_size(), _build_drafter._cache_size())
   # As RLCluster.sync_weights calls it: the trainer's nnx.Param state, under the transfer guard.
   with jax.transfer_guard_host_to_device("disallow_explicit"), \
        jax.transfer_guard_device_to_host("disallow_explicit"):
     eng.update_params(nnx.state(second, nnx.Param), (nnx.Param,))
   out = eng.generate(PROMPTS, config)
   _same_rollouts(out, vanilla(second).generate(PROMPTS, config))
-  assert _rollout._cache_size() == compiled  # one program for every weight update
+  assert eng.drafter_builds == 2  # rebuilt from the new weights, by the same programs:
+  assert (_rollout._cache_size(), _build_drafter._cache_size()) == compiled
   # The drafter is the new policy's copy: its drafts are accepted as a copy's are. A drafter
   # left with the first policy's weights drafts another model's tokens.
   fresh = eng.last_stats["acceptance_rate"]
@@ -356,6 +360,9 @@ def test_grpo_trains_two_steps_with_specjax_rollouts(placement):
     np.testing.assert_array_equal(value, functools.reduce(
         lambda node, key: node[key.key], path, synced))
   assert cluster.rollout.last_stats["rounds"] > 0
+  # One drafter per weight version: the first step's, then each trained step's (the shared
+  # variables' new arrays are seen as new weights too).
+  assert cluster.rollout.drafter_builds == 2
 
 
 # ---------------------------------------------------------------------------------------------

