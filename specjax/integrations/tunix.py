@@ -9,15 +9,17 @@ Qwen2, Qwen3 or Llama 3), `tokenizer=`, `mesh=` and `rollout_config=`, calls `ge
 rollouts, `get_per_token_logps` for old-policy log-probabilities and `update_params` after each
 training step (`RLCluster.sync_weights`, under JAX's transfer guard).
 
-**Two jitted programs, both on the policy's weights as tunix holds them.** In each, the weights
-become a `specjax.Model` (`tunix_weights.to_specjax`: reshapes and a cast, traced). The drafter
-program (`_build_drafter`) builds the drafter from that traced model, by default the policy's own
-int8 copy (`specjax.self_drafter(policy, bits=8)`: quantized in jnp); it runs whenever the weights
-changed since the last rollout (after `update_params`, or when a trainer sharing the variables
-wrote new arrays), so the copy never goes stale, and is reused by every rollout of one weight
-version (micro-batches, evaluation). The rollout program (`_rollout`) runs `specjax.decode`'s
-draft/verify loop with it. `update_params` only swaps the arrays the programs are called with: no
-host round trip of the weights, one compiled program each for every training step.
+**Two jitted programs, both on the policy's weights as tunix holds them.** The weights program
+(`_build`) turns the traced weights into a `specjax.Model` (`tunix_weights.to_specjax`: reshapes
+and a cast; on CPU then packed into the CPU kernels' panels, `Model.for_platform`) and builds the
+drafter from it, by default the policy's own int8 copy (`specjax.self_drafter(policy, bits=8)`:
+quantized in jnp). It runs whenever the weights changed since the last rollout (after
+`update_params`, or when a trainer sharing the variables wrote new arrays), so the copy never goes
+stale, and its outputs serve every rollout of one weight version (micro-batches, evaluation). The
+rollout program (`_rollout`) runs `specjax.decode`'s draft/verify loop with them (off CPU it
+converts tunix's arrays itself, in place, keeping no second copy of the policy). `update_params`
+only swaps the arrays the programs are called with: no host round trip of the weights, one
+compiled program each for every training step.
 
 **Exact.** Every drafter gives the policy's own sampling distribution (`specjax.decode`'s rule with
 the drafter's own q), so the rollouts are on-policy samples: what the policy gradient assumes. The
@@ -199,22 +201,28 @@ def _policy(params, config, dtype) -> Model:
   return tunix_weights.as_platform_model(tunix_weights.to_specjax(params, config, dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "spec"))
-def _build_drafter(params, extra, *, config, dtype, spec: _DrafterSpec):
-  """The drafter program: the policy built from the traced weights, and the drafter from it (the
-  int8 copy quantized in jnp), returned as a pytree of device arrays."""
-  return spec.build(_policy(params, config, dtype), extra)
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "spec", "keep_policy"))
+def _build(params, extra, *, config, dtype, spec: _DrafterSpec, keep_policy: bool):
+  """The weights program: from the traced weights, the policy (`_policy`) and the drafter built
+  from it (by default its int8 copy, quantized in jnp). Returns `(policy or None, drafter)`:
+  the policy only with `keep_policy` (on CPU, where its layout is a packed copy worth keeping
+  for every rollout of these weights; elsewhere the rollout program reads tunix's arrays in
+  place)."""
+  policy = _policy(params, config, dtype)
+  return (policy if keep_policy else None), spec.build(policy, extra)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "num_draft", "sampling",
                                              "max_new_tokens", "eos_ids", "logprobs"))
-def _rollout(params, drafter, tokens, lengths, rng, *, config, dtype, num_draft: int,
+def _rollout(policy, drafter, tokens, lengths, rng, *, config, dtype, num_draft: int,
              sampling: Sampling, max_new_tokens: int, eos_ids, logprobs: bool):
-  """The rollout program: the policy built from the traced weights, then `specjax.decode` with
-  the drafter `_build_drafter` made from the same weights."""
-  return decode(_policy(params, config, dtype), drafter, tokens, rng, lengths=lengths,
-                max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
-                eos_id=eos_ids, pad_id=0, return_logprobs=logprobs)
+  """The rollout program: `specjax.decode` of the policy (a `specjax.Model` from `_build`, or
+  tunix's weights, converted here) with the drafter `_build` made from the same weights."""
+  if not isinstance(policy, Model):
+    policy = _policy(policy, config, dtype)
+  return decode(policy, drafter, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
+                num_draft=num_draft, sampling=sampling, eos_id=eos_ids, pad_id=0,
+                return_logprobs=logprobs)
 
 
 class SpecjaxRollout(base_rollout.BaseRollout):
@@ -313,8 +321,9 @@ class SpecjaxRollout(base_rollout.BaseRollout):
              else tunix_weights.compute_dtype(self._actor))
     eos = self._eos_ids(rollout_config, config.vocab_size)
     params = tunix_weights.policy_params(self._state)  # the current values, no copy
-    drafter = self._drafter(params, config, dtype)
-    out = _rollout(params, drafter, jnp.asarray(right), jnp.asarray(lengths),
+    policy, drafter = self._built_for(params, config, dtype)
+    out = _rollout(params if policy is None else policy, drafter, jnp.asarray(right),
+                   jnp.asarray(lengths),
                    self._key(rollout_config.seed), config=config, dtype=dtype,
                    num_draft=self.num_draft, sampling=sampling_of(rollout_config),
                    max_new_tokens=new, eos_ids=eos, logprobs=bool(rollout_config.return_logprobs))
@@ -399,20 +408,23 @@ class SpecjaxRollout(base_rollout.BaseRollout):
 
   # --- helpers -------------------------------------------------------------------------------
 
-  def _drafter(self, params: dict, config, dtype):
-    """The drafter for the weights `params`: built by `_build_drafter` (one jitted program on the
-    traced weights) when they changed since the last call (`update_params`, or a trainer that
-    shares the variables and wrote new arrays into them), else the one built then."""
+  def _built_for(self, params: dict, config, dtype):
+    """`(policy or None, drafter)` for the weights `params`: built by `_build` (one jitted
+    program on the traced weights) when they changed since the last call (`update_params`, or a
+    trainer that shares the variables and wrote new arrays into them), else the ones built
+    then."""
     leaves = jax.tree.leaves(params)
     key = (config, dtype)
     cached = self._built
     if cached is not None and cached[0] == key and len(cached[1]) == len(leaves) and all(
         a is b for a, b in zip(cached[1], leaves)):
       return cached[2]
-    drafter = _build_drafter(params, self._extra, config=config, dtype=dtype, spec=self._spec)
-    self._built = (key, leaves, drafter)  # the leaves kept: their ids stay theirs
+    self._built = None  # the old version's buffers go before the new ones are made
+    built = _build(params, self._extra, config=config, dtype=dtype, spec=self._spec,
+                   keep_policy=jax.default_backend() == "cpu")
+    self._built = (key, leaves, built)  # the leaves kept: their ids stay theirs
     self.drafter_builds += 1
-    return drafter
+    return built
 
   def _tokenize(self, text: str) -> list[int]:
     """tunix's sampler's tokenization: BOS (where the tokenizer has one), the text, no doubled

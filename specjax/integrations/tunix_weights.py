@@ -19,8 +19,8 @@ per-head q/k RMSNorms (Qwen3), a tied or separate output projection. Their einsu
 
 so the conversion is reshapes of row-major arrays (no copy) and a cast to the policy's compute
 dtype. The layers come out per layer (`Model.unstacked` layout: an unrolled loop, each layer's
-weights their own buffers); `as_platform_model` then picks the layout `specjax.Model.for_platform`
-would (stacked for TPU/GPU), still in jnp.
+weights their own buffers, as tunix's modules hold them); `as_platform_model` packs them for the
+CPU kernels on CPU, still in jnp.
 
 Nothing here imports tunix: a module is recognised by the module its class lives in, and its
 `config` is read by field name.
@@ -168,11 +168,12 @@ def to_specjax(params: dict, config: ModelConfig, dtype=None) -> Model:
 
 
 def as_platform_model(model: Model, platform: str | None = None) -> Model:
-  """`model` (per-layer, from `to_specjax`) in the layout that runs best on `platform` (default:
-  JAX's default backend), built in jnp so it works on traced weights: per layer on CPU, stacked
-  (`lax.scan`) elsewhere."""
+  """`model` (per-layer, from `to_specjax`) in the layout to run on `platform` (default: JAX's
+  default backend), built in jnp so it works on traced weights: on CPU `Model.for_platform("cpu")`
+  (fused projections in the CPU kernels' panels: a packed copy of the weights); elsewhere per
+  layer as tunix holds them (no copy: stacking for `lax.scan` would copy every weight)."""
   platform = platform or jax.default_backend()
-  return model if platform == "cpu" else model.stacked()
+  return model.for_platform("cpu") if platform == "cpu" else model
 
 
 

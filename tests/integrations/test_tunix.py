@@ -49,8 +49,7 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout  # noqa: E402
 import specjax as sj  # noqa: E402
 from specjax.drafters.base import Drafter  # noqa: E402
 from specjax.integrations import tunix_weights  # noqa: E402
-from specjax.integrations.tunix import (SpecjaxRollout, _build_drafter,  # noqa: E402
-                                        _rollout)
+from specjax.integrations.tunix import SpecjaxRollout, _build, _rollout  # noqa: E402
 
 VOCAB = 64
 # The pad id lies outside the policies' vocabulary, as a real tokenizer's pad token is one a policy
@@ -268,7 +267,7 @@ def test_update_params_rebuilds_the_drafter_inside_the_program():
   eng.generate(PROMPTS, config)
   eng.generate(PROMPTS[:2], config)  # the same weights: the same drafter
   assert eng.drafter_builds == 1
-  compiled = (_rollout._cache_size(), _build_drafter._cache_size())
+  compiled = (_rollout._cache_size(), _build._cache_size())
   # As RLCluster.sync_weights calls it: the trainer's nnx.Param state, under the transfer guard.
   with jax.transfer_guard_host_to_device("disallow_explicit"), \
        jax.transfer_guard_device_to_host("disallow_explicit"):
@@ -276,7 +275,7 @@ def test_update_params_rebuilds_the_drafter_inside_the_program():
   out = eng.generate(PROMPTS, config)
   _same_rollouts(out, vanilla(second).generate(PROMPTS, config))
   assert eng.drafter_builds == 2  # rebuilt from the new weights, by the same programs:
-  assert (_rollout._cache_size(), _build_drafter._cache_size()) == compiled
+  assert (_rollout._cache_size(), _build._cache_size()) == compiled
   # The drafter is the new policy's copy: its drafts are accepted as a copy's are. A drafter
   # left with the first policy's weights drafts another model's tokens.
   fresh = eng.last_stats["acceptance_rate"]
