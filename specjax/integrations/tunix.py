@@ -154,7 +154,8 @@ def check_rollout_config(config, kwargs: dict | None = None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _DrafterSpec:
-  """How the rollout program builds its drafter from the traced policy (hashable: static).
+  """How the weights program (`_build`) builds the drafter from the traced policy (hashable:
+  static).
 
   `build(policy, extra)` runs inside the program; `extra` (the drafter's own arrays: a draft
   model's weights, a suffix corpus) is an argument of the program, never a constant in it."""
@@ -271,8 +272,8 @@ class SpecjaxRollout(base_rollout.BaseRollout):
     if placed is not None:  # a rollout mesh of its own: a copy of the weights there, synced by
       self._replace(placed)  # `RLCluster.sync_weights` (`update_params`) after each step
     self._spec, self._extra = _drafter_spec(drafter, self._max_len)
-    self._built = None  # (program key, the weights' arrays, the drafter built from them)
-    self.drafter_builds = 0  # how many times the drafter was rebuilt from new weights
+    self._built = None  # (program key, the weights' arrays, `_build`'s outputs from them)
+    self.drafter_builds = 0  # weight versions seen: how many times `_build` ran
     self._calls = 0
     self.last_stats: dict | None = None  # the last call's `DecodeStats.summary()`
 
