@@ -70,9 +70,10 @@ from tunix.rl.rollout import base_rollout
 
 from specjax.core.sampling import Sampling
 from specjax.drafters import ModelDrafter, as_drafter
-from specjax.drafters.model import self_drafter
+from specjax.drafters.model import default_group
 from specjax.integrations import tunix_weights
 from specjax.loop.decode import decode
+from specjax.models.quant import quantize
 from specjax.models.transformer import Model
 
 __all__ = ["SpecjaxRollout", "check_rollout_config", "sampling_of"]
@@ -166,9 +167,12 @@ class _DrafterSpec:
   dtype: Any = None
   fn: Callable | None = None
 
-  def build(self, policy: Model, extra):
-    if self.kind == "self":
-      return self_drafter(policy, bits=self.bits)
+  def build(self, canonical: Model, policy: Model, extra):
+    """The drafter, from the policy as converted (`canonical`, per layer) and as it runs
+    (`policy`, `tunix_weights.as_platform_model`)."""
+    if self.kind == "self":  # `self_drafter(policy)`, quantized before the CPU packing (cheaper)
+      copy = quantize(canonical, self.bits, default_group(canonical, self.bits))
+      return ModelDrafter(tunix_weights.as_platform_model(copy), share_prompt=True)
     if self.kind == "fixed":
       return extra
     if self.kind == "model":
@@ -202,6 +206,11 @@ def _policy(params, config, dtype) -> Model:
   return tunix_weights.as_platform_model(tunix_weights.to_specjax(params, config, dtype))
 
 
+def _policy_and_canonical(params, config, dtype) -> tuple[Model, Model]:
+  canonical = tunix_weights.to_specjax(params, config, dtype)
+  return tunix_weights.as_platform_model(canonical), canonical
+
+
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "spec", "keep_policy"))
 def _build(params, extra, *, config, dtype, spec: _DrafterSpec, keep_policy: bool):
   """The weights program: from the traced weights, the policy (`_policy`) and the drafter built
@@ -209,8 +218,8 @@ def _build(params, extra, *, config, dtype, spec: _DrafterSpec, keep_policy: boo
   the policy only with `keep_policy` (on CPU, where its layout is a packed copy worth keeping
   for every rollout of these weights; elsewhere the rollout program reads tunix's arrays in
   place)."""
-  policy = _policy(params, config, dtype)
-  return (policy if keep_policy else None), spec.build(policy, extra)
+  policy, canonical = _policy_and_canonical(params, config, dtype)
+  return (policy if keep_policy else None), spec.build(canonical, policy, extra)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "dtype", "num_draft", "sampling",
