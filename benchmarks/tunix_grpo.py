@@ -18,7 +18,7 @@ Phases (results in `benchmarks/results/tunix_grpo.json` after each, plot `tunix_
     and at the example's temperature, calls alternating engine by engine after a compiling
     call each; tau (tokens per target pass) for specjax;
   * `grpo`: `--steps` GRPO steps with each engine from the same weights, data order and seeds
-    (tunix's `RLCluster` + `GRPOLearner`, colocated, beta 0, AdamW): per step the rollout
+    (tunix's `RLCluster` + `GRPOLearner`, colocated, beta 0, SGD): per step the rollout
     seconds, the whole step's seconds, the mean reward (1 when the completion states the right
     sum, else 0) and specjax's tau; the speedups of the rollout phase and of the whole step.
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import gc
 import json
 import os
 import pathlib
@@ -203,8 +204,10 @@ def dataclasses_replace(config, **fields):
   return dataclasses.replace(config, **fields)
 
 
-def phase_grpo(tok, args) -> dict:
-  """`args.steps` GRPO steps per engine from the same weights, data and seeds."""
+def phase_grpo(tok, args, previous: dict | None = None) -> dict:
+  """`args.steps` GRPO steps per engine from the same weights, data and seeds (runs of other
+  engines in `previous`, an earlier invocation's results, are kept: `--engines vanilla`, then
+  `--engines specjax`, each in a process of its own, holds one training state at a time)."""
   import optax
   from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.grpo import grpo_learner
@@ -214,7 +217,7 @@ def phase_grpo(tok, args) -> dict:
   answers = {q["prompt"]: q["answer"] for q in questions}
   data = [{"prompts": np.array([q["prompt"] for q in questions[i:i + args.batch]])}
           for i in range(0, len(questions), args.batch)]
-  out = {"load_before": _load(), "runs": {}}
+  out = {"load_before": _load(), "runs": dict((previous or {}).get("runs", {}))}
   for name in args.engines:
     module, tokenizer, _ = load()
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
@@ -226,7 +229,8 @@ def phase_grpo(tok, args) -> dict:
                       rl_cluster_lib.Role.ROLLOUT: mesh},
         rollout_engine=engine, offload_to_cpu=False,
         training_config=rl_cluster_lib.RLTrainingConfig(
-            actor_optimizer=optax.adamw(args.learning_rate), eval_every_n_steps=10 ** 6,
+            actor_optimizer=getattr(optax, args.optimizer)(args.learning_rate),
+            eval_every_n_steps=10 ** 6,
             max_steps=args.steps),
         rollout_config=_rollout_config(args, seed=args.seed))
     cluster = rl_cluster_lib.RLCluster(actor=module, reference=None, tokenizer=tokenizer,
@@ -260,9 +264,13 @@ def phase_grpo(tok, args) -> dict:
     marks = record.pop("starts") + [end]
     record["step_s"] = [b - a for a, b in zip(marks, marks[1:])]
     record["total_s"] = end - start
+    record["load_after"] = _load()
     out["runs"][name] = record
     print(name, {k: np.round(v, 3).tolist() for k, v in record.items()
                  if k in ("rollout_s", "step_s", "reward")}, flush=True)
+    del learner, cluster, module, rollout, generate  # one policy, optimizer and engine at a time
+    gc.collect()
+    jax.clear_caches()
   if {"vanilla", "specjax"} <= set(out["runs"]):
     v, s = out["runs"]["vanilla"], out["runs"]["specjax"]
     # The first step compiles: speedups over the others.
@@ -299,13 +307,15 @@ def main(argv=None):
   parser.add_argument("--phases", nargs="+", default=["convert", "rollout", "grpo"])
   parser.add_argument("--engines", nargs="+", default=["vanilla", "specjax"])
   parser.add_argument("--steps", type=int, default=24)
-  parser.add_argument("--batch", type=int, default=2, help="prompts per GRPO step")
+  parser.add_argument("--batch", type=int, default=1, help="prompts per GRPO step")
   parser.add_argument("--generations", type=int, default=4, help="GRPO's G")
   parser.add_argument("--max-new-tokens", type=int, default=48)
   parser.add_argument("--max-prompt-length", type=int, default=64)
   parser.add_argument("--temperature", type=float, default=0.7)
   parser.add_argument("--num-draft", type=int, default=4)
-  parser.add_argument("--learning-rate", type=float, default=1e-6)
+  parser.add_argument("--learning-rate", type=float, default=1e-5)
+  parser.add_argument("--optimizer", default="sgd", help="an optax optimizer's name (sgd holds "
+                      "no state: a 2-core 24 GB host ran out of memory with adamw)")
   parser.add_argument("--rollout-calls", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seed", type=int, default=0)
@@ -313,8 +323,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   out_path = pathlib.Path(args.out)
   results = json.loads(out_path.read_text()) if out_path.exists() else {}
-  results["settings"] = vars(args) | {"date": datetime.date.today().isoformat(),
-                                      "jax": jax.__version__, "cpus": os.cpu_count()}
+  settings = vars(args) | {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
+                           "cpus": os.cpu_count()}  # each phase records the settings it ran with
   module, tokenizer, tok = load()
 
   def save():
@@ -323,15 +333,17 @@ def main(argv=None):
     plot(results, out_path.with_suffix(".png"))
 
   if "convert" in args.phases:
-    results["convert"] = phase_convert(module, args)
+    results["convert"] = phase_convert(module, args) | {"settings": settings}
     print("convert", results["convert"], flush=True)
     save()
   if "rollout" in args.phases:
-    results["rollout"] = phase_rollout(module, tokenizer, tok, args)
+    results["rollout"] = phase_rollout(module, tokenizer, tok, args) | {"settings": settings}
     save()
   if "grpo" in args.phases:
     del module
-    results["grpo"] = phase_grpo(tok, args)
+    results["grpo"] = phase_grpo(tok, args, results.get("grpo"))
+    for name in args.engines:
+      results["grpo"]["runs"][name]["settings"] = settings
     print({k: v for k, v in results["grpo"].items() if k != "runs"}, flush=True)
     save()
 
