@@ -42,6 +42,7 @@ import numpy as np
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 MODEL = "qwen2.5-coder-0.5b-instruct"
+GGUF = None  # `--gguf PATH`: another Qwen2- or Llama-family GGUF (e.g. SmolLM2-135M-Instruct)
 
 
 class TunixTokenizer:
@@ -64,11 +65,12 @@ class TunixTokenizer:
     return int(self.tok.eos_ids[0])
 
   def pad_id(self):
-    return int(self.tok.pad_id)
+    return int(self.tok.pad_id if self.tok.pad_id is not None else self.tok.eos_ids[0])
 
 
 def load():
   """`(tunix Qwen2 module, tokenizer adapter, specjax tokenizer)` with the packaged weights."""
+  import jax.numpy as jnp
   from flax import nnx
   from tunix.models.qwen2 import model as qwen2_lib
 
@@ -76,7 +78,7 @@ def load():
   from specjax.integrations import tunix_weights
   from specjax.io.packages import packaged_gguf
   from specjax.io.tokenizer import load_tokenizer
-  path = packaged_gguf(MODEL)
+  path = GGUF or packaged_gguf(MODEL)
   model = sj.from_gguf(path)
   c = model.config
   config = qwen2_lib.ModelConfig(
@@ -86,7 +88,13 @@ def load():
       use_tied_embedding=c.tie_embeddings)
   module = nnx.eval_shape(lambda: qwen2_lib.Qwen2(config, rngs=nnx.Rngs(0)))
   state = nnx.state(module, nnx.Param)
-  nnx.replace_by_pure_dict(state, tunix_weights.to_tunix(model))
+  weights = tunix_weights.to_tunix(model)
+  if not c.qkv_bias:  # a Llama-family model (SmolLM2) in tunix's Qwen2 module: zero q/k/v biases
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    for layer in weights["layers"].values():
+      layer["attn"].update(q_bias=jnp.zeros(q, jnp.float32), k_bias=jnp.zeros(kv, jnp.float32),
+                           v_bias=jnp.zeros(kv, jnp.float32))
+  nnx.replace_by_pure_dict(state, weights)
   nnx.update(module, state)
   tok = load_tokenizer(path)
   return module, TunixTokenizer(tok), tok
@@ -320,7 +328,12 @@ def main(argv=None):
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", default=str(RESULTS / "tunix_grpo.json"))
+  parser.add_argument("--gguf", default=None, help="a GGUF file instead of the packaged Qwen "
+                      "(a Llama-family model runs in tunix's Qwen2 module with zero q/k/v biases: "
+                      "tunix 0.1.7's Llama 3 module ignores the config's RoPE theta)")
   args = parser.parse_args(argv)
+  global GGUF
+  GGUF = args.gguf
   out_path = pathlib.Path(args.out)
   results = json.loads(out_path.read_text()) if out_path.exists() else {}
   settings = vars(args) | {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
