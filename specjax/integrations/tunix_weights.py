@@ -5,7 +5,8 @@ tunix's decoders (`tunix.models.qwen2`, `qwen3`, `llama3`) are the Llama-family 
 own decoder computes: RMSNorm (`w * x / sqrt(mean(x^2) + eps)` in float32), rotate-half RoPE with
 `theta ** (2i / D)` timescales and no scaling (the theta tunix's forward uses: `FAMILIES`),
 grouped-query attention scaled by `head_dim ** -0.5`, a SwiGLU MLP, q/k/v biases (Qwen2) or
-per-head q/k RMSNorms (Qwen3), a tied or separate output projection. Their einsum weights differ from specjax's canonical ones only in shape:
+per-head q/k RMSNorms (Qwen3), a tied or separate output projection. Their einsum weights differ
+from specjax's canonical ones only in shape:
 
   tunix (nnx state path)                      specjax (`params["layers"][i]`)
   attn.q_proj.w          [E, N, H]            wq      [E, N * H]
