@@ -11,8 +11,8 @@ Phases (results in `benchmarks/results/constrained_<pair>.json` after each, and 
 
   * `tables`: every schema's automaton over the pair's tokenizer at the model's vocabulary:
     build seconds, states, transitions, device bytes (`Constraint.nbytes`);
-  * `validity`: all 50 requests in one ragged batch (each row its own schema), greedy and at
-    T = 0.7 (top-k 50, top-p 0.9), by `decode(constraint=)`; every row must end with a stop id,
+  * `validity`: all 50 requests in ragged batches of 10 (each row its own schema), greedy and
+    at T = 0.7 (top-k 50, top-p 0.9), by `decode(constraint=)`; every row must end with a stop id,
     and its text must parse as JSON and validate against its schema (`jsonschema`). The greedy
     tokens are compared with `generate(constraint=)`'s;
   * `speed`: one request (the first) of each of the first `--speed-tools` tools (12), batch 1,
@@ -132,7 +132,13 @@ def phase_tables(tools, tokenizer, vocab_size) -> tuple[dict, list]:
   return dict(summary=summary, schemas=records), constraints
 
 
-def phase_validity(pair, tools, constraints) -> dict:
+def phase_validity(pair, tools, constraints, data: dict, save, rows_per_batch: int = 10,
+                   settings=("greedy", "t0.7")) -> None:
+  """All requests, in ragged batches of `rows_per_batch` rows (each row its own schema), greedy
+  and at T = 0.7; per batch the greedy tokens are compared with `generate(constraint=)`'s.
+
+  Results go to `data["validity"]`, saved after every batch (`save()`); a rerun skips the
+  batches already there (same `rows_per_batch`)."""
   import specjax as sj
   target, draft, tokenizer = pair.target, pair.draft, pair.tokenizer
   conversations, row_constraints, schemas = [], [], []
@@ -141,31 +147,60 @@ def phase_validity(pair, tools, constraints) -> dict:
       conversations.append(messages(tool, request))
       row_constraints.append(constraint)
       schemas.append(tool["schema"])
-  tokens, lengths = batch(tokenizer, conversations)
   eos = tuple(tokenizer.eos_ids) or None
-  out = {}
+  out = data.setdefault("validity", {})
   for name, sampling in (("greedy", sj.Sampling()), ("t0.7", sj.Sampling(**SAMPLED))):
-    start = time.perf_counter()
-    got = sj.decode(target, draft, tokens, jax.random.key(0), lengths=lengths,
-                    max_new_tokens=VALIDITY_TOKENS, num_draft=pair.num_draft, sampling=sampling,
-                    eos_id=eos, constraint=row_constraints)
-    seconds = time.perf_counter() - start
-    rows = check_rows(got, tokenizer, row_constraints, schemas)
-    record = dict(rows=rows, seconds=round(seconds, 1), stats=got.stats.summary(),
+    if name not in settings:
+      continue
+    if out.get(name, {}).get("rows_per_batch") != rows_per_batch:
+      out[name] = dict(rows_per_batch=rows_per_batch, batches={})
+    record = out[name]
+    for first in range(0, len(conversations), rows_per_batch):
+      if str(first) in record["batches"]:
+        continue
+      part = slice(first, first + rows_per_batch)
+      tokens, lengths = batch(tokenizer, conversations[part])
+      start = time.perf_counter()
+      got = sj.decode(target, draft, tokens, jax.random.key(first), lengths=lengths,
+                      max_new_tokens=VALIDITY_TOKENS, num_draft=pair.num_draft,
+                      sampling=sampling, eos_id=eos, constraint=row_constraints[part])
+      jax.block_until_ready(got.tokens)
+      seconds = time.perf_counter() - start
+      checked = check_rows(got, tokenizer, row_constraints[part], schemas[part])
+      for row in checked:
+        row["row"] += first
+      summary = got.stats.summary()
+      done = dict(rows=checked, seconds=round(seconds, 1), load=load_average(),
+                  **{key: summary[key] for key in ("emitted", "rounds", "forced",
+                                                   "constraint_dead")})
+      if sampling.greedy:
+        want = sj.generate(target, tokens, jax.random.key(first), lengths=lengths,
+                           max_new_tokens=VALIDITY_TOKENS, eos_id=eos,
+                           constraint=row_constraints[part])
+        done["identical_to_generate"] = bool(
+            np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)))
+      record["batches"][str(first)] = done
+      save()
+      print(f"validity {name} rows {first}..{first + len(checked) - 1}: "
+            f"{sum(r['valid'] for r in checked)}/{len(checked)} valid", flush=True)
+    batches = list(record["batches"].values())
+    rows = [row for b in batches for row in b["rows"]]
+    total = lambda key: int(sum(b[key] for b in batches))
+    record.update(emitted=total("emitted"), rounds=total("rounds"), forced=total("forced"),
+                  constraint_dead=total("constraint_dead"),
+                  tau=total("emitted") / max(total("rounds"), 1),
                   ended=sum(r["ended"] for r in rows), parsed=sum(r["parsed"] for r in rows),
                   valid=sum(r["valid"] for r in rows), total=len(rows))
     if sampling.greedy:
-      want = sj.generate(target, tokens, jax.random.key(0), lengths=lengths,
-                         max_new_tokens=VALIDITY_TOKENS, eos_id=eos, constraint=row_constraints)
-      record["identical_to_generate"] = bool(
-          np.array_equal(np.asarray(got.tokens), np.asarray(want.tokens)))
-    out[name] = record
-    print(f"validity {name}: {record['valid']}/{record['total']} valid, {record['ended']} ended, "
-          f"{seconds:.0f} s", flush=True)
-  return out
+      record["identical_to_generate"] = all(b["identical_to_generate"] for b in batches)
+    save()
+    print(f"validity {name}: {record['valid']}/{record['total']} valid, {record['ended']} ended",
+          flush=True)
 
 
-def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> dict:
+def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int,
+                results: dict | None = None, save=lambda: None,
+                names=("greedy", "t0.7")) -> dict:
   """Timed `decode` against `generate`, constrained and not, on each tool's first request."""
   import specjax as sj
   from specjax.cli.demo import time_pairs
@@ -175,8 +210,11 @@ def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> di
   rng = jax.random.key(0)
   settings = (("greedy", sj.Sampling()), ("t0.7", sj.Sampling(**SAMPLED)))
   costs = suite_costs(pair, name_of_pair)
-  results = {"load_before": load_average(), "bound_costs": costs}
+  results = {} if results is None else results
+  results.update(load_before=load_average(), bound_costs=costs)
   for name, sampling in settings:
+    if name not in names:
+      continue
     for mode in ("constrained", "unconstrained"):
       totals = dict(decode=0.0, generate=0.0, prompt_decode=0.0, prompt_generate=0.0,
                     emitted=0, rounds=0, forced=0, accepted=0, drafted=0)
@@ -248,7 +286,9 @@ def phase_speed(pair, name_of_pair: str, tools, constraints, repeats: int) -> di
                     generate_s_per_token_after_prompt=generate_per_token,
                     speedup_after_prompt=after,
                     efficiency_after_prompt=None if bound is None else after / bound)
+      record["load_after"] = load_average()
       results[f"{name}/{mode}"] = record
+      save()
       print(f"speed {name} {mode}: {record['speedup']:.2f}x, past the prompt "
             f"{record['speedup_after_prompt']:.2f}x "
             f"({record['decode_s_per_token_after_prompt'] * 1e3:.0f} ms/token), tau "
@@ -300,6 +340,11 @@ def main(argv=None) -> None:
   parser.add_argument("--phases", nargs="+", default=["tables", "validity", "speed"])
   parser.add_argument("--repeats", type=int, default=1)
   parser.add_argument("--speed-tools", type=int, default=12)
+  parser.add_argument("--validity-batch", type=int, default=10,
+                      help="rows per ragged batch in the validity phase")
+  parser.add_argument("--validity-settings", nargs="+", default=["greedy", "t0.7"])
+  parser.add_argument("--speed-settings", nargs="+", default=["greedy", "t0.7"],
+                      help="a subset reruns those settings into the saved speed results")
   args = parser.parse_args(argv)
   path = RESULTS / f"constrained_{args.pair}.json"
   data = json.loads(path.read_text()) if path.exists() else {}
@@ -316,11 +361,13 @@ def main(argv=None) -> None:
   save = lambda: path.write_text(json.dumps(data, indent=1) + "\n")
   save()
   if "validity" in args.phases:
-    data["validity"] = phase_validity(pair, tools, constraints)
-    save()
+    phase_validity(pair, tools, constraints, data, save, args.validity_batch,
+                   args.validity_settings)
   if "speed" in args.phases:
-    data["speed"] = phase_speed(pair, args.pair, tools[:args.speed_tools],
-                                constraints[:args.speed_tools], args.repeats)
+    subset = sorted(args.speed_settings) != ["greedy", "t0.7"]
+    data["speed"] = (data.get("speed") or {}) if subset else {}
+    phase_speed(pair, args.pair, tools[:args.speed_tools], constraints[:args.speed_tools],
+                args.repeats, data["speed"], save, args.speed_settings)
     save()
   plot(data, path.with_suffix(".png"))
 

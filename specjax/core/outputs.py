@@ -35,7 +35,8 @@ class DecodeStats:
       a `-inf` logit: the row ended there without emitting a token (and without a stop id).
     forced: `[B]` int32 under a grammar constraint in `decode`: emitted drafts that the grammar
       forced (the only token their state allowed), drafted with `q = 1` and accepted for free;
-      part of `accepted`. 0 otherwise.
+      with `tree=`, emitted path nodes whose parent's state allowed only their token; part of
+      `accepted`. 0 otherwise.
   """
 
   rounds: jax.Array

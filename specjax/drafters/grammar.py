@@ -59,7 +59,7 @@ from specjax.core.sampling import GREEDY, Sampling, first_argmax, sample_race
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.proposal import Proposal
 
-__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "Guide",
+__all__ = ["PURPOSE_GRAMMAR_DRAFT", "GrammarDrafter", "GrammarState", "GrammarWrapper", "Guide",
            "constrain_verify", "verify_sampling"]
 
 # The noise of a redrawn draft: its own stream, independent of the drafter's draws and of the
@@ -97,9 +97,47 @@ def _restricted(logits, mask, sampling: Sampling):
   return jnp.where(empty[..., None], jnp.where(mask, 0.0, -jnp.inf), scores)
 
 
+class GrammarWrapper(DrafterWrapper):
+  """What the chain's `GrammarDrafter` and the tree's `GrammarTreeDrafter` share: the wrapped
+  drafter's costs, each row's grammar (`tables`, `schema`: the subclass's fields) and the
+  target's constrained law."""
+
+  def forwards_per_round(self, num_draft: int) -> int:
+    return self.drafter.forwards_per_round(num_draft)
+
+  def forwards_in_round(self, state, num_draft: int):
+    return self.drafter.forwards_in_round(state.inner, num_draft)
+
+  def extra_slots(self, num_draft: int) -> int:
+    return self.drafter.extra_slots(num_draft)
+
+  def initial_states(self, batch: int) -> jax.Array:
+    """`[B]` int32 each row's initial automaton state."""
+    start = jnp.asarray(self.tables.initial)[self.schema]
+    return jnp.broadcast_to(start, (batch,)).astype(jnp.int32)
+
+  def _schema(self, state):
+    return self.schema.reshape(self.schema.shape + (1,) * (jnp.ndim(state) - 1))
+
+  def mask(self, state):
+    """`[B, ..., V]` bool: what `state` (`[B, ...]`) allows, each row in its own grammar."""
+    return allowed_mask(self.tables, state, self._schema(state))
+
+  def advance(self, state, token):
+    """`[B, ...]` int32 the states after `token` from `state` (both `[B, ...]`)."""
+    return advance(self.tables, state, token, self._schema(state))
+
+  def target_law(self, logits, states, sampling: Sampling):
+    """`(constrained [B, W, V], stuck [B, W])`: the target's constrained logits at each block
+    position (or extended tree node), from the state before it, and where nothing allowed has
+    weight."""
+    mask = self.mask(states)
+    return constrained_logits(logits, mask, sampling), stuck(logits, mask)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class GrammarDrafter(DrafterWrapper):
+class GrammarDrafter(GrammarWrapper):
   """A chain drafter whose proposals follow a grammar (see the module docstring).
 
   Attributes:
@@ -113,27 +151,10 @@ class GrammarDrafter(DrafterWrapper):
   tables: ConstraintTables
   schema: jax.Array
 
-  def forwards_per_round(self, num_draft: int) -> int:
-    return self.drafter.forwards_per_round(num_draft)
-
-  def forwards_in_round(self, state, num_draft: int):
-    return self.drafter.forwards_in_round(state.inner, num_draft)
-
-  def extra_slots(self, num_draft: int) -> int:
-    return self.drafter.extra_slots(num_draft)
-
   def init(self, tokens, lengths, buffer_len, prefill):
     inner = self.drafter.init(tokens, lengths, buffer_len, prefill)
-    batch = tokens.shape[0]
-    start = jnp.asarray(self.tables.initial)[self.schema]
-    zeros = jnp.zeros((batch,), jnp.int32)
-    return GrammarState(inner, jnp.broadcast_to(start, (batch,)).astype(jnp.int32), zeros,
-                        zeros, zeros)
-
-  def mask(self, state):
-    """`[B, ..., V]` bool: what `state` (`[B, ...]`) allows, each row in its own grammar."""
-    schema = self.schema.reshape(self.schema.shape + (1,) * (state.ndim - 1))
-    return allowed_mask(self.tables, state, schema)
+    zeros = jnp.zeros((tokens.shape[0],), jnp.int32)
+    return GrammarState(inner, self.initial_states(tokens.shape[0]), zeros, zeros, zeros)
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, **kwargs):
     guided = getattr(type(self.drafter), "guided", False)
@@ -142,8 +163,8 @@ class GrammarDrafter(DrafterWrapper):
     inner, proposal = self.drafter.propose(state.inner, sequence, lengths, num_draft=num_draft,
                                            sampling=sampling, seeds=seeds, **kwargs)
     if not isinstance(proposal, Proposal):
-      raise ValueError("a grammar constraint needs a chain drafter (trees are not supported "
-                       "under a constraint yet)")
+      raise ValueError("GrammarDrafter wraps a chain drafter; a tree drafter under a constraint "
+                       "is a specjax.drafters.grammar_tree.GrammarTreeDrafter")
     k = proposal.tokens.shape[1]
     batch = lengths.shape[0]
     drafted = (jnp.full((batch,), k, jnp.int32) if proposal.num_drafted is None
@@ -208,11 +229,6 @@ class GrammarDrafter(DrafterWrapper):
     del raw, sampling
     return restricted
 
-  def target_law(self, logits, states, sampling: Sampling):
-    """`(constrained [B, W, V], stuck [B, W])`: the target's constrained logits at each block
-    position, from the state before it, and where nothing allowed has weight."""
-    mask = self.mask(states)
-    return constrained_logits(logits, mask, sampling), stuck(logits, mask)
 
   def observe(self, state, scored, block, emitted, count, lengths):
     inner = state.inner
@@ -263,13 +279,15 @@ def verify_sampling(sampling: Sampling) -> Sampling:
   return GREEDY if sampling.greedy else Sampling(temperature=1.0)
 
 
-def constrain_verify(drafter: GrammarDrafter, logits, states, sampling: Sampling):
+def constrain_verify(drafter, logits, states, sampling: Sampling):
   """The target's constrained logits at each block position and where a position allows nothing.
 
   Args:
-    drafter: the round's `GrammarDrafter`.
-    logits: `[B, W, V]` the target's raw logits over the block's first `W` positions.
-    states: `[B, W]` int32 the automaton state before each of them.
+    drafter: the round's `GrammarDrafter` (or, for a tree, its
+      `specjax.drafters.grammar_tree.GrammarTreeDrafter`).
+    logits: `[B, W, V]` the target's raw logits over the block's first `W` positions (a tree's
+      `W = N + 1` extended nodes).
+    states: `[B, W]` int32 the automaton state before each of them (after each extended node).
     sampling: the call's sampling settings.
 
   Returns:

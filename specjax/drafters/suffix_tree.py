@@ -96,8 +96,8 @@ class SuffixTreeDrafter(TextOnlyDrafter):
     del num_draft  # the tree's depth
     return max(self.spec.size, self.spec.depth) + 2
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
-    del num_draft, sampling, seeds
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, guide=None):
+    del num_draft, sampling, seeds, guide  # a trie: the constraint drops its disallowed nodes
     spec, drafter = self.spec, self.drafter
 
     def one_row(row, length):

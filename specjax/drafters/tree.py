@@ -8,8 +8,11 @@ here by `tree_drafter`. Beside the chain protocol's `vocab_size`, `taps`, `needs
 * `spec`: its `specjax.TreeSpec` (static);
 * `extra_slots(num_draft)`: the scratch slots past a row's length that one round writes (the tree
   block and, for a dynamic tree, its expansion pool);
-* `propose(state, sequence, lengths, *, num_draft, sampling, seeds) -> (state, Tree)`: this round's
-  `specjax.trees.structure.Tree` below each row's last token (`num_draft` is the tree's depth);
+* `propose(state, sequence, lengths, *, num_draft, sampling, seeds, guide=None) -> (state, Tree)`:
+  this round's `specjax.trees.structure.Tree` below each row's last token (`num_draft` is the
+  tree's depth); `guide` is a grammar constraint's `TreeGuide`, which the model and head drafters
+  hand their builder (`specjax.trees.structure`, `specjax.drafters.grammar_tree`) and the tries
+  ignore;
 * `observe(state, scored, block, emitted, count, lengths) -> state`: the chain's `observe`. The
   loop hands it the accepted path as a chain's block: `block [B, D + 1] = [root, path nodes]` at
   positions `lengths - 1 ..`, with the target's features there (`specjax.loop.round.path_output`).
@@ -93,7 +96,7 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
     cache = model(tokens, jnp.zeros_like(lengths), model.init_cache(tokens.shape[0], buffer_len))
     return cache.cache.with_lengths(lengths - 1)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, guide=None):
     del num_draft
     spec, model = self.spec, self.model
     root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
@@ -109,20 +112,27 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
       return out.logits
 
     def chain_candidates():
-      """Static trees: the draft's greedy chain from the root, top-`K` candidates per depth."""
+      """Static trees: the draft's greedy chain from the root, top-`K` candidates per depth
+      (with a guide: of the logits restricted along the chain's states)."""
       k = max(c[-1] for c in spec.resolved_choices) + 1
       token, chain_cache, ranked = root, cache, []
+      chain_state = None if guide is None else guide.root
       for d in range(spec.depth):
         out = model(token[:, None], starts + d, chain_cache)
         chain_cache = out.cache
-        top = jax.lax.top_k(out.logits[:, 0], k)[1]
+        logits = out.logits[:, 0]
+        if guide is not None:
+          logits = guide.restrict(chain_state, logits)
+        top = jax.lax.top_k(logits, k)[1]
         ranked.append(top)
         token = top[:, 0]
+        if guide is not None:
+          chain_state = guide.advance(chain_state, token)
       return jnp.stack(ranked, axis=1)  # [B, D, K]
 
     tree = tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
                                     lengths=lengths, sampling=sampling, seeds=seeds,
-                                    chain_candidates=chain_candidates)
+                                    chain_candidates=chain_candidates, guide=guide)
     return cache, self._finish(tree)
 
 
@@ -141,12 +151,12 @@ class HeadTreeDrafter(DrafterWrapper, _TreeDrafterBase):
   def init(self, tokens, lengths, buffer_len, prefill):
     return self.drafter.init(tokens, lengths, buffer_len, prefill)
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, guide=None):
     del num_draft
     root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
     tree = tree_heads.draft_tree(self.drafter, state, spec=self.spec, root=root,
                                  sequence=sequence, lengths=lengths, sampling=sampling,
-                                 seeds=seeds)
+                                 seeds=seeds, guide=guide)
     return state, self._finish(tree)  # the head catches up after the verify (`observe`)
 
   def observe(self, state, scored, block, emitted, count, lengths):
@@ -162,8 +172,8 @@ class NGramTreeDrafter(TextOnlyDrafter, _TreeDrafterBase):
 
   vocab_size = None
 
-  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds):
-    del num_draft
+  def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, guide=None):
+    del num_draft, guide  # a trie of earlier text: the constraint drops its disallowed nodes
     root = gather_tokens(sequence, lengths - 1, 1)[:, 0]
     tree = tree_builders.build_tree(self.spec, expand=None, root=root, sequence=sequence,
                                     lengths=lengths, sampling=sampling, seeds=seeds)

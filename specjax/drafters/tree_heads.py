@@ -43,7 +43,8 @@ import jax.numpy as jnp
 
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.eagle.tree import (EagleTreeExpand, ParallelTreeExpand,
-                                         eagle_chain_candidates, parallel_chain_candidates)
+                                         eagle_chain_candidates, guided_chain,
+                                         parallel_chain_candidates)
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.medusa.tree import medusa_logits
 from specjax.models.transformer import check_taps
@@ -108,7 +109,7 @@ def forwards_per_round(drafter, spec: TreeSpec) -> int:
 
 
 def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampling, seeds,
-               incremental: bool = True) -> Tree:
+               incremental: bool = True, guide=None) -> Tree:
   """This round's tree from a head drafter (see the module docstring).
 
   Args:
@@ -117,6 +118,9 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
     root: `[B]` each row's last token; sequence: `[B, S]` tokens; lengths: `[B]` (`L`).
     sampling, seeds: as for `specjax.trees.builders.build_tree`.
     incremental: `EagleTreeExpand`'s evaluation mode (a parallel head's is always incremental).
+    guide: under a grammar constraint, the `TreeGuide` (`specjax.trees.structure`): the builders
+      restrict the head's full-vocabulary logits with it, and a static tree's greedy chain ranks
+      its top-`K` among the tokens each chain state allows.
 
   Returns:
     The `Tree`; `logits` (sampled and dynamic trees) are full-vocabulary.
@@ -133,6 +137,8 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
 
     def chain_candidates():
       k = max(c[-1] for c in spec.resolved_choices) + 1
+      if guide is not None:
+        return guided_chain(lambda d, tokens: full[:, d], guide, depth, k)
       top = jax.lax.top_k(head_logits, k)[1]  # [B, D, K]
       return jnp.take(drafter.heads.draft_ids, top).astype(jnp.int32)
   elif drafter.head.config.parallel:
@@ -141,14 +147,14 @@ def draft_tree(drafter, state, *, spec: TreeSpec, root, sequence, lengths, sampl
 
     def chain_candidates():
       k = max(c[-1] for c in spec.resolved_choices) + 1
-      return parallel_chain_candidates(drafter, state, lengths, depth, k)
+      return parallel_chain_candidates(drafter, state, lengths, depth, k, guide=guide)
   else:
     pool = trees.dynamic_pool_size(depth, spec.width) if spec.builder == "dynamic" else spec.size
     expand = EagleTreeExpand(drafter, state, lengths, pool, incremental=incremental)
 
     def chain_candidates():
       k = max(c[-1] for c in spec.resolved_choices) + 1
-      return eagle_chain_candidates(drafter, state, lengths, root, depth, k)
+      return eagle_chain_candidates(drafter, state, lengths, root, depth, k, guide=guide)
   return tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
                                   lengths=lengths, sampling=sampling, seeds=seeds,
-                                  chain_candidates=chain_candidates)
+                                  chain_candidates=chain_candidates, guide=guide)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from specjax.constrain.compile import constraint_inputs
 from specjax.drafters.grammar import GrammarDrafter
+from specjax.drafters.grammar_tree import GrammarTreeDrafter
 from specjax.core import validation
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
 from specjax.drafters import as_drafter
@@ -91,6 +92,16 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
     ValueError: naming the problem (see `decode`).
   """
   validation.check_model(target, "target")
+  if isinstance(draft, GrammarDrafter) and (constraint is not None or tree is not None):
+    raise ValueError("draft is already a GrammarDrafter (it carries its grammar): leave "
+                     "constraint= and tree= out")
+  if isinstance(draft, GrammarTreeDrafter):
+    if constraint is not None:
+      raise ValueError("draft is already a GrammarTreeDrafter (it carries its grammar): leave "
+                       "constraint= out")
+    if tree != draft.spec:
+      raise ValueError(f"a GrammarTreeDrafter drafts the trees of its own TreeSpec: pass "
+                       f"tree={draft.spec!r} (got tree={tree!r})")
   if tree is None:
     drafter = as_drafter(draft)
     num_draft, widths = resolve_num_draft(drafter, num_draft, verify_widths=verify_widths)
@@ -100,7 +111,7 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
       raise ValueError("with tree=, the tree spec sets the draft shape (TreeSpec.widths the "
                        "verify widths): leave num_draft and verify_widths out (got "
                        f"num_draft={num_draft!r})")
-    drafter = tree_drafter(target, draft, tree)
+    drafter = draft if isinstance(draft, GrammarTreeDrafter) else tree_drafter(target, draft, tree)
     num_draft, widths = tree.depth, (tree.depth + 1,)
     scratch = drafter.extra_slots(num_draft)  # a round's tree block lies past the new tokens
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
@@ -119,17 +130,11 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
                              drafter.max_len, "draft", reserve(getattr(drafter, "model", None)))
   rng = validation.check_rng(rng, tokens.shape[0])
   eos = validation.check_eos(eos_id, target.vocab_size)
-  if isinstance(drafter, GrammarDrafter) and (constraint is not None or tree is not None):
-    raise ValueError("draft is already a GrammarDrafter (it carries its grammar): leave "
-                     "constraint= and tree= out")
-  if constraint is not None:
-    if tree is not None:
-      raise ValueError("constraint= runs with a chain drafter; trees under a grammar constraint "
-                       "are not supported yet (leave tree= out)")
-    if not drafter.plain:  # else `prepare_decode` runs `generate(..., constraint=)`
-      grammar = constraint_inputs(constraint, tokens.shape[0], target.vocab_size)
-      drafter = GrammarDrafter(drafter, grammar.tables, grammar.schema)
-      eos = grammar.stop_ids(eos)
+  if constraint is not None and not drafter.plain:  # else `generate(..., constraint=)` runs
+    grammar = constraint_inputs(constraint, tokens.shape[0], target.vocab_size)
+    wrapper = GrammarDrafter if tree is None else GrammarTreeDrafter
+    drafter = wrapper(drafter, grammar.tables, grammar.schema)
+    eos = grammar.stop_ids(eos)
   eos_ids = jnp.array(eos, jnp.int32)
   validation.check_sampling(sampling)
   check_verify_impl(verify_impl, tree=tree is not None)
@@ -193,8 +198,13 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       `specjax.generate(..., constraint=)`'s law (greedy: its tokens): the drafts follow the
       grammar (`specjax.drafters.grammar.GrammarDrafter` wraps the drafter; tokens the
       grammar forces are drafted for free, `stats.forced`), and the verify restricts the target's
-      distribution at each position to what the row's automaton allows there. A chain drafter
-      only (no `tree=` yet). The constraint's stop ids join `eos_id`.
+      distribution at each position to what the row's automaton allows there. With `tree=`,
+      every tree builder and tree drafter (`specjax.drafters.grammar_tree.GrammarTreeDrafter`
+      wraps it): the builder draws or ranks each node's children from the draft's distribution
+      restricted by that node's state, nodes the grammar does not allow are dropped, and the
+      tree verify restricts the target's distribution at every node by its state
+      (`stats.forced`: emitted path nodes whose parent allowed one token). The constraint's stop
+      ids join `eos_id`.
     return_logprobs: also return each new token's log-probability under the target,
       `log_softmax(logits / T)[token]` over the whole vocabulary (T = 1 when greedy; no top-k /
       top-p; under a constraint, the unconstrained logits), taken from the logits the verify

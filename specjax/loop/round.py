@@ -214,10 +214,13 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   accepted = result.num_accepted
   count, hit_eos = _keep(result.tokens, accepted, state)
   dead = jnp.zeros_like(hit_eos)
-  if stuck_at is not None:  # nothing allowed where the row would emit its correction: stop there
-    at = jnp.minimum(accepted, width - 1)[:, None]
-    dead = jnp.take_along_axis(stuck_at, at, axis=1)[:, 0] & (count > accepted)
-    count = jnp.where(dead, accepted, count)
+  if stuck_at is not None:
+    # Nothing allowed has weight at a position the row emits from: `generate` stops there, so
+    # the row stops there, keeping what came before. Usually the correction's position; an
+    # earlier one only where a greedy argmax over nothing matched the draft.
+    first = jnp.where(jnp.any(stuck_at, axis=1), jnp.argmax(stuck_at, axis=1), width)
+    dead = (first <= accepted) & (count > first)
+    count = jnp.where(dead, first, count)
     hit_eos = hit_eos & ~dead
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
@@ -341,19 +344,47 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   ancestor mask, the exact tree rule walks down the tree and emits the accepted path plus one
   target token (cut at EOS and at the row's limit), the path's keys/values move to contiguous
   slots `[L, L + a)` (`specjax.core.cache.compact`), and the drafter observes the path as a
-  chain's block: `[root, path nodes]` with the target's features there (`path_output`)."""
+  chain's block: `[root, path nodes]` with the target's features there (`path_output`).
+
+  Under a grammar constraint (`tree.grammar_states`, `specjax.drafters.grammar_tree`) the rule
+  runs on the target's constrained logits at every extended node, from that node's state, with
+  the identity warp (or greedily); a stuck node's children are not offered, and a row whose walk
+  ends at a stuck node stops there, as the chain's does."""
   spec = drafter.spec
   lengths = state.lengths
+  live = ~state.done
   root = gather_tokens(state.tokens, lengths - 1, 1)[:, 0]
   scored = score_tree(target, tree, root, lengths - 1, state.target_cache, state.done, spec,
                       **target_features(drafter))
-  result = verify_tree(scored.logits, tree, spec=spec, sampling=sampling, seeds=state.seeds,
+  logits, rule_sampling, stuck_at, walked = scored.logits, sampling, None, tree
+  states = tree.grammar_states
+  if states is not None:  # the constrained law at every node (specjax.drafters.grammar_tree)
+    logits, stuck_at = constrain_verify(drafter, logits, states, sampling)
+    rule_sampling = verify_sampling(sampling)
+    offered = tree.valid & ~jnp.take_along_axis(stuck_at, tree.parents + 1, axis=1)
+    walked = dataclasses.replace(tree, valid=offered, grammar_states=None)
+  result = verify_tree(logits, walked, spec=spec, sampling=rule_sampling, seeds=state.seeds,
                        positions=lengths, impl=impl)
   accepted = result.num_accepted
   count, hit_eos = _keep(result.tokens, accepted, state)
   # Emitted token j comes from the logits of the root (j = 0) or of path node j - 1 (extended
   # node rows[j]), at position L - 1 + j.
   rows = jnp.concatenate([jnp.zeros_like(result.path[:, :1]), result.path + 1], axis=1)
+  dead = jnp.zeros_like(hit_eos)
+  if states is not None:  # nothing allowed where the row would emit its correction: stop there
+    at = jnp.take_along_axis(rows, accepted[:, None], axis=1)
+    dead = jnp.take_along_axis(stuck_at, at, axis=1)[:, 0] & (count > accepted)
+    count = jnp.where(dead, accepted, count)
+    hit_eos = hit_eos & ~dead
+    # Emitted path node i (i < count) was forced when its parent, extended node rows[i], allowed
+    # only its token.
+    depth_index = jnp.arange(spec.depth, dtype=jnp.int32)[None]
+    forced = jnp.take_along_axis(drafter.forced(states), rows[:, :-1], axis=1)
+    forced = jnp.sum(forced & (depth_index < jnp.minimum(accepted, count)[:, None]), axis=1,
+                     dtype=jnp.int32)
+    state = dataclasses.replace(state, stats=dataclasses.replace(
+        state.stats, constraint_dead=state.stats.constraint_dead | (dead & live),
+        forced=state.stats.forced + jnp.where(live, forced, 0)))
   bad = jnp.take_along_axis(no_distribution(scored.logits), rows, axis=1)  # [B, D + 1]
   # Path node i sits at slot starts + 1 + i; its depth-d entry moves to slot starts + d.
   moved = jnp.maximum(count - 1, 0)
@@ -366,7 +397,7 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   if state.logprobs is not None:  # emitted token j from the logits of extended node rows[j]
     path_logits = jnp.take_along_axis(scored.logits, rows[..., None], axis=1)
     logprobs = token_logprobs(path_logits, result.tokens, sampling)
-  return _advance(state, result.tokens, accepted=accepted, count=count, hit_eos=hit_eos,
+  return _advance(state, result.tokens, accepted=accepted, count=count, hit_eos=hit_eos | dead,
                   drafted=jnp.sum(tree.valid, axis=1).astype(jnp.int32),
                   nonfinite=_nonfinite_emitted(bad, count), logprobs=logprobs, target_cache=cache,
                   draft_state=draft_state)

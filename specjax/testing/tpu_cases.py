@@ -24,6 +24,8 @@ tokens, `Sampling(temperature=0.7, top_k=50, top_p=0.9)`, `k = 4` drafts a round
   * every tree builder (static, sampled i.i.d. and without replacement, dynamic, n-gram, the
     suffix trie), with the draft model and, where the head supports the builder, an EAGLE-3 or
     Medusa head;
+  * `decode` under a grammar constraint's tables (traced), with the draft model: a chain
+    (`constrained`) and a sampled tree (`constrained_tree`);
   * `decode_stream`'s two programs (the jitted start, and one round on the start's state) and the
     audit's (its scoring forward, and decode under its negative-control rule);
   * the verify kernels called directly, on float32 logits (what the models' forward hands them)
@@ -46,6 +48,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax.drafters.grammar import GrammarDrafter
+from specjax.drafters.grammar_tree import GrammarTreeDrafter
 from specjax.constrain.tables import ConstraintTables
 from specjax.core import validation
 from specjax.core.sampling import Sampling
@@ -56,6 +59,7 @@ from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.model import ModelDrafter, self_drafter, with_draft_vocab
 from specjax.drafters.ngram import NGramDrafter
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
+from specjax.drafters.tree import ModelTreeDrafter
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.medusa import network as medusa
 from specjax.exactness import audit
@@ -438,6 +442,20 @@ def _constrained(setup: Setup) -> Program:
   return _decode_program(
       setup, lambda t, draft, tables, schema: GrammarDrafter(ModelDrafter(draft), tables, schema),
       (setup.draft_model(), tables, schema))
+
+
+CONSTRAINED_TREE = TreeSpec("sampled", branching=(3, 2, 1))
+
+
+@_register("constrained_tree", "sj.decode(tree=TreeSpec('sampled', branching=(3, 2, 1)), "
+           "constraint=) with the draft model: the grammar's tables restrict every node's q in "
+           "the builder and the target's p at every node of the tree verify")
+def _constrained_tree(setup: Setup) -> Program:
+  tables, schema = _grammar_tables(setup)
+  return _decode_program(
+      setup, lambda t, draft, tables, schema: GrammarTreeDrafter(
+          ModelTreeDrafter(draft, CONSTRAINED_TREE), tables, schema),
+      (setup.draft_model(), tables, schema), tree=CONSTRAINED_TREE)
 
 
 @_register("adaptive", "sj.decode with AdaptiveDrafter(draft model, fixed round_ms and prior): "

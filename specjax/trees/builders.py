@@ -1,7 +1,8 @@
 """Tree builders: static choice lists, n-gram tries, sampled trees and EAGLE-2 dynamic trees.
 
-See `specjax.trees.structure` for the data layout and the `expand` interface. Every builder returns
-a `Tree` of a static node budget, parents before children.
+See `specjax.trees.structure` for the data layout, the `expand` interface and the grammar
+`guide` the model builders take under a constraint. Every builder returns a `Tree` of a static node
+budget, parents before children.
 """
 
 from __future__ import annotations
@@ -131,7 +132,8 @@ def sampled_structure(branching) -> tuple[list[int], list[int], list[int]]:
 
 
 def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampling,
-                 seeds: jax.Array, positions: jax.Array, replacement: bool = True) -> Tree:
+                 seeds: jax.Array, positions: jax.Array, replacement: bool = True,
+                 guide=None) -> Tree:
   """Children drawn from the draft distribution, `branching[d]` per node at depth `d`.
 
   Args:
@@ -142,9 +144,12 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
     seeds: `[B]` uint32 row seeds; positions: `[B]` int32 position of a child of the root.
     replacement: i.i.d. children (each its own Gumbel race) or without replacement (one Gumbel
       perturbation per parent, its top-b in order = sequential draws without replacement).
+    guide: under a grammar constraint, the `TreeGuide` (`specjax.trees.structure`): children
+      come from the parent's logits restricted to what its state allows.
 
   Returns:
-    `Tree` with `logits[b, i]` = the raw draft logits at node `i`'s parent.
+    `Tree` with `logits[b, i]` = the raw draft logits at node `i`'s parent (with a guide: the
+    restricted logits the children were drawn from).
   """
   parents_host, depths_host, ranks_host = sampled_structure(branching)
   n = len(parents_host)
@@ -158,6 +163,8 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
   logits = None
   start = 0
   built = slice(0, 0)
+  if guide is not None:  # the automaton state after every extended node
+    states = jnp.broadcast_to(guide.root[:, None], (batch, n + 1)).astype(jnp.int32)
   for d, b in enumerate(branching):
     count = len([x for x in depths_host if x == d + 1])
     level = slice(start, start + count)
@@ -167,6 +174,9 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
       logits = jnp.zeros((batch, n, draft.shape[-1]), jnp.float32)
     parent_ext = jnp.asarray(parents_host[level], jnp.int32) + 1  # [count]
     q_logits = draft[:, parent_ext].astype(jnp.float32)  # [B, count, V]
+    if guide is not None:
+      parent_states = states[:, parent_ext]  # [B, count]
+      q_logits = guide.restrict(parent_states, q_logits)
     vocab_ids = jnp.arange(draft.shape[-1], dtype=jnp.int32)
     pos = (positions.astype(jnp.int32) + d)[:, None, None]  # [B, 1, 1] position of the child
     ranks = jnp.asarray(ranks_host[level], jnp.int32)[None, :, None]
@@ -189,6 +199,9 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
     tokens = tokens.at[:, level].set(level_tokens.astype(jnp.int32))
     valid = valid.at[:, level].set(level_valid)
     logits = logits.at[:, level].set(q_logits)
+    if guide is not None:
+      ext_level = slice(level.start + 1, level.stop + 1)
+      states = states.at[:, ext_level].set(guide.advance(parent_states, tokens[:, level]))
     start += count
     built = level
   # A child of an invalid node is invalid.
@@ -199,7 +212,7 @@ def sampled_tree(expand: Expand, root: jax.Array, *, branching, sampling: Sampli
 
 
 def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
-                 num_nodes: int, min_prob: float = 0.0) -> Tree:
+                 num_nodes: int, min_prob: float = 0.0, guide=None) -> Tree:
   """EAGLE-2's dynamic tree over a generic draft `expand`.
 
   Depth 1 holds the root's top-m children. At every later depth the `m` best candidates of the
@@ -214,6 +227,10 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
     depth, width, num_nodes: `D`, `m`, `N`.
     min_prob: nodes whose path probability is below it are invalid (their subtrees too, since a
       child never scores above its parent).
+    guide: under a grammar constraint, the `TreeGuide` (`specjax.trees.structure`): a frontier
+      node's children are ranked by its logits restricted to what its state allows (a node with
+      fewer allowed tokens than `m` also ranks disallowed ones, at probability 0: the caller
+      drops them).
 
   Returns:
     `Tree` with `N` nodes in candidate order (parents first); `logits` = the parent's draft logits.
@@ -229,6 +246,8 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
   node_logits = None
   frontier = jnp.full((batch, 1), -1, jnp.int32)  # node indices (-1 = root) to expand
   frontier_score = jnp.zeros((batch, 1), jnp.float32)
+  if guide is not None:
+    frontier_state = guide.root[:, None].astype(jnp.int32)  # [B, F]
   start = 0
   built = slice(0, 0)
   for d in range(depth):
@@ -239,6 +258,8 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
     if node_logits is None:
       node_logits = jnp.zeros((batch, pool, draft.shape[-1]), jnp.float32)
     q_logits = jnp.take_along_axis(draft, (frontier + 1)[..., None], axis=1)  # [B, F, V]
+    if guide is not None:
+      q_logits = guide.restrict(frontier_state, q_logits)
     logp = jax.nn.log_softmax(q_logits, axis=-1)
     top_logp, top_tokens = jax.lax.top_k(logp, width)  # [B, F, m]
     f = frontier.shape[1]
@@ -251,6 +272,10 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
     node_logits = node_logits.at[:, level].set(jnp.repeat(q_logits, width, axis=1))
     frontier_score, best = jax.lax.top_k(level_scores, min(width, count))
     frontier = (start + best).astype(jnp.int32)
+    if guide is not None:
+      level_states = guide.advance(jnp.repeat(frontier_state, width, axis=1),
+                                   top_tokens.reshape(batch, count))
+      frontier_state = jnp.take_along_axis(level_states, best, axis=1)
     built = level
     start += count
   # Top N overall; ties prefer the earlier candidate (lax.top_k is stable), then restore order.
@@ -271,7 +296,7 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
 
 def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequence: jax.Array,
                lengths: jax.Array, sampling: Sampling, seeds: jax.Array,
-               chain_candidates: Callable[[], jax.Array] | None = None) -> Tree:
+               chain_candidates: Callable[[], jax.Array] | None = None, guide=None) -> Tree:
   """Builds `spec`'s tree for one round.
 
   Args:
@@ -281,6 +306,9 @@ def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequen
     sequence: `[B, S]` tokens; `lengths` `[B]` valid tokens per row.
     sampling: the sampling settings; seeds: `[B]` uint32 row seeds.
     chain_candidates: static trees: returns `[B, D, K]` ranked candidates per depth.
+    guide: under a grammar constraint, the `TreeGuide` the sampled and dynamic builders restrict
+      the draft logits with (`specjax.trees.structure`); a static tree's `chain_candidates`
+      takes it from its caller, and an n-gram trie ignores it.
   """
   if spec.builder == "ngram":
     return ngram_tree(sequence, lengths, num_matches=spec.width, depth=spec.depth,
@@ -289,6 +317,7 @@ def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequen
     return static_tree(chain_candidates(), spec.resolved_choices)
   if spec.builder == "sampled":
     return sampled_tree(expand, root, branching=spec.resolved_branching, sampling=sampling,
-                        seeds=seeds, positions=lengths, replacement=spec.replacement)
+                        seeds=seeds, positions=lengths, replacement=spec.replacement,
+                        guide=guide)
   return dynamic_tree(expand, root, depth=spec.depth, width=spec.width, num_nodes=spec.size,
-                      min_prob=spec.min_prob)
+                      min_prob=spec.min_prob, guide=guide)

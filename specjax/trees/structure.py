@@ -12,6 +12,10 @@ A tree holds a fixed budget of `N` nodes per row (static), so every round has th
   distribution had no support left),
 * `logits[b, i]`: the raw draft logits at its parent, i.e. the distribution `q` the node was drawn
   from (sampled trees) or ranked by (top-m trees). None when the tree has no draft model (n-gram).
+  Under a grammar constraint, the restricted `q` the builder saw (see "Guides" below);
+* `grammar_states[b, n]`: under a grammar constraint only (else None), the automaton state after
+  extended node `n` (the root's is the row's state), whose allowed set restricts the target's
+  distribution there (`specjax.drafters.grammar_tree`).
 
 The "extended" view adds the root at index 0 and shifts the nodes to `1..N` (`ext_parents`,
 `ext_depths`, `ext_tokens`); the target scores the extended block `[root, nodes]` in one pass with
@@ -34,6 +38,15 @@ own (`specjax.drafters.tree_heads`). The builders call it once per depth, after 
 of one more depth (depth-major node order), so an `expand` with a true `incremental` attribute is
 also passed `built=slice(start, stop)`, the (static) node indices set since its previous call
 (empty on the first call), and may evaluate only those: their ancestors were evaluated before.
+
+Guides: under a grammar constraint the builders take a `guide`
+(`specjax.drafters.grammar_tree.TreeGuide`): `guide.root` `[B]` is the root's automaton state,
+`guide.advance(states, tokens)` the states after `tokens`, and `guide.restrict(states, logits)`
+the draft logits at nodes in `states` as the constrained law sees them (warped, then restricted
+to what the state allows). The builders then track every node's state (a child's is its
+parent's advanced by its token), draw or rank children from `restrict(parent's state, logits
+at the parent)` and record those logits in `Tree.logits`; a static tree's greedy chain ranks its
+candidates the same way along the chain's states.
 """
 
 from __future__ import annotations
@@ -195,6 +208,7 @@ class Tree:
   depths: jax.Array  # [B, N] int32 >= 1
   valid: jax.Array  # [B, N] bool
   logits: jax.Array | None = None  # [B, N, V] raw draft logits the node was drawn from
+  grammar_states: jax.Array | None = None  # [B, N + 1] int32 automaton state after each ext node
 
   @property
   def num_nodes(self) -> int:

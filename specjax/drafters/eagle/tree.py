@@ -16,7 +16,7 @@ from specjax.drafters.eagle.parallel import committed_segment, group_logits
 from specjax.models.transformer import attention
 from specjax.trees import structure as trees
 
-__all__ = ["EagleTreeExpand", "ParallelTreeExpand", "eagle_chain_candidates",
+__all__ = ["EagleTreeExpand", "ParallelTreeExpand", "eagle_chain_candidates", "guided_chain",
            "parallel_chain_candidates"]
 
 
@@ -88,15 +88,39 @@ class EagleTreeExpand:
     self.full = self.full.at[:, ext].set(self.drafter.full_logits(logits))
 
 
+def guided_chain(logits_at, guide, depth: int, k: int) -> jax.Array:
+  """A greedy chain under a grammar constraint's `TreeGuide`: at each depth `d` the top-`k` of
+  `logits_at(d, tokens)` (full-vocabulary logits after the chain's first `d` tokens `[B, d]`)
+  restricted to what the chain's state allows, the first of them extending the chain:
+  `[B, D, K]` token ids."""
+  chain_state, tokens, ranked = guide.root, [], []
+  for d in range(depth):
+    chain = jnp.stack(tokens, axis=1) if tokens else None
+    top = jax.lax.top_k(guide.restrict(chain_state, logits_at(d, chain)), k)[1]
+    ranked.append(top.astype(jnp.int32))
+    tokens.append(top[:, 0].astype(jnp.int32))
+    chain_state = guide.advance(chain_state, tokens[-1])
+  return jnp.stack(ranked, axis=1)
+
+
 def eagle_chain_candidates(drafter: EagleDrafter, state, lengths, root, depth: int,
-                           k: int) -> jax.Array:
-  """The head's greedy chain below the root, its top-`k` candidates at each depth: `[B, D, K]`."""
+                           k: int, guide=None) -> jax.Array:
+  """The head's greedy chain below the root, its top-`k` candidates at each depth: `[B, D, K]`
+  (with a grammar constraint's `guide`: among the tokens each chain state allows,
+  `guided_chain`)."""
   batch = root.shape[0]
   expand = EagleTreeExpand(drafter, state, lengths, depth)
   ext_parents = jnp.broadcast_to(jnp.asarray([0] + list(range(depth)), jnp.int32),
                                  (batch, depth + 1))
   ext_depths = jnp.broadcast_to(jnp.arange(depth + 1, dtype=jnp.int32), (batch, depth + 1))
   ext_tokens = jnp.zeros((batch, depth + 1), jnp.int32).at[:, 0].set(root)
+  if guide is not None:
+    def logits_at(d, chain):
+      if d:
+        chain_tokens = ext_tokens.at[:, 1:d + 1].set(chain)
+        expand.evaluate(chain_tokens, ext_parents, ext_depths, slice(d - 1, d))
+      return expand.full[:, d]
+    return guided_chain(logits_at, guide, depth, k)
   ranked = []
   for d in range(depth):
     if d:
@@ -178,9 +202,22 @@ class ParallelTreeExpand:
 
 
 def parallel_chain_candidates(drafter: EagleDrafter, state, lengths, depth: int,
-                              k: int) -> jax.Array:
+                              k: int, guide=None) -> jax.Array:
   """A parallel head's greedy first draft and its one forward: the top-`k` candidates at each
-  depth, `[B, D, K]` (depth 1 from the stored logits, depth `d >= 2` from slot `d - 2`)."""
+  depth, `[B, D, K]` (depth 1 from the stored logits, depth `d >= 2` from slot `d - 2`; with a
+  grammar constraint's `guide`, among the tokens each chain state allows, `guided_chain`)."""
+  if guide is not None:
+    root = drafter.full_logits(state.logits.astype(jnp.float32))  # [B, V]
+    groups = []  # the one forward, run once the first draft is known
+
+    def logits_at(d, chain):
+      if d == 0:
+        return root
+      if not groups:
+        groups.append(group_logits(drafter.head, drafter.target_embed, state, lengths,
+                                   chain[:, :1], depth - 1)[:, 0])  # [B, D - 1, N]
+      return drafter.full_logits(groups[0][:, d - 1])
+    return guided_chain(logits_at, guide, depth, k)
   ranked = [jax.lax.top_k(state.logits, k)[1]]  # [B, K] draft ids, best first
   if depth > 1:
     first = jnp.take(drafter.head.draft_ids, ranked[0][:, :1]).astype(jnp.int32)  # [B, 1]
