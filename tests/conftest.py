@@ -47,9 +47,11 @@ def pytest_configure(config):
 
 
 STRICT_IMPORTS = os.environ.get("SPECJAX_STRICT_IMPORTS", "") not in ("", "0")
-# Libraries of optional extras that the `test` extra does not install (CI runs without them): a
-# test that needs one skips through `pytest.importorskip`, and that skip stays a skip.
-OPTIONAL_EXTRAS = ("tunix",)
+# Libraries of optional extras that the `test` extra does not install: a test that needs one skips
+# through `pytest.importorskip`, and that skip stays a skip. CI's steps 1-3 run without them; its
+# last step installs `specjax[tunix]` and sets SPECJAX_OPTIONAL_EXTRAS="" so that there a missing
+# tunix fails.
+OPTIONAL_EXTRAS = tuple(os.environ.get("SPECJAX_OPTIONAL_EXTRAS", "tunix").split())
 
 
 def _import_skip(report) -> bool:
