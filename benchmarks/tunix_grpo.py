@@ -213,9 +213,9 @@ def dataclasses_replace(config, **fields):
 
 
 def phase_grpo(tok, args, previous: dict | None = None) -> dict:
-  """`args.steps` GRPO steps per engine from the same weights, data and seeds (runs of other
-  engines in `previous`, an earlier invocation's results, are kept: `--engines vanilla`, then
-  `--engines specjax`, each in a process of its own, holds one training state at a time)."""
+  """`args.steps` GRPO steps per engine and seed from the same weights and data order (runs kept
+  as `engine/seedN`; runs of an earlier invocation in `previous` are kept). Seed by seed, the two
+  engines alternate which goes first, so a drift in the host's speed falls on both."""
   import optax
   from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.grpo import grpo_learner
@@ -225,8 +225,11 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
   answers = {q["prompt"]: q["answer"] for q in questions}
   data = [{"prompts": np.array([q["prompt"] for q in questions[i:i + args.batch]])}
           for i in range(0, len(questions), args.batch)]
-  out = {"load_before": _load(), "runs": dict((previous or {}).get("runs", {}))}
-  for name in args.engines:
+  out = {"load_before": _load(),  # runs from before runs were keyed by seed are dropped
+         "runs": {k: v for k, v in (previous or {}).get("runs", {}).items() if "engine" in v}}
+  order = [(seed, name) for i, seed in enumerate(args.seeds)
+           for name in (args.engines if i % 2 == 0 else args.engines[::-1])]
+  for seed, name in order:
     module, tokenizer, _ = load()
     mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), devices=jax.devices()[:1],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
@@ -240,7 +243,7 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
             actor_optimizer=getattr(optax, args.optimizer)(args.learning_rate),
             eval_every_n_steps=10 ** 6,
             max_steps=args.steps),
-        rollout_config=_rollout_config(args, seed=args.seed))
+        rollout_config=_rollout_config(args, seed=seed))
     cluster = rl_cluster_lib.RLCluster(actor=module, reference=None, tokenizer=tokenizer,
                                        cluster_config=config)
     record = {"rollout_s": [], "reward": [], "tau": [], "starts": []}
@@ -273,18 +276,39 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
     record["step_s"] = [b - a for a, b in zip(marks, marks[1:])]
     record["total_s"] = end - start
     record["load_after"] = _load()
-    out["runs"][name] = record
-    print(name, {k: np.round(v, 3).tolist() for k, v in record.items()
-                 if k in ("rollout_s", "step_s", "reward")}, flush=True)
+    record["engine"], record["seed"] = name, seed
+    out["runs"][f"{name}/seed{seed}"] = record
+    print(name, seed, {k: np.round(v, 3).tolist() for k, v in record.items()
+                       if k in ("rollout_s", "step_s", "reward")}, flush=True)
     del learner, cluster, module, rollout, generate  # one policy, optimizer and engine at a time
     gc.collect()
     jax.clear_caches()
-  if {"vanilla", "specjax"} <= set(out["runs"]):
-    v, s = out["runs"]["vanilla"], out["runs"]["specjax"]
-    # The first step compiles: speedups over the others.
-    out["rollout_speedup"] = sum(v["rollout_s"][1:]) / sum(s["rollout_s"][1:])
-    out["step_speedup"] = sum(v["step_s"][1:]) / sum(s["step_s"][1:])
+  out.update(summarize(out["runs"]))
   out["load_after"] = _load()
+  return out
+
+
+def summarize(runs: dict) -> dict:
+  """Speedups of the rollout phase and of the whole step (the first step compiles: from the
+  second on, summed over the seeds both engines ran), specjax's mean tau, and each engine's
+  reward: the mean over steps per seed, and its spread over seeds."""
+  by = {}
+  for run in runs.values():
+    by.setdefault(run["engine"], {})[run["seed"]] = run
+  out = {}
+  seeds = sorted(set(by.get("vanilla", {})) & set(by.get("specjax", {})))
+  if seeds:
+    total = lambda engine, key: sum(sum(by[engine][s][key][1:]) for s in seeds)
+    out["seeds"] = seeds
+    out["rollout_speedup"] = total("vanilla", "rollout_s") / total("specjax", "rollout_s")
+    out["step_speedup"] = total("vanilla", "step_s") / total("specjax", "step_s")
+    taus = [t for s in seeds for t in by["specjax"][s]["tau"] if t is not None]
+    out["specjax_tau"] = float(np.mean(taus))
+  out["reward"] = {}
+  for engine, per_seed in by.items():
+    means = [float(np.mean(run["reward"])) for run in per_seed.values()]
+    out["reward"][engine] = {"per_seed_mean": means, "mean": float(np.mean(means)),
+                             "seed_std": float(np.std(means, ddof=1)) if len(means) > 1 else None}
   return out
 
 
@@ -292,22 +316,39 @@ def plot(results: dict, path: pathlib.Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  runs = results.get("grpo", {}).get("runs", {})
+  grpo = results.get("grpo", {})
+  runs = grpo.get("runs", {})
   if not runs:
     return
-  fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-  for name, run in runs.items():
-    steps = np.arange(1, len(run["reward"]) + 1)
-    axes[0].plot(steps, run["reward"], marker="o", label=name)
-    axes[1].plot(steps, run["rollout_s"], marker="o", label=name)
-    axes[2].plot(steps[:len(run["step_s"])], run["step_s"], marker="o", label=name)
-  for ax, title in zip(axes, ("mean reward", "rollout seconds", "step seconds")):
+  fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+  colors = {"vanilla": "tab:gray", "specjax": "tab:blue"}
+  for engine in ("vanilla", "specjax"):
+    mine = [run for run in runs.values() if run.get("engine") == engine]
+    if not mine:
+      continue
+    for i, key in enumerate(("reward", "rollout_s", "step_s")):
+      curves = np.array([run[key] for run in mine], dtype=float)
+      steps = np.arange(1, curves.shape[1] + 1)
+      for curve in curves:
+        axes[i].plot(steps, curve, color=colors[engine], alpha=0.25, linewidth=0.8)
+      label = f"{engine} (mean of {len(mine)} seed{'s' * (len(mine) > 1)})"
+      axes[i].plot(steps, curves.mean(axis=0), color=colors[engine], marker="o", markersize=3,
+                   label=label)
+  titles = ("mean reward per step", "rollout seconds", "step seconds")
+  for ax, title in zip(axes, titles):
     ax.set_title(title)
     ax.set_xlabel("GRPO step")
-    ax.legend()
-  fig.suptitle("tunix GRPO on Qwen2.5-Coder-0.5B-Instruct (CPU): VanillaRollout vs SpecjaxRollout")
+    ax.legend(fontsize=8)
+  settings = next(iter(runs.values())).get("settings", {})
+  model = pathlib.Path(settings["gguf"]).stem if settings.get("gguf") else MODEL
+  speed = ""
+  if "rollout_speedup" in grpo:
+    speed = (f": rollout {grpo['rollout_speedup']:.2f}x, step {grpo['step_speedup']:.2f}x, "
+             f"tau {grpo['specjax_tau']:.2f}")
+  fig.suptitle(f"tunix GRPO on {model} (CPU, load {grpo.get('load_before')}): VanillaRollout vs "
+               f"SpecjaxRollout{speed}", fontsize=10)
   fig.tight_layout()
-  fig.savefig(path)
+  fig.savefig(path, dpi=110)
 
 
 def main(argv=None):
@@ -326,7 +367,8 @@ def main(argv=None):
                       "no state: a 2-core 24 GB host ran out of memory with adamw)")
   parser.add_argument("--rollout-calls", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
+                      help="GRPO runs per engine, one per rollout seed (the seed-to-seed spread)")
   parser.add_argument("--out", default=str(RESULTS / "tunix_grpo.json"))
   parser.add_argument("--gguf", default=None, help="a GGUF file instead of the packaged Qwen "
                       "(a Llama-family model runs in tunix's Qwen2 module with zero q/k/v biases: "
@@ -355,8 +397,8 @@ def main(argv=None):
   if "grpo" in args.phases:
     del module
     results["grpo"] = phase_grpo(tok, args, results.get("grpo"))
-    for name in args.engines:
-      results["grpo"]["runs"][name]["settings"] = settings
+    for run in results["grpo"]["runs"].values():
+      run.setdefault("settings", settings)
     print({k: v for k, v in results["grpo"].items() if k != "runs"}, flush=True)
     save()
 
