@@ -342,7 +342,7 @@ def plot(results: dict, path: pathlib.Path) -> None:
   settings = next(iter(runs.values())).get("settings", {})
   model = pathlib.Path(settings["gguf"]).stem if settings.get("gguf") else MODEL
   speed = ""
-  if "rollout_speedup" in grpo:
+  if "specjax_tau" in grpo:
     speed = (f": rollout {grpo['rollout_speedup']:.2f}x, step {grpo['step_speedup']:.2f}x, "
              f"tau {grpo['specjax_tau']:.2f}")
   fig.suptitle(f"tunix GRPO on {model} (CPU, load {grpo.get('load_before')}): VanillaRollout vs "
@@ -378,6 +378,8 @@ def main(argv=None):
   GGUF = args.gguf
   out_path = pathlib.Path(args.out)
   results = json.loads(out_path.read_text()) if out_path.exists() else {}
+  if "seeds" not in results.get("grpo", {"seeds": None}):  # from before runs were kept per seed
+    del results["grpo"]
   settings = vars(args) | {"date": datetime.date.today().isoformat(), "jax": jax.__version__,
                            "cpus": os.cpu_count()}  # each phase records the settings it ran with
   module, tokenizer, tok = load()
