@@ -44,8 +44,13 @@ LAYERS = (
     ("tuning", ("specjax.tuning",)),  # calibration for adaptive length
     ("testing", ("specjax.testing",)),  # shared test harness and small models
     ("public api", ("specjax",)),
+    ("integrations", ("specjax.integrations",)),  # optional: other libraries' engines (tunix)
     ("cli", ("specjax.cli",)),  # the specjax command
 )
+
+# Modules that import an optional extra's library, by the library they need: without it they are
+# skipped (`pytest.importorskip`), not failed (tests/conftest.py lets those skips pass in CI).
+OPTIONAL = {"specjax.integrations.tunix": "tunix"}
 
 
 def _modules(*trees: tuple[pathlib.Path, str]) -> dict[str, pathlib.Path]:
@@ -261,4 +266,6 @@ def test_every_module_has_a_layer():
 
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_every_module_imports(name):
+  if name in OPTIONAL:
+    pytest.importorskip(OPTIONAL[name])
   importlib.import_module(name)

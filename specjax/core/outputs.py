@@ -97,8 +97,13 @@ class DecodeOutput:
     tokens: `[B, max_new_tokens]` int32 new tokens; `pad_id` after each row's end.
     num_tokens: `[B]` int32 new tokens per row (an EOS token is included and counted).
     stats: per-row `DecodeStats`.
+    logprobs: None, or (`return_logprobs=True`) `[B, max_new_tokens]` float32: each new token's
+      log-probability under the target, `log_softmax(logits / T)[token]` over the whole
+      vocabulary (T = 1 when greedy; no top-k / top-p), from the target logits the token was
+      emitted from (the verify's, or `generate`'s step); 0 after each row's end.
   """
 
   tokens: jax.Array
   num_tokens: jax.Array
   stats: DecodeStats
+  logprobs: jax.Array | None = None

@@ -357,6 +357,17 @@ def probabilities(logits: jax.Array, sampling: Sampling) -> jax.Array:
   return jax.nn.softmax(warp_logits(logits, sampling), axis=-1)
 
 
+def token_logprobs(logits: jax.Array, tokens: jax.Array, sampling: Sampling) -> jax.Array:
+  """`log_softmax(logits / T)[token]` over the whole vocabulary: `[..., V]`, `[...]` -> `[...]`
+  float32, T = 1 when greedy, no top-k / top-p (the form RL losses compare against: the policy's
+  tempered log-probability of the token, whatever the truncation it was sampled with)."""
+  x = logits.astype(jnp.float32)
+  if not sampling.greedy and sampling.temperature != 1.0:
+    x = x / jnp.float32(sampling.temperature)
+  picked = jnp.take_along_axis(x, jnp.asarray(tokens, jnp.int32)[..., None], axis=-1)[..., 0]
+  return picked - jax.nn.logsumexp(x, axis=-1)
+
+
 def no_distribution(logits: jax.Array) -> jax.Array:
   """`[..., V] -> [...]` bool: where the logits define no distribution (a NaN, a +inf, or no logit
   above -inf), as broken weights or an overflow leave them. A -inf logit alone (a masked token)

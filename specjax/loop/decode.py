@@ -148,7 +148,8 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
            eos_id: int | tuple[int, ...] | None = None,
            pad_id: int | None = None, verify_impl: str = "auto",
            tree: TreeSpec | None = None,
-           verify_widths: tuple[int, ...] | None = None, constraint=None) -> DecodeOutput:
+           verify_widths: tuple[int, ...] | None = None, constraint=None,
+           return_logprobs: bool = False) -> DecodeOutput:
   """Speculative decoding: the target's exact output distribution in fewer target passes.
 
   Args:
@@ -204,9 +205,14 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
       tree verify restricts the target's distribution at every node by its state
       (`stats.forced`: emitted path nodes whose parent allowed one token). The constraint's stop
       ids join `eos_id`.
+    return_logprobs: also return each new token's log-probability under the target,
+      `log_softmax(logits / T)[token]` over the whole vocabulary (T = 1 when greedy; no top-k /
+      top-p; under a constraint, the unconstrained logits), taken from the logits the verify
+      scored it with: no extra forward (`DecodeOutput.logprobs`).
 
   Returns:
-    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats, logprobs)` (logprobs None
+    unless `return_logprobs`).
 
   Works on one device and on any mesh the weights live on (`jax.make_mesh` with Explicit axes,
   `specjax.make_mesh` with Auto axes, or a mix), inside or outside `jax.set_mesh`.
@@ -214,14 +220,16 @@ def decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64
   return prepare_decode(target, draft, tokens, rng, lengths=lengths,
                         max_new_tokens=max_new_tokens, num_draft=num_draft, sampling=sampling,
                         eos_id=eos_id, pad_id=pad_id, verify_impl=verify_impl, tree=tree,
-                        verify_widths=verify_widths, constraint=constraint).run()
+                        verify_widths=verify_widths, constraint=constraint,
+                        return_logprobs=return_logprobs).run()
 
 
 def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                    num_draft: int | None = None, sampling: Sampling = GREEDY,
                    eos_id: int | tuple[int, ...] | None = None, pad_id: int | None = None,
                    verify_impl: str = "auto", tree: TreeSpec | None = None,
-                   verify_widths: tuple[int, ...] | None = None, constraint=None) -> Program:
+                   verify_widths: tuple[int, ...] | None = None, constraint=None,
+                   return_logprobs: bool = False) -> Program:
   """`decode`'s checks, and the program the call runs (`specjax.precompile` compiles it).
 
   Takes `decode`'s arguments. Where the drafter is `plain` (drafting cannot beat a plain step:
@@ -238,25 +246,28 @@ def prepare_decode(target, draft, tokens, rng, *, lengths=None, max_new_tokens: 
   if args.drafter.plain:
     return prepare_generate(target, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
                             sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-                            constraint=constraint)
+                            constraint=constraint, return_logprobs=return_logprobs)
   static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
                 pad_id=validation.resolve_pad_id(target, pad_id), verify_impl=verify_impl,
                 widths=args.widths, classes=validation.pytree_classes(target, args.drafter))
+  if return_logprobs:  # only where asked: the default program's cache key is unchanged
+    static["logprobs"] = True
   inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
   return Program(_decode, inputs, static, args.max_new_tokens)
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
-                                             "verify_impl", "widths", "rules", "classes"))
+                                             "verify_impl", "widths", "rules", "classes",
+                                             "logprobs"))
 def _decode(target, drafter, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling,
             num_draft, capacity, pad_id, verify_impl, widths=None, rules=None,
-            classes=()) -> DecodeOutput:
+            classes=(), logprobs: bool = False) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["decode"] += 1
   with rules_scope(rules):
     seeds = row_seeds(rng, tokens.shape[0])  # [B]
     state = init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
-                       num_draft=num_draft, capacity=capacity)
+                       num_draft=num_draft, capacity=capacity, logprobs=logprobs)
     state = jax.lax.while_loop(
         lambda state: ~jnp.all(state.done),
         lambda state: round_step(target, drafter, state, num_draft=num_draft, sampling=sampling,

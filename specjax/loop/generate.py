@@ -23,7 +23,7 @@ from specjax.core.outputs import DecodeOutput, DecodeStats
 from specjax.loop.program import Program
 from specjax.parallel.rules import rules_scope
 from specjax.core.sampling import (GREEDY, PURPOSE_SAMPLE, Sampling, no_distribution, row_seeds,
-                                   sample_token)
+                                   sample_token, token_logprobs)
 from specjax.core.sequence import clear_padding
 from specjax.core.tracing import TRACE_COUNTS
 from specjax.core.validation import NEW_TOKEN_BUCKET
@@ -35,7 +35,8 @@ __all__ = ["GenerateState", "generate", "generate_start", "generate_step", "last
 
 def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
              sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
-             pad_id: int | None = None, constraint=None) -> DecodeOutput:
+             pad_id: int | None = None, constraint=None,
+             return_logprobs: bool = False) -> DecodeOutput:
   """Generates up to `max_new_tokens` tokens per row with the model alone.
 
   Args:
@@ -57,18 +58,23 @@ def generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
       allowed exactly where the text is a whole match, and end the row (they join `eos_id`). A
       row whose state allows nothing, or whose allowed tokens all have `-inf` logits, stops
       without emitting a token and is flagged in `stats.constraint_dead`.
+    return_logprobs: also return each new token's log-probability, `log_softmax(logits / T)
+      [token]` over the whole vocabulary (T = 1 when greedy; no top-k / top-p), as
+      `specjax.decode` does (`DecodeOutput.logprobs`).
 
   Returns:
-    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats)`.
+    `DecodeOutput(tokens [B, max_new_tokens], num_tokens [B], stats, logprobs)` (logprobs None
+    unless `return_logprobs`).
   """
   return prepare_generate(model, tokens, rng, lengths=lengths, max_new_tokens=max_new_tokens,
                           sampling=sampling, eos_id=eos_id, pad_id=pad_id,
-                          constraint=constraint).run()
+                          constraint=constraint, return_logprobs=return_logprobs).run()
 
 
 def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 64,
                      sampling: Sampling = GREEDY, eos_id: int | tuple[int, ...] | None = None,
-                     pad_id: int | None = None, constraint=None) -> Program:
+                     pad_id: int | None = None, constraint=None,
+                     return_logprobs: bool = False) -> Program:
   """`generate`'s checks, and the program the call runs (`specjax.precompile` compiles it).
 
   Takes `generate`'s arguments.
@@ -91,6 +97,8 @@ def prepare_generate(model, tokens, rng, *, lengths=None, max_new_tokens: int = 
   capacity = validation.round_up(max_new_tokens, NEW_TOKEN_BUCKET)
   static = dict(sampling=sampling, capacity=capacity, pad_id=int(pad),
                 classes=validation.pytree_classes(model))
+  if return_logprobs:  # only where asked: the default program's cache key is unchanged
+    static["logprobs"] = True
   inputs = (model, tokens, lengths, rng, jnp.array(eos, jnp.int32),
             None if grammar is None else grammar.tables,
             None if grammar is None else grammar.schema)
@@ -103,28 +111,29 @@ def last_logits(logits: jax.Array, lengths: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "capacity", "pad_id", "rules",
-                                             "classes"))
+                                             "classes", "logprobs"))
 def _generate(model, tokens, lengths, rng, eos_ids, tables, schema, max_new_tokens, *,
               sampling: Sampling, capacity: int, pad_id: int, rules=None,
-              classes=()) -> DecodeOutput:
+              classes=(), logprobs: bool = False) -> DecodeOutput:
   del classes  # a cache key only (`validation.pytree_classes`)
   TRACE_COUNTS["generate"] += 1
   with rules_scope(rules):
     return _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens,
                           sampling=sampling, capacity=capacity, pad_id=pad_id, tables=tables,
-                          schema=schema)
+                          schema=schema, logprobs=logprobs)
 
 
 def _generate_body(model, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling: Sampling,
-                   capacity: int, pad_id: int, tables=None, schema=None) -> DecodeOutput:
+                   capacity: int, pad_id: int, tables=None, schema=None,
+                   logprobs: bool = False) -> DecodeOutput:
   state = generate_start(model, tokens, lengths, row_seeds(rng, tokens.shape[0]), eos_ids,
                          max_new_tokens, sampling=sampling, capacity=capacity, pad_id=pad_id,
-                         tables=tables, schema=schema)
+                         tables=tables, schema=schema, logprobs=logprobs)
   state = jax.lax.while_loop(lambda state: ~jnp.all(state.done),
                              lambda state: generate_step(model, state, sampling=sampling,
                                                          pad_id=pad_id),
                              state)
-  return DecodeOutput(state.tokens, state.num_tokens, state.stats)
+  return DecodeOutput(state.tokens, state.num_tokens, state.stats, state.logprobs)
 
 
 @jax.tree_util.register_dataclass
@@ -147,6 +156,9 @@ class GenerateState:
   tables: ConstraintTables | None = None  # [G, ...] (`specjax.constrain.stack_tables`)
   schema: jax.Array | None = None  # [B] int32 index into the stacked tables
   grammar_state: jax.Array | None = None  # [B] int32 automaton state after the row's tokens
+  # [B, capacity] float32 each new token's log-probability (`token_logprobs`), 0 past
+  # `num_tokens`; None unless asked for
+  logprobs: jax.Array | None = None
 
   @property
   def stats(self) -> DecodeStats:
@@ -160,7 +172,8 @@ class GenerateState:
 
 
 def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sampling: Sampling,
-                   capacity: int, pad_id: int, tables=None, schema=None) -> GenerateState:
+                   capacity: int, pad_id: int, tables=None, schema=None,
+                   logprobs: bool = False) -> GenerateState:
   """The prefill and each row's first token: the state before `generate`'s first step.
 
   Args:
@@ -174,6 +187,7 @@ def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sa
     pad_id: fills `GenerateState.tokens` past each row's end.
     tables: stacked `ConstraintTables` of a grammar constraint, or None.
     schema: `[B]` int32 each row's index into `tables` (with `tables`).
+    logprobs: keep each new token's log-probability (`GenerateState.logprobs`).
   """
   batch, width = tokens.shape
   tokens = clear_padding(tokens, lengths)
@@ -196,6 +210,10 @@ def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sa
         tables, schema, tables.initial[schema], logits, sampling, seeds, lengths)
   num_tokens = emit.astype(jnp.int32)
   first = jnp.where(emit, first, pad_id)
+  kept = None
+  if logprobs:
+    kept = jnp.zeros((batch, capacity), jnp.float32).at[:, 0].set(
+        jnp.where(emit, token_logprobs(logits, first, sampling), 0.0))
   return GenerateState(
       cache=out.cache.with_lengths(lengths), token=first,
       tokens=jnp.full((batch, capacity), pad_id, jnp.int32).at[:, 0].set(first),
@@ -203,7 +221,7 @@ def generate_start(model, tokens, lengths, seeds, eos_ids, max_new_tokens, *, sa
       done=~emit | validation.is_eos(first, eos_ids) | (num_tokens >= max_new_tokens),
       seeds=seeds, eos_ids=eos_ids, max_new_tokens=max_new_tokens,
       nonfinite=nonfinite, constraint_dead=~emit, tables=tables, schema=schema,
-      grammar_state=grammar_state)
+      grammar_state=grammar_state, logprobs=kept)
 
 
 def _constrained_token(tables, schema, state, logits, sampling: Sampling, seeds, positions):
@@ -239,12 +257,16 @@ def generate_step(model, state: GenerateState, *, sampling: Sampling,
     grammar_state = jnp.where(live, next_state, state.grammar_state)
   rows = jnp.arange(new_token.shape[0], dtype=jnp.int32)
   num_tokens = state.num_tokens + live
+  logprobs = state.logprobs
+  if logprobs is not None:
+    logprobs = logprobs.at[rows, state.num_tokens].set(
+        jnp.where(live, token_logprobs(logits, new_token, sampling), 0.0), mode="drop")
   return dataclasses.replace(
       state, cache=step.cache.with_lengths(jnp.where(live, cache.lengths + 1, cache.lengths)),
       token=jnp.where(live, new_token, state.token),
       tokens=state.tokens.at[rows, state.num_tokens].set(jnp.where(live, new_token, pad_id),
                                                          mode="drop"),
-      num_tokens=num_tokens, grammar_state=grammar_state,
+      num_tokens=num_tokens, grammar_state=grammar_state, logprobs=logprobs,
       nonfinite=state.nonfinite | (live & nonfinite),
       constraint_dead=state.constraint_dead | dead,
       done=(state.done | dead | (live & validation.is_eos(new_token, state.eos_ids))

@@ -54,7 +54,8 @@ class Program:
     with call_context(self.inputs) as call:
       run = under_auto_axes(self._bound(call.rules))
       out = run(*call.inputs, jnp.int32(self.max_new_tokens))
-      out = DecodeOutput(out.tokens[:, :self.max_new_tokens], out.num_tokens, out.stats)
+      cut = lambda x: None if x is None else x[:, :self.max_new_tokens]
+      out = DecodeOutput(cut(out.tokens), out.num_tokens, out.stats, cut(out.logprobs))
       return call.output(out)
 
   def compile(self) -> jax.stages.Compiled:

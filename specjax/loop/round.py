@@ -44,7 +44,7 @@ from specjax.drafters.grammar import constrain_verify, verify_sampling
 from specjax.core.cache import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
-from specjax.core.sampling import Sampling, no_distribution
+from specjax.core.sampling import Sampling, no_distribution, token_logprobs
 from specjax.loop.state import DecodeState, DecodeStats, target_features
 from specjax.drafters.proposal import Proposal
 from specjax.core.sequence import gather_tokens
@@ -151,15 +151,19 @@ def _count_round(stats: DecodeStats, live, drafted, accepted, count, nonfinite) 
 
 
 def _advance(state: DecodeState, tokens, *, accepted, count, hit_eos, drafted, nonfinite,
-             **fields) -> DecodeState:
-  """Appends each live row's `count` kept tokens of `tokens [B, W]` at its length, stops rows at
-  EOS (`hit_eos`) or at their limit, counts the round (`_count_round`) and replaces `fields`
-  (the caches). Done rows keep their tokens, length and stats."""
+             logprobs=None, **fields) -> DecodeState:
+  """Appends each live row's `count` kept tokens of `tokens [B, W]` (and, where the state keeps
+  them, their target log-probabilities `logprobs [B, W]`) at its length, stops rows at EOS
+  (`hit_eos`) or at their limit, counts the round (`_count_round`) and replaces `fields` (the
+  caches). Done rows keep their tokens, length and stats."""
   live = ~state.done
   new_lengths = state.lengths + count
   write = lambda row, new, start: jax.lax.dynamic_update_slice(row, new, (start,))
   written = jax.vmap(write)(state.tokens, tokens, state.lengths)  # past new_lengths: scratch
   written = jnp.where(live[:, None], written, state.tokens)
+  if state.logprobs is not None:
+    kept = jax.vmap(write)(state.logprobs, logprobs.astype(jnp.float32), state.lengths)
+    fields["logprobs"] = jnp.where(live[:, None], kept, state.logprobs)
   done = state.done | hit_eos | (new_lengths >= state.limits)
   stats = _count_round(state.stats, live, drafted, accepted, count, nonfinite)
   return dataclasses.replace(state, tokens=written, lengths=new_lengths, done=done, stats=stats,
@@ -172,8 +176,10 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   kept counts and the drafter's `observe`, all at that width; tokens padded back to `k + 1`.
 
   Returns `(tokens [B, k + 1], accepted [B], count [B], hit_eos [B], nonfinite [B], cache or
-  KVBlock, draft state)`: `count` and `hit_eos` from `_keep`, `nonfinite` from
-  `_nonfinite_emitted`.
+  KVBlock, draft state, dead [B], logprobs [B, k + 1] or None)`: `count` and `hit_eos` from
+  `_keep`, `nonfinite` from `_nonfinite_emitted`, `dead` where a grammar allowed nothing, and,
+  where the state keeps them, each token's target log-probability from the forward's own logits
+  (`token_logprobs`).
 
   Every live row needs at most `width` positions (`num_drafted + 1 <= width`), so this is the
   full-width result: the rule keys its random numbers by position, the forward is causal, and
@@ -219,8 +225,12 @@ def _verify_at_width(target, drafter, state: DecodeState, proposal: Proposal, bl
   draft_state = drafter.observe(state.draft_state, scored, narrow, result.tokens, count, lengths)
   tokens = jnp.pad(result.tokens, ((0, 0), (0, k + 1 - width)))
   written = scored.block_kv.padded(k + 1) if defer else scored.cache
+  logprobs = None
+  if state.logprobs is not None:  # the target's raw logits at the `width` emitted slots
+    logprobs = token_logprobs(scored.logits, result.tokens, sampling)
+    logprobs = jnp.pad(logprobs, ((0, 0), (0, k + 1 - width)))
   return (tokens, accepted, count, hit_eos, _nonfinite_emitted(bad, count), written,
-          draft_state, dead)
+          draft_state, dead, logprobs)
 
 
 def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
@@ -265,7 +275,7 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
     needed = jnp.max(jnp.where(live, num_drafted + 1, 1))
     branch = jnp.sum(jnp.asarray(widths, jnp.int32) < needed).astype(jnp.int32)
     out = jax.lax.switch(branch, [functools.partial(run, w) for w in widths])
-  emitted, accepted, count, hit_eos, nonfinite, target_cache, draft_state, dead = out
+  emitted, accepted, count, hit_eos, nonfinite, target_cache, draft_state, dead, logprobs = out
   if defer:
     target_cache = write_kv_block(state.target_cache, target_cache, lengths - 1)
     axes = CACHE_AXES[1:] if target_cache.per_layer else CACHE_AXES  # as the forward's own write
@@ -280,7 +290,7 @@ def verify_block(target, drafter, state: DecodeState, proposal: Proposal, *,
         forced=state.stats.forced + jnp.where(live, forced, 0)))
   return _advance(state, emitted, accepted=accepted, count=count, hit_eos=hit_eos | dead,
                   drafted=k if num_drafted is None else num_drafted, nonfinite=nonfinite,
-                  target_cache=target_cache, draft_state=draft_state)
+                  logprobs=logprobs, target_cache=target_cache, draft_state=draft_state)
 
 
 def score_tree(target, tree: Tree, root, starts, cache, done, spec: TreeSpec, **features):
@@ -383,9 +393,13 @@ def _verify_tree_block(target, drafter, state: DecodeState, tree: Tree, *, sampl
   block = jnp.take_along_axis(tree.ext_tokens(root), rows, axis=1)  # [B, D + 1]
   draft_state = drafter.observe(state.draft_state, path_output(scored, rows), block,
                                 result.tokens.astype(jnp.int32), count, lengths)
+  logprobs = None
+  if state.logprobs is not None:  # emitted token j from the logits of extended node rows[j]
+    path_logits = jnp.take_along_axis(scored.logits, rows[..., None], axis=1)
+    logprobs = token_logprobs(path_logits, result.tokens, sampling)
   return _advance(state, result.tokens, accepted=accepted, count=count, hit_eos=hit_eos | dead,
                   drafted=jnp.sum(tree.valid, axis=1).astype(jnp.int32),
-                  nonfinite=_nonfinite_emitted(bad, count), target_cache=cache,
+                  nonfinite=_nonfinite_emitted(bad, count), logprobs=logprobs, target_cache=cache,
                   draft_state=draft_state)
 
 

@@ -37,6 +37,9 @@ class DecodeState:
   target_cache: KVCache  # [L, B, KVH, S, D] keys/values for tokens[:, :lengths - 1]
   draft_state: Any  # the drafter's own state (e.g. its KV cache)
   stats: DecodeStats
+  # [B, S] float32 with `return_logprobs` (else None): at each generated token's slot of `tokens`,
+  # its log-probability under the target (`specjax.core.sampling.token_logprobs`)
+  logprobs: jax.Array | None = None
 
 
 def target_features(drafter) -> dict:
@@ -58,7 +61,7 @@ def prefill(model, tokens, cache, lengths=None, **features):
 
 
 def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds, *,
-               num_draft: int, capacity: int) -> DecodeState:
+               num_draft: int, capacity: int, logprobs: bool = False) -> DecodeState:
   """Prefills the target and the drafter on the prompts and builds the loop state.
 
   Args:
@@ -70,6 +73,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
     seeds: `[B]` uint32 per-row seeds (`specjax.core.sampling.row_seeds`).
     num_draft: `k` (a tree drafter: the tree's depth).
     capacity: static upper bound on `max_new_tokens` (the buffers' size).
+    logprobs: keep each generated token's log-probability under the target (`DecodeState.logprobs`,
+      written by the verify from the logits it scored the token with; no extra forward).
 
   Returns:
     The state before the first round. The drafter's `init` gets the target's prefill output
@@ -95,7 +100,8 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
                      eos_ids=jnp.atleast_1d(jnp.asarray(eos_ids, jnp.int32)),
                      done=jnp.zeros((batch,), bool), seeds=jnp.asarray(seeds, jnp.uint32),
                      target_cache=cache,
-                     draft_state=drafter.init(tokens, lengths, buffer_len, out), stats=stats)
+                     draft_state=drafter.init(tokens, lengths, buffer_len, out), stats=stats,
+                     logprobs=jnp.zeros((batch, buffer_len), jnp.float32) if logprobs else None)
 
 
 def finish(state: DecodeState, capacity: int, pad_id: int) -> DecodeOutput:
@@ -106,5 +112,10 @@ def finish(state: DecodeState, capacity: int, pad_id: int) -> DecodeOutput:
   new = jnp.take_along_axis(state.tokens, state.prompt_lengths[:, None] + index, axis=1,
                             mode="clip")
   new = jnp.where(index[None] < num_tokens[:, None], new, pad_id)
-  return DecodeOutput(new, num_tokens, state.stats)
+  logprobs = None
+  if state.logprobs is not None:
+    logprobs = jnp.take_along_axis(state.logprobs, state.prompt_lengths[:, None] + index, axis=1,
+                                   mode="clip")
+    logprobs = jnp.where(index[None] < num_tokens[:, None], logprobs, 0.0)
+  return DecodeOutput(new, num_tokens, state.stats, logprobs)
 

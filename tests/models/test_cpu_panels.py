@@ -178,3 +178,19 @@ def test_a_model_in_panels_gives_the_row_major_layouts_tokens(tied):
   layers_only = sj.quantize(in_panels, 8, 32, embeddings=False)
   assert panels.is_panels(layers_only.params["embed"]) == tied
   assert sj.generate(layers_only, prompts, key, max_new_tokens=4).tokens.shape == (2, 4)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_cpu_layout_builds_inside_jit_from_traced_weights(tied):
+  # An RL step builds its policy's CPU layout from the traced weights: the same panels (packed in
+  # jnp), the same logits, as the layout built at load from concrete ones.
+  model = sj.init_params(tiny_config(vocab_size=100, tie_embeddings=tied), jax.random.key(3))
+  for out, n in PANEL_SHAPES[:4]:
+    w = np.random.default_rng(out).standard_normal((out, n)).astype(np.float32)
+    traced = jax.jit(lambda w: panels.pack(w).panels)(w)
+    np.testing.assert_array_equal(traced, panels.pack(w).panels)
+  tokens = jnp.array([[5, 9, 2, 7, 1], [3, 8, 4, 0, 0]], jnp.int32)
+  starts = jnp.zeros((2,), jnp.int32)
+  concrete = model.for_platform("cpu")
+  inside = jax.jit(lambda m: m.for_platform("cpu")(tokens, starts).logits)(model)
+  np.testing.assert_allclose(inside, concrete(tokens, starts).logits, atol=1e-5)

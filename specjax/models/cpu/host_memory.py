@@ -19,8 +19,9 @@ HUGE_PAGE = 2 << 20
 
 def on_huge_pages(x):
   """`x` (a single-device CPU array of at least `HUGE_PAGE` bytes) copied into memory that Linux is
-  asked to back with 2 MiB pages (transparent huge pages, `madvise(MADV_HUGEPAGE)`); anything else,
-  or on a host without them, `x` itself. Same values either way.
+  asked to back with 2 MiB pages (transparent huge pages, `madvise(MADV_HUGEPAGE)`); anything else
+  (a traced array inside a caller's jit included), or on a host without them, `x` itself. Same
+  values either way.
 
   Why: a verify block's products do much arithmetic per weight load (several rows of x), so the
   weight stream must keep arriving while the cores multiply. In 4 KiB pages every page of every
@@ -32,7 +33,8 @@ def on_huge_pages(x):
   The copy is handed to JAX without a further copy (`jax.device_put` aliases a suitably aligned
   host buffer on CPU); the array keeps the mapping alive, and it is unmapped when the array is
   freed."""
-  if (not isinstance(x, jax.Array) or x.nbytes < HUGE_PAGE or not sys.platform.startswith("linux")
+  if (not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or x.nbytes < HUGE_PAGE
+      or not sys.platform.startswith("linux")
       or not hasattr(mmap, "MADV_HUGEPAGE") or len(x.devices()) != 1
       or next(iter(x.devices())).platform != "cpu" or x.is_deleted()):
     return x

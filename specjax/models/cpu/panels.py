@@ -106,7 +106,11 @@ class PanelWeight:
 def pack(w) -> PanelWeight:
   """A float `[out, in]` matrix (a numpy or JAX array, or a transposed view of one) -> its panels
   (float32, computed in numpy into one new buffer, in 2 MiB pages where Linux offers them:
-  `specjax.models.cpu.host_memory`)."""
+  `specjax.models.cpu.host_memory`). A traced matrix (inside a caller's `jax.jit`: a model built
+  there from traced weights) is packed in jnp, the same panels, as the caller's program's own
+  buffer."""
+  if isinstance(w, jax.core.Tracer):
+    return _pack_traced(w)
   w = np.asarray(w, dtype=np.float32)
   if w.ndim != 2:
     raise ValueError(f"pack needs a 2-D [out, in] matrix, got shape {w.shape}")
@@ -122,6 +126,19 @@ def pack(w) -> PanelWeight:
     panels[full] = 0.0
     panels[full, :, :out - full * PANEL] = w[full * PANEL:].T
   return PanelWeight(jnp.asarray(panels) if huge is None else host_memory.place(panels), out)
+
+
+def _pack_traced(w) -> PanelWeight:
+  """`pack` in jnp. From `w.T` (`[in, out]`, the canonical layout: the transpose a caller took
+  to pass `[out, in]` cancels against this one), zero-padded to whole panels: `[in, groups,
+  PANEL]` -> `[groups, in, PANEL]`, a transpose that moves runs of `PANEL` contiguous floats
+  (an element-wise transpose of `[groups, PANEL, in]` took several times as long on XLA:CPU)."""
+  if w.ndim != 2:
+    raise ValueError(f"pack needs a 2-D [out, in] matrix, got shape {w.shape}")
+  out, n = w.shape
+  groups = -(-out // PANEL)
+  columns = jnp.pad(jnp.swapaxes(w, 0, 1).astype(jnp.float32), ((0, 0), (0, groups * PANEL - out)))
+  return PanelWeight(columns.reshape(n, groups, PANEL).transpose(1, 0, 2), out)
 
 
 def is_panels(w) -> bool:
