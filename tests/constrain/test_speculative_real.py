@@ -16,19 +16,21 @@ from tests.constrain.test_generate import (  # noqa: F401  (biased, constraints:
 SCHEMAS = ("get_weather", "permissions", "set_thermostat", "create_event")
 
 
-@pytest.fixture(scope="module")
-def target(biased, vocab_size):
+def json_target(biased, vocab_size):
   """A random model as wide as the int8 self-draft's groups need (32), with the closing bias."""
   config = tiny_config(vocab_size=vocab_size, num_layers=2, embed_dim=32, mlp_dim=64)
   return Biased(sj.init_params(config, jax.random.key(4)), biased.bias)
 
 
-@pytest.fixture(scope="module")
-def draft_model(biased, vocab_size):
+def json_draft(biased, vocab_size):
   """Another random model of the same vocabulary with the same closing bias: drafts that are
   sometimes right, sometimes not."""
   config = tiny_config(vocab_size=vocab_size, num_layers=1, embed_dim=16, mlp_dim=32)
   return Biased(sj.init_params(config, jax.random.key(5)), biased.bias)
+
+
+target = pytest.fixture(json_target, scope="module", name="target")
+draft_model = pytest.fixture(json_draft, scope="module", name="draft_model")
 
 
 def _drafters(target, draft_model, tokenizer):

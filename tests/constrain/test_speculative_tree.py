@@ -47,6 +47,7 @@ from specjax.testing.models import tiny_config
 from specjax.trees.structure import TreeSpec
 from tests.constrain.test_generate import (  # noqa: F401  (fixtures)
     NEW as JSON_NEW, Biased, _check_rows, _prompts, biased, constraints)
+from tests.constrain import test_speculative_real as real
 from tests.constrain.test_speculative_law import (  # noqa: F401  (constraint, draft, target)
     ALPHA, AUTOMATON, N, NEW, POWER_ALPHA, PROMPT, SETTINGS, VOCAB, automaton_constraint,
     chi_square_pvalue, constraint, draft, exact_joint, target)
@@ -215,18 +216,9 @@ def test_tree_nodes_follow_the_grammar(target, draft, name):
   assert valid.sum() > 0 and (name == "sampled" or not valid.all())
 
 
-@pytest.fixture(scope="module")
-def json_target(biased, vocab_size):
-  """tests/constrain/test_speculative_real.py's target: a random model with the closing bias."""
-  config = tiny_config(vocab_size=vocab_size, num_layers=2, embed_dim=32, mlp_dim=64)
-  return Biased(sj.init_params(config, jax.random.key(4)), biased.bias)
-
-
-@pytest.fixture(scope="module")
-def json_draft(biased, vocab_size):
-  """tests/constrain/test_speculative_real.py's draft model."""
-  config = tiny_config(vocab_size=vocab_size, num_layers=1, embed_dim=16, mlp_dim=32)
-  return Biased(sj.init_params(config, jax.random.key(5)), biased.bias)
+# tests/constrain/test_speculative_real.py's target and draft model, under names of their own here
+json_target = pytest.fixture(real.json_target, scope="module", name="json_target")
+json_draft = pytest.fixture(real.json_draft, scope="module", name="json_draft")
 
 
 @pytest.mark.parametrize("name", ["dynamic", pytest.param("sampled", marks=pytest.mark.costly)])
