@@ -1,8 +1,9 @@
 """`quantize` / `self_drafter` on traced weights: a policy's quantized copy built inside the caller's
 own `jax.jit` (a training-eval or RL step) and decoded with there.
 
-* The arithmetic: `quantize_weight` (pure `jax.numpy`) gives, on CPU, the integers, scales and
-  offsets of the same float32 arithmetic in numpy (`numpy_quantize_weight` below, the reference:
+* The arithmetic: `quantize_weight` (pure `jax.numpy`), and its path for a canonical `[in, out]`
+  weight (quantized as its transpose, with no float transpose), give, on CPU, the integers, scales
+  and offsets of the same float32 arithmetic in numpy (`numpy_quantize_weight` below, the reference:
   IEEE division, round half to even), bit for bit, on concrete and on traced weights, at 8, 4
   and asymmetric 4 bits and several group sizes; so does a whole model's `quantize`, stacked,
   unstacked and in the CPU layout, inside and outside `jax.jit`.
@@ -124,6 +125,12 @@ def test_quantize_weight_is_numpys_arithmetic_bit_for_bit_concrete_and_traced(bi
   fused = jax.jit(lambda x: quant.quantize_weight(jnp.swapaxes(x, -1, -2) * 1.0, bits, group,
                                                   asymmetric=asymmetric))(np.swapaxes(w, -1, -2))
   assert differences(got(fused), want) == []
+  # a canonical `[in, out]` weight, quantized as its transpose without a float transpose (what
+  # `quantize` does to a model's canonical matrices), concrete and traced
+  columns = np.ascontiguousarray(np.swapaxes(w, -1, -2))
+  assert differences(got(quant._quantize_columns(columns, bits, group, asymmetric)), want) == []
+  assert differences(got(jax.jit(lambda x: quant._quantize_columns(x, bits, group, asymmetric))(
+      columns)), want) == []
 
 
 @pytest.mark.parametrize("bits,asymmetric", [(8, False), (4, False), (4, True)])
