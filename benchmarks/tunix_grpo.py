@@ -14,13 +14,16 @@ Phases (results in `benchmarks/results/tunix_grpo.json` after each, plot `tunix_
     `SpecjaxRollout` runs once per version (converted, packed into the CPU kernels' panels, and
     its int8 copy built: `specjax.self_drafter(bits=8)`);
   * `rollout`: rollout tokens/s of both engines on the example's chat-templated arithmetic
-    prompts, at batch 1 and at the example's batch (`--batch` prompts x `--generations`), greedy
-    and at the example's temperature, calls alternating engine by engine after a compiling
-    call each; tau (tokens per target pass) for specjax;
+    prompts (`--ask`: step-by-step answers by default), at batch 1 (greedy and at the example's
+    temperature), at the example's batch (`--batch` prompts x `--generations`) and at twice it,
+    calls alternating engine by engine after a compiling call each, a new weight version before
+    every call as in GRPO (so specjax's weights program is timed with the call that follows);
+    tau (tokens per target pass) for specjax;
   * `grpo`: `--steps` GRPO steps with each engine from the same weights, data order and seeds
     (tunix's `RLCluster` + `GRPOLearner`, colocated, beta 0, SGD): per step the rollout
     seconds, the whole step's seconds, the mean reward (1 when the completion states the right
-    sum, else 0) and specjax's tau; the speedups of the rollout phase and of the whole step.
+    sum, else 0), the rollout's tokens and specjax's tau; the speedups of the rollout phase (in
+    seconds and in tokens/s) and of the whole step.
 
 Timing is valid only on a quiet machine: the load average is recorded before and after each phase.
 """
@@ -100,14 +103,18 @@ def load():
   return module, TunixTokenizer(tok), tok
 
 
-def arithmetic(n: int, seed: int, tok) -> list[dict]:
-  """`n` questions "What is a + b?" (two-digit numbers), chat-templated, with their answers."""
+ASK = {"steps": "Think step by step, then give the number.",  # answers of 60-128 tokens
+       "sentence": "Explain in one sentence, then give the number."}  # 20-48 tokens
+
+
+def arithmetic(n: int, seed: int, tok, ask: str = "steps") -> list[dict]:
+  """`n` questions "What is a + b? <ASK[ask]>" (two-digit numbers), chat-templated, with their
+  answers."""
   rng = np.random.default_rng(seed)
   out = []
   for _ in range(n):
     a, b = (int(x) for x in rng.integers(10, 100, size=2))
-    text = tok.render_chat([{"role": "user", "content": f"What is {a} + {b}? Explain in one "
-                                                        "sentence, then give the number."}])
+    text = tok.render_chat([{"role": "user", "content": f"What is {a} + {b}? {ASK[ask]}"}])
     out.append({"prompt": text, "answer": a + b})
   return out
 
@@ -171,26 +178,50 @@ def phase_convert(module, args) -> dict:
   return out
 
 
+def _versions(module):
+  """`version(i)`: the policy's weights with every float scaled by `1 + 1e-4 i`, a new weight
+  version per rollout call as in GRPO (each engine takes it with `update_params`; specjax's
+  weights program runs inside the call that follows, so it is timed with it)."""
+  from flax import nnx
+  base = nnx.to_pure_dict(nnx.state(module, nnx.Param))
+  return lambda i: jax.block_until_ready(jax.tree.map(
+      lambda x: x * (1 + 1e-4 * i) if jnp_floating(x) else x, base))
+
+
+def jnp_floating(x) -> bool:
+  return np.issubdtype(np.dtype(x.dtype), np.floating)
+
+
 def phase_rollout(module, tokenizer, tok, args) -> dict:
-  """Rollout tokens/s of both engines at batch 1 and at the example's batch."""
+  """Rollout tokens/s of both engines at batch 1, at the example's batch (1 prompt x G) and at
+  twice it, a new weight version before every call (`_versions`)."""
   engines = _engines(module, tokenizer, args)
-  questions = arithmetic(64, seed=1, tok=tok)
+  version = _versions(module)
+  questions = arithmetic(64, seed=1, tok=tok, ask=args.ask)
   out = {"load_before": _load(), "cases": []}
   batch = args.batch * args.generations
-  for rows, temperature in ((1, 0.0), (1, args.temperature), (batch, args.temperature)):
+  for rows, temperature in ((1, 0.0), (1, args.temperature), (batch, args.temperature),
+                            (2 * batch, args.temperature)):
     config = _rollout_config(args, temperature=temperature,
                              top_p=None if temperature == 0 else 1.0)
     prompts = [[q["prompt"] for q in questions[i * rows:(i + 1) * rows]]
                for i in range(args.rollout_calls)]
     if rows > 1:  # GRPO's batch: each prompt `generations` times
       prompts = [[p for p in ps[:args.batch] for _ in range(args.generations)] for ps in prompts]
+    if rows > args.generations:  # more prompts than the example's batch
+      prompts = [[p for p in ps[:rows // args.generations] for _ in range(args.generations)]
+                 for ps in ([q["prompt"] for q in questions[i * rows:(i + 1) * rows]]
+                            for i in range(args.rollout_calls))]
     for engine in engines.values():  # compile
+      engine.update_params(version(0))
       engine.generate(prompts[0], dataclasses_replace(config, seed=0))
     totals = {name: [0.0, 0] for name in engines}
     taus = []
     for i, ps in enumerate(prompts):
+      params = version(i + 1)
       order = list(engines.items()) if i % 2 == 0 else list(engines.items())[::-1]
       for name, engine in order:
+        engine.update_params(params)
         start = time.perf_counter()
         result = engine.generate(ps, dataclasses_replace(config, seed=i))
         totals[name][0] += time.perf_counter() - start
@@ -221,7 +252,7 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
   from tunix.rl.grpo import grpo_learner
 
   from specjax.integrations.tunix import SpecjaxRollout
-  questions = arithmetic(args.steps * args.batch, seed=2, tok=tok)
+  questions = arithmetic(args.steps * args.batch, seed=2, tok=tok, ask=args.ask)
   answers = {q["prompt"]: q["answer"] for q in questions}
   data = [{"prompts": np.array([q["prompt"] for q in questions[i:i + args.batch]])}
           for i in range(0, len(questions), args.batch)]
@@ -246,7 +277,7 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
         rollout_config=_rollout_config(args, seed=seed))
     cluster = rl_cluster_lib.RLCluster(actor=module, reference=None, tokenizer=tokenizer,
                                        cluster_config=config)
-    record = {"rollout_s": [], "reward": [], "tau": [], "starts": []}
+    record = {"rollout_s": [], "rollout_tokens": [], "reward": [], "tau": [], "starts": []}
     rollout = cluster.rollout
     generate = rollout.generate
 
@@ -254,6 +285,7 @@ def phase_grpo(tok, args, previous: dict | None = None) -> dict:
       record["starts"].append(time.perf_counter())
       result = generate(prompts, config, **kwargs)
       record["rollout_s"].append(time.perf_counter() - record["starts"][-1])
+      record["rollout_tokens"].append(int(sum(len(t) + 1 for t in result.tokens)))  # EOS too
       stats = getattr(rollout, "last_stats", None)
       record["tau"].append(None if stats is None else stats["tokens_per_round"])
       return result
@@ -301,6 +333,12 @@ def summarize(runs: dict) -> dict:
     total = lambda engine, key: sum(sum(by[engine][s][key][1:]) for s in seeds)
     out["seeds"] = seeds
     out["rollout_speedup"] = total("vanilla", "rollout_s") / total("specjax", "rollout_s")
+    if all("rollout_tokens" in by[e][s] for e in ("vanilla", "specjax") for s in seeds):
+      # the same per token: the engines' completions differ in length (different random draws,
+      # then different policies)
+      rate = lambda engine: total(engine, "rollout_tokens") / total(engine, "rollout_s")
+      out["rollout_tokens_per_s"] = {e: rate(e) for e in ("vanilla", "specjax")}
+      out["rollout_tokens_per_s_speedup"] = rate("specjax") / rate("vanilla")
     out["step_speedup"] = total("vanilla", "step_s") / total("specjax", "step_s")
     taus = [t for s in seeds for t in by["specjax"][s]["tau"] if t is not None]
     out["specjax_tau"] = float(np.mean(taus))
@@ -358,14 +396,16 @@ def main(argv=None):
   parser.add_argument("--steps", type=int, default=24)
   parser.add_argument("--batch", type=int, default=1, help="prompts per GRPO step")
   parser.add_argument("--generations", type=int, default=4, help="GRPO's G")
-  parser.add_argument("--max-new-tokens", type=int, default=48)
+  parser.add_argument("--max-new-tokens", type=int, default=128)
+  parser.add_argument("--ask", choices=sorted(ASK), default="steps",
+                      help="what the question asks for: step-by-step answers or one sentence")
   parser.add_argument("--max-prompt-length", type=int, default=64)
   parser.add_argument("--temperature", type=float, default=0.7)
-  parser.add_argument("--num-draft", type=int, default=4)
+  parser.add_argument("--num-draft", type=int, default=6)
   parser.add_argument("--learning-rate", type=float, default=1e-5)
   parser.add_argument("--optimizer", default="sgd", help="an optax optimizer's name (sgd holds "
                       "no state: a 2-core 24 GB host ran out of memory with adamw)")
-  parser.add_argument("--rollout-calls", type=int, default=4)
+  parser.add_argument("--rollout-calls", type=int, default=8)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
                       help="GRPO runs per engine, one per rollout seed (the seed-to-seed spread)")

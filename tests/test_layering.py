@@ -50,7 +50,8 @@ LAYERS = (
 
 # Modules that import an optional extra's library, by the library they need: without it they are
 # skipped (`pytest.importorskip`), not failed (tests/conftest.py lets those skips pass in CI).
-OPTIONAL = {"specjax.integrations.tunix": "tunix"}
+OPTIONAL = {"specjax.integrations.tunix": "tunix",
+            "specjax.integrations.tunix_config": "tunix"}
 
 
 def _modules(*trees: tuple[pathlib.Path, str]) -> dict[str, pathlib.Path]:
