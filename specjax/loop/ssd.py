@@ -165,8 +165,11 @@ def decode_ssd(target, drafter: SSDDrafter, tokens, rng, *, lengths=None,
   drafter.branches(args.num_draft)  # the budget / fan-out check
   static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
                 pad_id=validation.resolve_pad_id(target, pad_id), mesh=mesh, variant=variant)
-  out = _decode_ssd(target, drafter, args.tokens, args.lengths, args.rng, args.eos_ids,
-                    jnp.int32(args.max_new_tokens), **static)
+  inputs = (target, drafter, args.tokens, args.lengths, args.rng, args.eos_ids,
+            jnp.int32(args.max_new_tokens))
+  if mesh is not None:  # replicated on both roles (a no-op for what is already placed so)
+    inputs = jax.device_put(inputs, jax.sharding.NamedSharding(mesh, PartitionSpec()))
+  out = _decode_ssd(*inputs, **static)
   cut = lambda x: x[:, :args.max_new_tokens]
   return out._replace(tokens=cut(out.tokens))
 
