@@ -5,11 +5,10 @@ mesh (2 chips verify, 2 chips pre-speculate; within a role the inputs are replic
 Qwen2.5-Coder 1.5B target and 0.5B draft widths at 2 layers each and their real vocabulary
 (151,936), bfloat16 weights, batch 1, a 64-token prompt, 32 new tokens, `Sampling(temperature=0.7,
 top_k=50, top_p=0.9)`, K = 3 and a budget of 4 branches (the smallest: `K + 1`), Saguaro C = 0.5.
-The compiled program must hold exactly one collective, the round's exchange (an all-reduce over
-`role`), besides none in the prefill.
+The program must compile, fit a v5e chip's HBM, and hold the round's exchange (an all-reduce).
 
-Cost: measured in this module's docstring of the commit that added it (see docs/ssd.md): the
-compile takes minutes on a loaded 2-core host, so it is `slow`.
+Cost: 145 s for the test (compile included) on the shared 2-core host at load average 7-8, above
+the compile tier's 90 s bar for `costly`, so it is `slow`.
 """
 
 from __future__ import annotations
@@ -65,6 +64,8 @@ def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
   text = compiled.text()
   collectives = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|"
                            r"reduce-scatter)(?:-start)?\(", text)
-  assert collectives.count("all-reduce") >= 1
-  assert set(collectives) <= {"all-reduce"}, collectives
+  # The round's exchange is an all-reduce over `role`. Within a role the "model" axis is left to
+  # XLA's partitioner, which adds its own collectives there (the one-collective property of the
+  # pure role split is tested on CPU, tests/loop/test_ssd.py).
+  assert "all-reduce" in collectives, collectives
   assert compiled.total_bytes < 16 * 2 ** 30  # fits a v5e chip's HBM
