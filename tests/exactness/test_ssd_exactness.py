@@ -28,9 +28,13 @@ sampling C = 0.3 (the drafts' top-F_i probabilities scaled by 0.3).
   * "wrong_branch_q": a hit verified with the q of the neighbouring branch slot: rejected.
 
 N: 600 rows per prompt in the `slow` runs; the `costly` pair (the exact C < 1 path and the
-k-only realised-q variant) at N = 60. p-values at this commit (N = 200, exploratory): exact
-T = 1 0.10, C = 0.3 1.2e-4 (level 5.3e-5), k_only 0.010; rejected: k_only_realised_q 1e-142,
-wrong_branch_q 8e-227, unscaled_q 4.9e-6 (at N = 200, level 6.3e-5).
+k-only realised-q variant) at N = 60. Smallest p-values at this commit, N = 600 (seed 0): T = 1
+0.049 (30 tests, level 3.3e-5), T = 0.7 top-k / top-p 0.077 (47 tests, level 2.1e-5), C = 0.3
+0.074 (28 tests, level 3.6e-5); exploratory runs at N = 200: k_only 0.010 (passes), rejected:
+k_only_realised_q 1e-142, wrong_branch_q 8e-227, unscaled_q 4.9e-6 (level 6.3e-5).
+
+Cost (one worker, a 2-core host shared with two other sessions, load 4-9): the three exact
+N = 600 runs 463, 316 and 180 s; the `costly` test 99 s at N = 100 (load about 5), less at N = 60.
 """
 
 from __future__ import annotations
