@@ -30,11 +30,11 @@ sampling C = 0.3 (the drafts' top-F_i probabilities scaled by 0.3).
 N: 600 rows per prompt in the `slow` runs; the `costly` pair (the exact C < 1 path and the
 k-only realised-q variant) at N = 60. Smallest p-values at this commit, N = 600 (seed 0): T = 1
 0.049 (30 tests, level 3.3e-5), T = 0.7 top-k / top-p 0.077 (47 tests, level 2.1e-5), C = 0.3
-0.074 (28 tests, level 3.6e-5); exploratory runs at N = 200: k_only 0.010 (passes), rejected:
-k_only_realised_q 1e-142, wrong_branch_q 8e-227, unscaled_q 4.9e-6 (level 6.3e-5).
+0.074 (28 tests, level 3.6e-5), k_only 0.057 (passes, 28 tests); rejected: k_only_realised_q
+and wrong_branch_q p = 0 (underflow), unscaled_q 3.9e-11 (level 3.8e-5).
 
 Cost (one worker, a 2-core host shared with two other sessions, load 4-9): the three exact
-N = 600 runs 463, 316 and 180 s; the `costly` test 99 s at N = 100 (load about 5), less at N = 60.
+N = 600 runs 463, 316 and 180 s, the four variants 99-157 s each; the `costly` test 99 s at N = 100 (load about 5), less at N = 60.
 """
 
 from __future__ import annotations
