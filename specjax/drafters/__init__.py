@@ -3,8 +3,9 @@
 A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt lookup
 (`NGramDrafter`), suffix drafting (`SuffixDrafter` over a `SuffixCorpus`), feature heads
 (`EagleDrafter`, `load_eagle3`, `MedusaDrafter`: `specjax.drafters.eagle`,
-`specjax.drafters.medusa`) and prompt lookup in front of one (`HybridDrafter`). Adaptive draft
-length is `specjax.drafters.adaptive`.
+`specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`) and the draft of
+speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`). Adaptive
+draft length is `specjax.drafters.adaptive`.
 """
 
 from specjax.drafters.base import DEFAULT_MEMBERS, REQUIRED_MEMBERS, Drafter
@@ -14,12 +15,13 @@ from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.model import ModelDrafter, self_drafter, with_draft_vocab
 from specjax.drafters.ngram import NGramDrafter
+from specjax.drafters.ssd import SSDDrafter
 from specjax.drafters.proposal import Proposal
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 
 __all__ = ["Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter",
-           "NGramDrafter", "Proposal", "SuffixCorpus", "SuffixDrafter", "as_drafter",
-           "load_eagle3", "self_drafter", "with_draft_vocab"]
+           "NGramDrafter", "Proposal", "SSDDrafter", "SuffixCorpus", "SuffixDrafter",
+           "as_drafter", "load_eagle3", "self_drafter", "with_draft_vocab"]
 
 
 def as_drafter(draft) -> Drafter:
