@@ -127,9 +127,17 @@ def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
   return compiled
 
 
+# Default-setup cases under `slow` only: the DFlash drafter keeps one case (its sampled chain,
+# `dflash`) in the default selection; its DDTree tree compiles under `-m slow`.
+DEFAULT_SLOW: frozenset[str] = frozenset({"tree_ddtree_dflash"})
+
+
 def _default_params():
-  return [pytest.param(name, marks=[pytest.mark.costly] if name in DEFAULT_COSTLY else [],
-                       id=name) for name in tc.CASES]
+  def marks(name):
+    if name in DEFAULT_SLOW:
+      return [pytest.mark.slow]
+    return [pytest.mark.costly] if name in DEFAULT_COSTLY else []
+  return [pytest.param(name, marks=marks(name), id=name) for name in tc.CASES]
 
 
 @pytest.mark.parametrize("name", _default_params())

@@ -8,6 +8,7 @@ a `DFlashDrafter` with the target's embedding and output projection.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -105,6 +106,12 @@ def load_dflash(path, target, *, mode: str = "argmax", dtype=jnp.float32,
   if embed.shape[1] != c.embed_dim:
     raise ValueError(f"the DFlash checkpoint's hidden_size ({c.embed_dim}) does not match the "
                      f"target's embed_dim ({embed.shape[1]})")
+  if c.num_target_layers is None:  # unstated: the target's, so that its last layer is known
+    network = dflash.DFlashNetwork(network.params, dataclasses.replace(
+        c, num_target_layers=int(target.config.num_layers)))
+    if max(c.target_layer_ids) >= target.config.num_layers:
+      raise ValueError(f"target_layer_ids {list(c.target_layer_ids)} name layers past the "
+                       f"target's {target.config.num_layers}")
   drafter = DFlashDrafter(network, embed.astype(dtype), head.astype(dtype), mode=mode,
                           confidence=confidence)
   drafter.check_target(target)

@@ -83,8 +83,6 @@ class DFlashDrafter(Drafter):
   mode: str = dataclasses.field(default="argmax", metadata=dict(static=True))
   confidence: float | None = dataclasses.field(default=None, metadata=dict(static=True))
 
-  needs_hidden = False
-
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"DFlashDrafter.mode must be one of {MODES}, got {self.mode!r}")
@@ -106,6 +104,10 @@ class DFlashDrafter(Drafter):
   @property
   def taps(self) -> tuple[int, ...]:
     return self.network.config.taps
+
+  @property
+  def needs_hidden(self) -> bool:
+    return self.network.config.reads_final
 
   @property
   def vocab_size(self) -> int:
@@ -148,15 +150,15 @@ class DFlashDrafter(Drafter):
 
   # ---------------------------------------------------------------------------------------------
 
-  def _context(self, taps, positions):
-    if taps is None:
-      raise ValueError("the target forward returned no taps for the DFlash drafter")
-    return dflash.context_kv(self.network, dflash.project_context(self.network, taps), positions)
+  def _context(self, out, positions):
+    features = dflash.gather_features(self.network.config, out.taps, out.hidden)
+    return dflash.context_kv(self.network, dflash.project_context(self.network, features),
+                             positions)
 
   def init(self, tokens, lengths, buffer_len, prefill):
     batch, width = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32), (batch, width))
-    keys, values = self._context(prefill.taps, positions)  # [N, B, T, KVH, D]
+    keys, values = self._context(prefill, positions)  # [N, B, T, KVH, D]
     pad = ((0, 0), (0, 0), (0, buffer_len - width), (0, 0), (0, 0))
     return DFlashState(jnp.pad(keys, pad), jnp.pad(values, pad),
                        jnp.maximum(lengths - 1, 0).astype(jnp.int32))
@@ -198,9 +200,9 @@ class DFlashDrafter(Drafter):
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del block, emitted
-    width = scored.taps.shape[2]
+    width = (scored.taps if scored.taps is not None else scored.hidden[None]).shape[2]
     positions = (lengths - 1)[:, None] + jnp.arange(width, dtype=jnp.int32)[None]
-    keys, values = self._context(scored.taps, positions)
+    keys, values = self._context(scored, positions)
     starts = lengths - 1
     kept = count > 0  # rows that are done keep their state
     return DFlashState(_write_rows(state.keys, keys, starts),

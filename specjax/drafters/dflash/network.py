@@ -3,7 +3,8 @@
 Published by z-lab (`DFlashDraftModel`; the tensor layout is in `specjax.io.dflash`). Per row:
 
 * **Context.** The target's layer outputs at `target_layer_ids` (residual streams before the final
-  norm), concatenated in that order, projected by `fc` (n*H -> H, no bias) and normed by
+  norm; for the target's last layer, Hugging Face's `hidden_states[L]`, the normed final state),
+  concatenated in that order, projected by `fc` (n*H -> H, no bias) and normed by
   `hidden_norm`: one context vector `c_t` per committed position `t`.
 * **Block.** `[anchor, MASK x (B - 1)]` at absolute positions `L - 1 .. L + B - 2`, embedded with
   the target's embedding (no scaling), where the anchor is the row's last token (`token_{L-1}`,
@@ -31,8 +32,8 @@ import jax.numpy as jnp
 from specjax.models.layers import apply_rope, attention_reference, rms_norm, rope_inv_freq, \
     rope_tables
 
-__all__ = ["DFlashConfig", "DFlashNetwork", "block_hidden", "context_kv", "init_network",
-           "output_logits", "project_context"]
+__all__ = ["DFlashConfig", "DFlashNetwork", "block_hidden", "context_kv", "gather_features",
+           "init_network", "output_logits", "project_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,11 +87,22 @@ class DFlashConfig:
       raise ValueError(f"DFlashConfig.target_layer_ids must be non-empty layer indices, got "
                        f"{self.target_layer_ids}")
 
+  def _is_last(self, i: int) -> bool:
+    return self.num_target_layers is not None and i == self.num_target_layers - 1
+
   @property
   def taps(self) -> tuple[int, ...]:
     """The target forward's taps: the residual stream entering layer `i + 1` is layer `i`'s
-    output (`specjax.models.transformer.forward`)."""
-    return tuple(i + 1 for i in self.target_layer_ids)
+    output (`specjax.models.transformer.forward`). The target's last layer is not a tap: see
+    `reads_final`."""
+    return tuple(i + 1 for i in self.target_layer_ids if not self._is_last(i))
+
+  @property
+  def reads_final(self) -> bool:
+    """Whether `target_layer_ids` names the target's last layer. The published drafters read
+    Hugging Face's `hidden_states[i + 1]`, and for the last layer that entry is the final
+    *normed* hidden state, which is what this drafter then reads there."""
+    return any(self._is_last(i) for i in self.target_layer_ids)
 
 
 @jax.tree_util.register_dataclass
@@ -136,6 +148,23 @@ def _heads(x, weight, count: int, config: DFlashConfig):
 
 def _rope(positions, config: DFlashConfig):
   return rope_tables(positions, rope_inv_freq(config.head_dim, config.rope_theta, None))
+
+
+def gather_features(config: DFlashConfig, taps: jax.Array | None,
+                    hidden: jax.Array | None) -> jax.Array:
+  """The context's inputs `[n, B, T, H]` in `target_layer_ids` order from a target forward's
+  `taps` (`config.taps`) and final normed `hidden` state (where `config.reads_final`)."""
+  if config.taps and taps is None or config.reads_final and hidden is None:
+    raise ValueError("the target forward returned no taps / final hidden state for the DFlash "
+                     "drafter")
+  parts, next_tap = [], 0
+  for i in config.target_layer_ids:
+    if config._is_last(i):
+      parts.append(hidden)
+    else:
+      parts.append(taps[next_tap])
+      next_tap += 1
+  return jnp.stack(parts)
 
 
 def project_context(network: DFlashNetwork, taps: jax.Array) -> jax.Array:
