@@ -1,4 +1,4 @@
-"""Sampled decoding with a DFlash drafter reproduces the target's distribution, and the test can tell.
+"""Sampled decoding with a DFlash drafter reproduces the target's law, and the test can tell.
 
 The harness of tests/exactness/test_exactness.py: a tiny target over an 8-token vocabulary
 generates 3 tokens for N = 20,000 copies of one prompt (each row its own random stream, seeded);

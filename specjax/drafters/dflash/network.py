@@ -1,4 +1,4 @@
-"""The DFlash block drafter's network: Qwen3-style layers whose keys and values also read the target.
+"""The DFlash block drafter's network: Qwen3-style layers whose keys and values read the target.
 
 Published by z-lab (`DFlashDraftModel`; the tensor layout is in `specjax.io.dflash`). Per row:
 
