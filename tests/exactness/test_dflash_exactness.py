@@ -137,8 +137,8 @@ def ddtree_twin(target):
 
 
 # ---------------------------------------------------------------------------------------------
-# Correct modes pass (CI's costly step: the sampled chain at T = 0.7 with top-k / top-p and DDTree
-# at T = 1; the other settings in the slow step).
+# Correct modes pass (CI's costly step: the sampled chain at T = 0.7 with top-k / top-p, DDTree at
+# T = 1 and the chain twin at T = 1; every other setting and the DDTree twin under `-m slow`).
 
 
 @pytest.mark.costly
@@ -179,9 +179,8 @@ def test_chain_draft_sharing_the_accept_stream_is_detected(target, name):
   assert p < POWER_ALPHA
 
 
-@pytest.mark.costly
-@pytest.mark.parametrize("name", [pytest.param("t1", marks=pytest.mark.slow),
-                                  "t0.7_topk5_topp0.9"])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_ddtree_nodes_sharing_the_target_sample_stream_are_detected(target, name):
   p, _ = pvalue(target, ddtree_twin(target), name, tree=DDTREE)
   assert p < POWER_ALPHA

@@ -5,12 +5,15 @@
   `block_logits`: context entries of positions `< a`, the block `[token_a, MASK ..]`), to float32
   rounding; and the loss is the weighted cross-entropy of those logits, recomputed here in NumPy.
 * A few AdamW steps on one fixed batch lower the loss (the gradients reach every weight).
+
+The first runs in CI's costly step, the second under `-m slow`.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import specjax as sj
 from specjax.drafters import DFlashDrafter
@@ -48,30 +51,35 @@ def _batch(target, network, tokens, anchors):
                    "weights": weights}
 
 
+@pytest.mark.costly
 def test_training_logits_are_the_decode_logits():
   target, network, tokens = _setup()
   anchors = [[0, 4, 9, 10], [2, 3, 7, 11]]
   drafter, batch = _batch(target, network, tokens, anchors)
   embed, head = target_tables(target)
   loss, _ = dflash_loss(network.params, network.config, embed, head, batch)
-  # The loss recomputed from decode-time logits, in NumPy.
+  # The loss recomputed from decode-time logits, in NumPy: one decode-time state per anchor
+  # (a row holding the first a + 1 tokens), all in one batch.
+  rows = [row for row in range(2) for _ in anchors[row]]
+  flat = [a for row in range(2) for a in anchors[row]]
+  prefixes = tokens[jnp.asarray(rows)]
+  lengths = jnp.asarray(flat, jnp.int32) + 1
+  out = target(prefixes, jnp.zeros_like(lengths), None, **target_features(drafter))
+  state = drafter.init(prefixes, lengths, prefixes.shape[1] + BLOCK, out)
+  logits = np.asarray(drafter.block_logits(state, prefixes, lengths), np.float64)
+  shifted = logits - logits.max(-1, keepdims=True)
+  logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # [R*M, B - 1, V]
+  w = np.asarray(batch["weights"]).reshape(len(flat), BLOCK - 1)
   total, weight = 0.0, 0.0
-  w = np.asarray(batch["weights"])
-  for row in range(2):
-    for m, a in enumerate(anchors[row]):
-      prefix = tokens[row:row + 1, :a + 1]
-      out = target(prefix, jnp.zeros((1,), jnp.int32), None, **target_features(drafter))
-      state = drafter.init(prefix, jnp.asarray([a + 1]), a + 1 + BLOCK, out)
-      logits = np.asarray(drafter.block_logits(state, prefix, jnp.asarray([a + 1])))[0]
-      shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
-      logp = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-      for k in range(1, BLOCK):
-        if w[row, m, k - 1] > 0:
-          total -= w[row, m, k - 1] * logp[k - 1, int(tokens[row, a + k])]
-          weight += w[row, m, k - 1]
+  for i, (row, a) in enumerate(zip(rows, flat)):
+    for k in range(1, BLOCK):
+      if w[i, k - 1] > 0:
+        total -= w[i, k - 1] * logp[i, k - 1, int(tokens[row, a + k])]
+        weight += w[i, k - 1]
   np.testing.assert_allclose(float(loss), total / weight, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_few_steps_lower_the_loss():
   target, network, tokens = _setup()
   _, batch = _batch(target, network, tokens, [[1, 3, 5, 7], [0, 2, 6, 8]])
