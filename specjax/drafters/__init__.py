@@ -3,12 +3,15 @@
 A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt lookup
 (`NGramDrafter`), suffix drafting (`SuffixDrafter` over a `SuffixCorpus`), feature heads
 (`EagleDrafter`, `load_eagle3`, `MedusaDrafter`: `specjax.drafters.eagle`,
-`specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`) and the draft of
-speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`). Adaptive
-draft length is `specjax.drafters.adaptive`.
+`specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`), DFlash block
+drafters (`DFlashDrafter`, `load_dflash`: `specjax.drafters.dflash`, with DDTree trees) and the
+draft of speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`).
+Adaptive draft length is `specjax.drafters.adaptive`.
 """
 
 from specjax.drafters.base import DEFAULT_MEMBERS, REQUIRED_MEMBERS, Drafter
+from specjax.drafters.dflash.checkpoint import load_dflash
+from specjax.drafters.dflash.drafter import DFlashDrafter
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.eagle.eagle3 import load_eagle3
 from specjax.drafters.hybrid import HybridDrafter
@@ -19,9 +22,10 @@ from specjax.drafters.ssd import SSDDrafter
 from specjax.drafters.proposal import Proposal
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 
-__all__ = ["Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter", "ModelDrafter",
-           "NGramDrafter", "Proposal", "SSDDrafter", "SuffixCorpus", "SuffixDrafter",
-           "as_drafter", "load_eagle3", "self_drafter", "with_draft_vocab"]
+__all__ = ["DFlashDrafter", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
+           "ModelDrafter", "NGramDrafter", "Proposal", "SSDDrafter", "SuffixCorpus",
+           "SuffixDrafter", "as_drafter", "load_dflash", "load_eagle3", "self_drafter",
+           "with_draft_vocab"]
 
 
 def as_drafter(draft) -> Drafter:

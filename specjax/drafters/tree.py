@@ -197,7 +197,9 @@ def tree_drafter(target, drafter, spec: TreeSpec):
     target: the target model (its vocabulary, taps and width are checked against the drafter).
     drafter: a draft `specjax.Model` (or a drafter with a `.model`, e.g. `ModelDrafter`), a
       feature head (`EagleDrafter` for static, sampled and dynamic trees; `MedusaDrafter` for
-      static and sampled ones), or anything (None included) for `TreeSpec(builder="ngram")`
+      static and sampled ones), a drafter with its own `tree_drafter(target, spec)` method
+      (`DFlashDrafter`: ddtree, static and sampled trees from its block's marginals), or
+      anything (None included) for `TreeSpec(builder="ngram")`
       (a `SuffixDrafter` there drafts its suffix trie, `specjax.drafters.suffix_tree`).
     spec: the `TreeSpec`.
 
@@ -211,6 +213,12 @@ def tree_drafter(target, drafter, spec: TreeSpec):
     return SuffixTreeDrafter(drafter, spec)
   if spec.builder == "ngram":
     return NGramTreeDrafter(spec)
+  own = getattr(drafter, "tree_drafter", None)
+  if callable(own):  # a drafter with its own tree drafter (a DFlash block: ddtree)
+    return own(target, spec)
+  if spec.builder == "ddtree":
+    raise ValueError(f"a 'ddtree' tree is built from a block drafter's per-depth marginals (a "
+                     f"specjax.drafters.DFlashDrafter), got {type(drafter).__name__}")
   if isinstance(drafter, HybridDrafter):
     raise ValueError("a HybridDrafter drafts chains (prompt lookup or its head); a tree drafts "
                      "with the head alone: pass its `.drafter` (e.g. `pair.draft.drafter`)")

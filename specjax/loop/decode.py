@@ -114,6 +114,9 @@ def check_decode_arguments(target, draft, tokens, rng, *, lengths, max_new_token
     drafter = draft if isinstance(draft, GrammarTreeDrafter) else tree_drafter(target, draft, tree)
     num_draft, widths = tree.depth, (tree.depth + 1,)
     scratch = drafter.extra_slots(num_draft)  # a round's tree block lies past the new tokens
+  check_target = getattr(drafter, "check_target", None)
+  if callable(check_target):  # a drafter built for one target (its widths, layers) checks it
+    check_target(target)
   tokens, lengths = validation.check_tokens(tokens, lengths, target.vocab_size)
   max_new_tokens = validation.check_count(max_new_tokens, "max_new_tokens")
   if drafter.vocab_size is not None and drafter.vocab_size != target.vocab_size:

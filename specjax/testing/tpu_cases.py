@@ -20,10 +20,10 @@ tokens, `Sampling(temperature=0.7, top_k=50, top_p=0.9)`, `k = 4` drafts a round
     with verify widths), self-drafting copies (int8, int4, asymmetric int4), EAGLE-3, MTP,
     Medusa, a parallel EAGLE-3 head, the hybrid (prompt lookup in front of EAGLE-3), prompt
     lookup (`NGramDrafter`), suffix drafting over a corpus, the adaptive drafter, a draft
-    vocabulary (`with_draft_vocab`);
+    vocabulary (`with_draft_vocab`), a DFlash block drafter (`dflash`, sampled drafts);
   * every tree builder (static, sampled i.i.d. and without replacement, dynamic, n-gram, the
     suffix trie), with the draft model and, where the head supports the builder, an EAGLE-3 or
-    Medusa head;
+    Medusa head; DDTree with a DFlash drafter (`tree_ddtree_dflash`);
   * `decode` under a grammar constraint's tables (traced), with the draft model: a chain
     (`constrained`) and a sampled tree (`constrained_tree`);
   * `decode_stream`'s two programs (the jitted start, and one round on the start's state) and the
@@ -53,6 +53,9 @@ from specjax.constrain.tables import ConstraintTables
 from specjax.core import validation
 from specjax.core.sampling import Sampling
 from specjax.drafters.adaptive.drafter import AdaptiveDrafter
+from specjax.drafters.dflash import network as dflash_network
+from specjax.drafters.dflash.checkpoint import target_tables
+from specjax.drafters.dflash.drafter import DFlashDrafter
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
@@ -511,6 +514,43 @@ _tree_case("ngram", "suffix")
 for _builder in ("static", "sampled", "dynamic"):
   _tree_case(_builder, "eagle3")
 _tree_case("static", "medusa")
+
+
+# ---- DFlash block drafting -------------------------------------------------------------------
+
+DFLASH_BLOCK = 16  # the published drafters' block size
+DDTREE = TreeSpec("ddtree", depth=NUM_DRAFT, width=4, num_nodes=16)
+
+
+def _dflash_network(setup: Setup):
+  """An abstract 2-layer DFlash drafter at the target's widths, reading its first and last
+  layers (the last one: its final normed state), replicated."""
+  c = setup.target_model().config
+  config = dflash_network.DFlashConfig(
+      embed_dim=c.embed_dim, num_layers=2, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+      head_dim=c.head_dim, mlp_dim=c.mlp_dim, vocab_size=c.vocab_size, block_size=DFLASH_BLOCK,
+      mask_token_id=c.vocab_size - 1, target_layer_ids=(0, c.num_layers - 1),
+      num_target_layers=c.num_layers, norm_eps=c.norm_eps, rope_theta=c.rope_theta)
+  network = jax.eval_shape(lambda: jax.tree.map(
+      lambda x: x.astype(setup.dtype), dflash_network.init_network(config, jax.random.key(1))))
+  return setup.replicated(network)
+
+
+def _dflash_drafter(mode: str):
+  return lambda target, network: DFlashDrafter(network, *target_tables(target), mode=mode)
+
+
+@_register("dflash", "sj.decode with a 2-layer DFlash block drafter (block 16), sampled drafts")
+def _dflash(setup: Setup) -> Program:
+  return _decode_program(setup, _dflash_drafter("sampled"), (_dflash_network(setup),))
+
+
+@_register("tree_ddtree_dflash", f"sj.decode(tree=TreeSpec('ddtree', depth={DDTREE.depth}, "
+           f"width={DDTREE.width}; N={DDTREE.size})) with a 2-layer DFlash block drafter",
+           group="tree")
+def _ddtree(setup: Setup) -> Program:
+  return _decode_program(setup, _dflash_drafter("argmax"), (_dflash_network(setup),),
+                         tree=DDTREE)
 
 
 # ---- decode_stream's and the audit's programs ---------------------------------------------------

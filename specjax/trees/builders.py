@@ -1,4 +1,5 @@
-"""Tree builders: static choice lists, n-gram tries, sampled trees and EAGLE-2 dynamic trees.
+"""Tree builders: static choice lists, n-gram tries, sampled trees, EAGLE-2 dynamic trees and
+DDTree trees over a block drafter's marginals.
 
 See `specjax.trees.structure` for the data layout, the `expand` interface and the grammar
 `guide` the model builders take under a constraint. Every builder returns a `Tree` of a static node
@@ -294,9 +295,70 @@ def dynamic_tree(expand: Expand, root: jax.Array, *, depth: int, width: int,
               jnp.take_along_axis(node_logits, keep[..., None], axis=1))
 
 
+def ddtree(marginals: jax.Array, *, width: int, num_nodes: int) -> Tree:
+  """DDTree: the `num_nodes` best paths over the per-depth marginals of one drafted block.
+
+  A path `(t_1, .., t_d)` takes at each depth one of the top-`width` tokens of that depth's
+  marginal `q_j` and scores `sum_j log q_j(t_j)`. DDTree grows the tree best-first (a heap on that
+  score, popping until the node budget is spent); since a child never scores above its parent the
+  popped set is the top `N` paths, which this computes in fixed shapes: at every depth keep the
+  `N` best children of the previous depth's kept nodes (a node of the overall top `N` has its
+  parent there too), then the top `N` of all kept candidates. Ties go to the earlier candidate
+  (shallower, then better-ranked), so parents precede children. Deterministic children: verify
+  with sample-then-match (exact at any temperature, no q needed).
+
+  Args:
+    marginals: `[B, D, V]` draft logits of depths `1 .. D` (each a marginal over the block).
+    width: `k`, the top tokens per depth.
+    num_nodes: the node budget `N`.
+
+  Returns:
+    `Tree` with `N` nodes, parents first, no logits.
+  """
+  batch, depth, _ = marginals.shape
+  logq = jax.nn.log_softmax(marginals.astype(jnp.float32), axis=-1)
+  top_logq, top_tokens = jax.lax.top_k(logq, width)  # [B, D, k]
+  level_scores = top_logq[:, 0]  # [B, k] depth-1 candidates
+  level_tokens = top_tokens[:, 0].astype(jnp.int32)
+  level_parents = jnp.full((batch, width), -1, jnp.int32)
+  scores, tokens, parents, depths = [], [], [], []
+  start = 0
+  for d in range(depth):
+    if d > 0:  # the children of the previous depth's kept nodes
+      prev = scores[-1]  # [B, M]
+      count = prev.shape[1]
+      level_scores = (prev[:, :, None] + top_logq[:, d, None, :]).reshape(batch, count * width)
+      level_tokens = jnp.broadcast_to(top_tokens[:, d, None, :],
+                                      (batch, count, width)).reshape(batch, count * width)
+      level_parents = jnp.broadcast_to(
+          (start - count + jnp.arange(count, dtype=jnp.int32))[None, :, None],
+          (batch, count, width)).reshape(batch, count * width)
+    keep = min(num_nodes, level_scores.shape[1])
+    kept_scores, best = jax.lax.top_k(level_scores, keep)  # sorted: best first, stable on ties
+    scores.append(kept_scores)
+    tokens.append(jnp.take_along_axis(level_tokens, best, axis=1).astype(jnp.int32))
+    parents.append(jnp.take_along_axis(level_parents, best, axis=1))
+    depths.append(jnp.full((batch, keep), d + 1, jnp.int32))
+    start += keep
+  scores, tokens = jnp.concatenate(scores, 1), jnp.concatenate(tokens, 1)
+  parents, depths = jnp.concatenate(parents, 1), jnp.concatenate(depths, 1)
+  pool = scores.shape[1]
+  _, chosen = jax.lax.top_k(scores, num_nodes)
+  chosen = jnp.sort(chosen, axis=1)  # ascending pool index: parents precede children
+  kept_parents = jnp.take_along_axis(parents, chosen, axis=1)
+  inverse = jax.vmap(lambda k: jnp.zeros((pool,), jnp.int32).at[k].set(
+      jnp.arange(num_nodes, dtype=jnp.int32)))(chosen)
+  new_parents = jnp.where(kept_parents < 0, -1,
+                          jnp.take_along_axis(inverse, jnp.maximum(kept_parents, 0), axis=1))
+  valid = jnp.take_along_axis(scores, chosen, axis=1) > -jnp.inf
+  return Tree(jnp.take_along_axis(tokens, chosen, axis=1), new_parents,
+              jnp.take_along_axis(depths, chosen, axis=1), valid)
+
+
 def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequence: jax.Array,
                lengths: jax.Array, sampling: Sampling, seeds: jax.Array,
-               chain_candidates: Callable[[], jax.Array] | None = None, guide=None) -> Tree:
+               chain_candidates: Callable[[], jax.Array] | None = None, guide=None,
+               marginals: Callable[[], jax.Array] | None = None) -> Tree:
   """Builds `spec`'s tree for one round.
 
   Args:
@@ -306,6 +368,7 @@ def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequen
     sequence: `[B, S]` tokens; `lengths` `[B]` valid tokens per row.
     sampling: the sampling settings; seeds: `[B]` uint32 row seeds.
     chain_candidates: static trees: returns `[B, D, K]` ranked candidates per depth.
+    marginals: ddtree: returns the block drafter's `[B, D, V]` per-depth draft logits.
     guide: under a grammar constraint, the `TreeGuide` the sampled and dynamic builders restrict
       the draft logits with (`specjax.trees.structure`); a static tree's `chain_candidates`
       takes it from its caller, and an n-gram trie ignores it.
@@ -315,6 +378,13 @@ def build_tree(spec: TreeSpec, *, expand: Expand | None, root: jax.Array, sequen
                       max_ngram=spec.max_ngram, min_ngram=spec.min_ngram)
   if spec.builder == "static":
     return static_tree(chain_candidates(), spec.resolved_choices)
+  if spec.builder == "ddtree":
+    if marginals is None:
+      raise ValueError("a ddtree is built from a block drafter's per-depth marginals (a "
+                       "DFlashDrafter)")
+    if guide is not None:
+      raise ValueError("ddtree trees do not take a grammar constraint")
+    return ddtree(marginals(), width=spec.width, num_nodes=spec.size)
   if spec.builder == "sampled":
     return sampled_tree(expand, root, branching=spec.resolved_branching, sampling=sampling,
                         seeds=seeds, positions=lengths, replacement=spec.replacement,

@@ -30,6 +30,9 @@ Builders (`specjax.trees.builders`; all jnp, fixed shapes, usable inside `jit` /
   without replacement (Gumbel top-k), with a fixed branching per depth; top-b of `q` when greedy.
 * `dynamic_tree`: EAGLE-2: expand the top-m children of the best frontier nodes by path
   probability, keep the top `N` nodes of all candidates (adaptive depth inside a fixed shape).
+* `ddtree`: DDTree, from a block drafter's per-depth marginals (`marginals [B, D, V]`, one
+  forward for every depth): the `N` best paths by summed log q over the top-k tokens of each
+  depth, best-first (a heap on the summed log q with a node budget, in fixed shapes), deterministic.
 
 The draft side is a generic `expand(tokens [B, P + 1], parents [B, P + 1], depths [B, P + 1]) ->
 logits [B, P + 1, V]` over an extended tree (root at 0; unbuilt nodes are placeholders whose
@@ -69,7 +72,7 @@ PURPOSE_TREE_SAMPLE = 12  # sample-then-match: the target's sample at a node
 PURPOSE_TREE_ACCEPT = 13  # the uniform of a sibling's ratio test
 PURPOSE_TREE_RESIDUAL = 14  # the correction (residual) or bonus token
 
-BUILDERS = ("static", "ngram", "sampled", "dynamic")
+BUILDERS = ("static", "ngram", "sampled", "dynamic", "ddtree")
 
 Expand = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
@@ -79,11 +82,13 @@ class TreeSpec:
   """How to draft a tree each round (static: part of the compiled program).
 
   Attributes:
-    builder: "static" | "ngram" | "sampled" | "dynamic".
+    builder: "static" | "ngram" | "sampled" | "dynamic" | "ddtree".
     depth: the deepest node's depth (`D`); the accepted path has at most `D` nodes.
     width: static: candidates per depth; ngram: matches merged; dynamic: `m` (children per
-      expanded node and frontier nodes kept per depth); sampled: default branching.
-    num_nodes: dynamic: the node budget `N` (default `min(pool, 4 * depth)`); derived otherwise.
+      expanded node and frontier nodes kept per depth); sampled: default branching; ddtree: the
+      top-k tokens of each depth's marginal that a node may take.
+    num_nodes: dynamic and ddtree: the node budget `N` (default `min(pool, 4 * depth)`; a
+      ddtree's pool is every path of top-k tokens, `sum_d k^d`); derived otherwise.
     choices: static: paths of candidate ranks, e.g. `((0,), (1,), (0, 0))`; default: a top-1
       spine with `width` alternatives at every depth.
     branching: sampled: children per node at each depth, e.g. `(3, 2, 1)`; default
@@ -139,12 +144,13 @@ class TreeSpec:
       raise ValueError(f"TreeSpec.min_prob must be in [0, 1), got {self.min_prob!r}")
     if self.min_prob and self.builder != "dynamic":
       raise ValueError("TreeSpec.min_prob applies to dynamic trees only")
-    if self.builder == "dynamic":
-      pool = dynamic_pool_size(self.depth, self.width)
+    if self.builder in ("dynamic", "ddtree"):
+      pool = (dynamic_pool_size(self.depth, self.width) if self.builder == "dynamic"
+              else ddtree_pool_size(self.depth, self.width))
       n = self.num_nodes if self.num_nodes is not None else min(pool, 4 * self.depth)
       if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= pool:
-        raise ValueError(f"TreeSpec.num_nodes must be in 1..{pool} for a dynamic tree of depth "
-                         f"{self.depth} and width {self.width}, got {self.num_nodes!r}")
+        raise ValueError(f"TreeSpec.num_nodes must be in 1..{pool} for a {self.builder} tree of "
+                         f"depth {self.depth} and width {self.width}, got {self.num_nodes!r}")
       object.__setattr__(self, "num_nodes", n)
     elif self.num_nodes is not None and self.num_nodes != self.size:
       raise ValueError(f"TreeSpec.num_nodes is derived for a {self.builder} tree ({self.size})")
@@ -251,6 +257,11 @@ def sibling_ranks(tree: Tree) -> jax.Array:
   same = tree.parents[:, :, None] == tree.parents[:, None, :]  # [B, i, j]
   earlier = jnp.arange(n)[None, :] < jnp.arange(n)[:, None]  # [i, j]: j < i
   return jnp.sum(same & earlier[None] & tree.valid[:, None, :], axis=-1).astype(jnp.int32)
+
+
+def ddtree_pool_size(depth: int, width: int) -> int:
+  """Distinct paths of a DDTree: `sum_{d=1..D} k^d` (capped, to stay an int32-sized count)."""
+  return min(sum(width ** d for d in range(1, depth + 1)), 2 ** 20)
 
 
 def dynamic_pool_size(depth: int, width: int) -> int:
