@@ -38,11 +38,12 @@ from specjax.loop.generate import generate
 from specjax.models import Model, init_params
 from specjax.testing.models import tiny_config
 
-__all__ = ["Fit", "LOGIT_SCALE", "PathRun", "Scorer", "VOCAB", "goodness_of_fit", "harness_prompts",
-           "harness_target", "noisy_copy", "run_path"]
+__all__ = ["DRAFT_NOISE", "Fit", "LOGIT_SCALE", "PathRun", "Scorer", "VOCAB", "goodness_of_fit",
+           "harness_prompts", "harness_target", "harness_world", "noisy_copy", "run_path"]
 
 VOCAB = 64
 LOGIT_SCALE = 5.0  # the target's output head times this: about 1 nat of entropy at T = 1
+DRAFT_NOISE = 0.07  # the harness's draft model: the target plus this much relative noise
 
 
 def harness_target(seed: int = 0, *, num_layers: int = 4, logit_scale: float = LOGIT_SCALE):
@@ -100,6 +101,15 @@ class PathRun:
 
   tokens: np.ndarray
   summary: dict
+
+
+def harness_world() -> dict:
+  """The harness's setting as its tests use it: `target` (`harness_target()`), `draft` (its
+  `noisy_copy` at `DRAFT_NOISE`, key 5), `prompts` (`harness_prompts(target)`) and `scorer`."""
+  target = harness_target()
+  draft = Model(noisy_copy(target.params, jax.random.key(5), DRAFT_NOISE), target.config)
+  return dict(target=target, draft=draft, prompts=harness_prompts(target),
+              scorer=Scorer(target))
 
 
 def run_path(target, draft, prompts: list[list[int]], *, num_samples: int, max_new_tokens: int,

@@ -80,7 +80,6 @@ NEW = 24  # new tokens per row
 K = 7  # chain drafts per round
 ALPHA = 1e-3  # family-wise level of one run (Bonferroni over its position tests)
 POWER_ALPHA = ALPHA  # a broken variant must be rejected at the same corrected level
-DRAFT_NOISE = 0.07  # the draft model: the target plus this much relative noise on every weight
 HEAD_NOISE = 0.3
 DRAFT_IDS = tuple(range(0, harness.VOCAB, 4)) + tuple(range(1, harness.VOCAB, 4)) + tuple(
     range(2, harness.VOCAB, 4))  # 48 of the 64 ids: the heads' reduced draft vocabulary
@@ -98,11 +97,7 @@ MUTANT_SETTING = "t0.7_topk16_topp0.9"
 
 @pytest.fixture(scope="module")
 def world():
-  target = harness.harness_target()
-  draft = sj.Model(harness.noisy_copy(target.params, jax.random.key(5), DRAFT_NOISE),
-                   target.config)
-  return dict(target=target, draft=draft, prompts=harness.harness_prompts(target),
-              scorer=harness.Scorer(target))
+  return harness.harness_world()
 
 
 def _eagle(target, kind: str, cls=EagleDrafter, seed: int = 1, parallel: int = 0):

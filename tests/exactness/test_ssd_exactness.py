@@ -55,7 +55,6 @@ NEW = 24
 K = 4
 BUDGET = 8
 ALPHA = 1e-3
-DRAFT_NOISE = 0.07
 SETTINGS = {
     "t1": (sj.Sampling(temperature=1.0), 1.0),
     "t0.7_topk16_topp0.9": (sj.Sampling(temperature=0.7, top_k=16, top_p=0.9), 1.0),
@@ -65,11 +64,7 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def world():
-  target = harness.harness_target()
-  draft = sj.Model(harness.noisy_copy(target.params, jax.random.key(5), DRAFT_NOISE),
-                   target.config)
-  return dict(target=target, draft=draft, prompts=harness.harness_prompts(target),
-              scorer=harness.Scorer(target))
+  return harness.harness_world()
 
 
 def _fit(world, setting: str, variant: str, num_samples: int):
