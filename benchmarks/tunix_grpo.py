@@ -206,12 +206,9 @@ def phase_rollout(module, tokenizer, tok, args) -> dict:
                              top_p=None if temperature == 0 else 1.0)
     prompts = [[q["prompt"] for q in questions[i * rows:(i + 1) * rows]]
                for i in range(args.rollout_calls)]
-    if rows > 1:  # GRPO's batch: each prompt `generations` times
-      prompts = [[p for p in ps[:args.batch] for _ in range(args.generations)] for ps in prompts]
-    if rows > args.generations:  # more prompts than the example's batch
+    if rows > 1:  # GRPO's batch: `rows / generations` prompts, each `generations` times
       prompts = [[p for p in ps[:rows // args.generations] for _ in range(args.generations)]
-                 for ps in ([q["prompt"] for q in questions[i * rows:(i + 1) * rows]]
-                            for i in range(args.rollout_calls))]
+                 for ps in prompts]
     for engine in engines.values():  # compile
       engine.update_params(version(0))
       engine.generate(prompts[0], dataclasses_replace(config, seed=0))
