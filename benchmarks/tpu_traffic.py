@@ -393,7 +393,14 @@ class _Walk:
     leaves = instr.leaves
     if op == "custom-call" and "ConcatBitcast" in instr.args:
       return 0  # joins VMEM slices of an async slice: a view
-    if op == "copy-start":  # (destination, source, context)
+    if op == "custom-call" and instr.name.startswith("specjax_kv_write"):
+      # The cache write kernel (`specjax.kernels.kv_write`; the cache, operand 2, aliased to the
+      # output): reads the starts and the padded block, and reads and writes back one window of
+      # the block's padded size per row and layer, not the cache.
+      window = sum(a.bytes for a in self.tables[comp][instr.operands[1]].leaves)
+      read = self.operand(comp, instr.operands[0]) + self.operand(comp, instr.operands[1]) + window
+      write = window
+    elif op == "copy-start":  # (destination, source, context)
       read, write = self.operand(comp, instr.operands[0]), self.mem(leaves[0])
     elif op == "slice-start":  # ((source), destination, context): reads the slice
       src = self.tables[comp][instr.operands[0]].leaves

@@ -142,7 +142,8 @@ def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array)
   return _scatter(stacked, _slots(starts, block.shape[2]), block, _STACKED_DIMS)
 
 
-def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.Array) -> KVCache:
+def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.Array, *,
+            write=None) -> KVCache:
   """Moves each row's accepted tree path to contiguous slots (ragged per row, fixed shapes).
 
   Slot `starts[b] + j` receives slot `sources[b, j]` for `j < counts[b]`; the other slots keep
@@ -154,6 +155,8 @@ def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.A
     sources: `[B, W]` int32 slot of the `j`-th path entry (path order, so `sources >= starts`
       never reads a slot that is written earlier in the same call: all reads happen first).
     starts: `[B]` int32 first destination slot; counts: `[B]` int32 entries moved per row.
+    write: a stacked cache's block write with `write_stacked_block`'s contract (default: it;
+      `specjax.models.cache_write` passes the platform's).
 
   Returns:
     The cache with the same `lengths` (callers set them).
@@ -167,7 +170,7 @@ def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.A
 
   def move(stacked):  # [L, B, KVH, S, D]
     block = jnp.take_along_axis(stacked, src[None, :, None, :, None], axis=3)  # [L, B, KVH, W, D]
-    return write_stacked_block(stacked, block.swapaxes(2, 3), starts)
+    return (write or write_stacked_block)(stacked, block.swapaxes(2, 3), starts)
 
   def move_layer(buffer):  # [B, KVH, S, D]
     block = jnp.take_along_axis(buffer, src[:, None, :, None], axis=2)  # [B, KVH, W, D]
@@ -201,8 +204,10 @@ class KVBlock(NamedTuple):
     return KVBlock(pad(self.k, 2), pad(self.v, 2))
 
 
-def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array) -> KVCache:
-  """Writes a `KVBlock` into `cache` at slots `starts[b] ..` of every row, in the cache's layout.
+def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array, *,
+                   write=None) -> KVCache:
+  """Writes a `KVBlock` into `cache` at slots `starts[b] ..` of every row, in the cache's layout
+  (a stacked cache through `write`, default `write_stacked_block`; see `compact`).
 
   Returns:
     The cache with the block written and `lengths = starts + T`; entries past slot `S - 1` are
@@ -218,5 +223,5 @@ def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array) -> KVCache
                    tuple(write_block(c, x, starts) for c, x in zip(cache.v, vs)), starts + width)
   k = jnp.stack(block.k) if per_layer_block else block.k
   v = jnp.stack(block.v) if per_layer_block else block.v
-  return KVCache(write_stacked_block(cache.k, k, starts), write_stacked_block(cache.v, v, starts),
-                 starts + k.shape[2])
+  write = write or write_stacked_block
+  return KVCache(write(cache.k, k, starts), write(cache.v, v, starts), starts + k.shape[2])

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.drafters.grammar import constrain_verify, verify_sampling
-from specjax.core.cache import compact, write_kv_block
+from specjax.models.cache_write import compact, write_kv_block
 from specjax.verify.dispatch import verify_tokens, verify_tree
 from specjax.parallel.rules import CACHE_AXES, constrain
 from specjax.core.sampling import Sampling, no_distribution, token_logprobs

@@ -16,7 +16,7 @@ its length:
     few positions of the one before it (same keys and values, rewritten in their slots). Every
     row of a chunk starts at the same slot, so a model that `defers_cache_writes` has its keys
     and values written with one `dynamic_update_slice` per buffer, and on TPU the stacked cache
-    leaves the loop in the layout the decode loop usually keeps it in (`_decode_layout`).
+    leaves the loop in the layout the decode loop keeps it in (`_decode_layout`).
 """
 
 from __future__ import annotations
@@ -135,11 +135,9 @@ def _write_at(cache, block, start):
 
 
 def _decode_layout(buffer):
-  """A stacked `[L, B, KVH, S, D]` cache buffer pinned, on TPU, to the layout XLA gives the
-  decode loop's cache in the common case (physically `[L, B, S, KVH, D]`: a step's
-  `[B, 1, KVH, D]` keys land contiguously; Qwen2.5-Coder-1.5B at batch 64 on one v5e chip), so
-  that loop takes the prefill's buffer as it is instead of a relayout copy (a second cache at the
-  peak). The compiler chooses the loop's layout itself: where it picks another (Llama-3.1-8B on
-  a 2x2 slice), the copy remains. Elsewhere unchanged."""
-  pinned = lambda x: with_layout_constraint(x, Layout((0, 1, 3, 2, 4)))
+  """A stacked `[L, B, KVH, S, D]` cache buffer pinned, on TPU, to its row-major layout: the one
+  attention's einsums read and the decode loop's writes keep (`specjax.models.cache_write`
+  writes it with a Pallas kernel that fixes that layout), so the loop takes the prefill's buffer
+  as it is instead of a relayout copy (a second cache at the peak). Elsewhere unchanged."""
+  pinned = lambda x: with_layout_constraint(x, Layout((0, 1, 2, 3, 4)))
   return jax.lax.platform_dependent(buffer, tpu=pinned, default=lambda x: x)

@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.cpu import kernel as cpu_gemv
-from specjax.core.cache import KVBlock, KVCache, write_stacked_block
+from specjax.core.cache import KVBlock, KVCache
+from specjax.models.cache_write import write_stacked
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
 from specjax.models import quant
@@ -47,6 +48,10 @@ from specjax.models.layers import (_mlp_activation, _softcap, apply_rope, attent
 
 __all__ = ["ForwardOutput", "Model", "apply_rope", "attention", "check_taps", "forward",
            "init_params", "rms_norm", "rope_inv_freq", "rope_tables"]
+
+# A stacked model's cache slots are a multiple of this (`Model.init_cache`): the TPU write
+# kernel's alignment for 8-, 16- and 32-bit caches (`specjax.kernels.kv_write.alignment`).
+CACHE_SLOT_MULTIPLE = 32
 
 
 class ForwardOutput(NamedTuple):
@@ -108,7 +113,13 @@ class Model:
     return self.params["embed"].dtype
 
   def init_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of at least `max_len` slots per row. A stacked model's (the layout TPU
+    runs) holds `max_len` rounded up to a multiple of `CACHE_SLOT_MULTIPLE`, so that its writes
+    take the TPU write kernel's aligned windows (`specjax.models.cache_write`); the extra slots
+    are never valid, so they are masked like any unwritten slot."""
     cfg = self.config
+    if self.is_stacked:
+      max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
                           dtype or self.dtype, per_layer=not self.is_stacked)
 
@@ -414,8 +425,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     if cache is not None and not write_cache:
       block_kv = KVBlock(block_k, block_v)
     elif cache is not None:
-      new_k = constrain(write_stacked_block(cache_k, block_k, starts), CACHE_AXES)
-      new_v = constrain(write_stacked_block(cache_v, block_v, starts), CACHE_AXES)
+      new_k = constrain(write_stacked(cache_k, block_k, starts), CACHE_AXES)
+      new_v = constrain(write_stacked(cache_v, block_v, starts), CACHE_AXES)
       new_cache = KVCache(new_k, new_v, starts + t)
   if new_cache is not None and new_cache.per_layer != cache.per_layer:
     new_cache = new_cache.unstacked() if cache.per_layer else new_cache.stacked()

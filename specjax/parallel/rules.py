@@ -224,7 +224,7 @@ def use_rules(rules: ShardingRules | None):
     _ACTIVE_RULES.reset(token)
 
 
-def _auto_mesh_shape() -> dict[str, int] | None:
+def auto_mesh_shape() -> dict[str, int] | None:
   """Sizes of the `Auto` axes of the mesh active at trace time, or None without one."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
@@ -236,7 +236,7 @@ def _auto_mesh_shape() -> dict[str, int] | None:
 
 def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   """Pins `x` to the layout of its logical `axes` when a mesh is active; else returns `x`."""
-  mesh_shape = _auto_mesh_shape()
+  mesh_shape = auto_mesh_shape()
   if mesh_shape is None:
     return x
   spec = active_rules().spec(axes, x.shape, mesh_shape)

@@ -33,8 +33,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.core.cache import KVCache, write_stacked_block
+from specjax.core.cache import KVCache
 from specjax.io.orbax import read_tree_metadata, restore_tree, save_tree
+from specjax.models.cache_write import write_stacked
 from specjax.models.config import ModelConfig
 from specjax.models.cpu import panels as panel_layout
 from specjax.models.transformer import (Model, apply_rope, attention, rms_norm, rope_inv_freq,
@@ -368,8 +369,8 @@ def head_forward(head: EagleHead, embed: jax.Array, tokens: jax.Array, features:
   attn = attention(q, segments, q_pos, jnp.int32(0), c.layer_config)
   logits, hidden_out = head_finish(head, features, attn)
   if cache is not None:
-    cache = KVCache(write_stacked_block(cache.k, k[None], starts),
-                    write_stacked_block(cache.v, v[None], starts), starts + t)
+    cache = KVCache(write_stacked(cache.k, k[None], starts),
+                    write_stacked(cache.v, v[None], starts), starts + t)
   return logits, hidden_out, cache
 
 
