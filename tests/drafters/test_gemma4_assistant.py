@@ -134,8 +134,8 @@ def specjax_steps(target, drafter, tokens, lengths):
 
 def logit_gap(ours, theirs):
   """Max abs difference where the reference scores a token; inf where the masked sets differ
-  (`transformers` fills unselected tokens with min - 1, specjax with -inf)."""
-  masked = np.isneginf(ours)
+  (`transformers` fills unselected tokens with min - 1, specjax with `MASKED_LOGIT`)."""
+  masked = ours <= assistant.MASKED_LOGIT
   their_masked = theirs == theirs.min() if masked.any() else np.zeros_like(masked)
   if masked.any() and not np.array_equal(masked, their_masked):
     return np.inf

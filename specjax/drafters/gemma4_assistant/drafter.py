@@ -15,7 +15,7 @@ processed by the target):
 `[embed(token_{L-1}); hidden]`, step `j + 1` reads `[embed(d_j); post_projection output of step
 j]` (as `transformers`' `SinglePositionMultiTokenCandidateGenerator`). Greedy: each draft is the
 argmax (a point mass, `q = None`). Sampling: `d_j ~ warp(q_j)` from the `PURPOSE_DRAFT` stream of
-its position, and `q_j` (tokens outside the selected centroids at `-inf`: probability 0) is
+its position, and `q_j` (tokens outside the selected centroids at `MASKED_LOGIT`: probability 0) is
 handed to the verify: the law `d_j` was drawn from, given the earlier drafts. Exact at any
 temperature, as for any draft model.
 

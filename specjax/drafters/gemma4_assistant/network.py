@@ -10,7 +10,8 @@ last token the target has not processed yet):
     x = x + post_mlp_norm(mlp(pre_mlp_norm(x)));  x = x * layer_scalar
   normed = norm(x)
   logits = head(normed)                         or, with ordered embeddings, only the tokens of
-                                                the top-k centroids of `centroids(normed)`
+                                                the top-k centroids of `centroids(normed)` (the
+                                                rest at `MASKED_LOGIT`: probability 0)
   h' = post_projection(normed)                  fed back with the drafted token at the next step
 
 The keys and values are the target's, of the last layer of each kind (window or global) with
@@ -32,8 +33,14 @@ from specjax.models.config import RopeScaling
 from specjax.models.layers import (_mlp_activation, apply_rope, attention_reference, rms_norm,
                                    rope_inv_freq, rope_tables)
 
-__all__ = ["AssistantConfig", "AssistantNetwork", "assistant_step", "init_network",
-           "ordered_logits", "window_visible"]
+__all__ = ["AssistantConfig", "AssistantNetwork", "MASKED_LOGIT", "assistant_step",
+           "init_network", "ordered_logits", "window_visible"]
+
+# The logit of a token outside the selected centroids: finite, so that temperature, top-k and
+# top-p warp it like any other logit (`specjax.core.sampling.warp_logits` keeps top-k exact only
+# over finite logits), and far enough below every real logit that its probability is exactly 0
+# in float32 at any temperature above 1e-8.
+MASKED_LOGIT = -1e30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +166,7 @@ def window_visible(config: AssistantConfig, kv_lengths: jax.Array, num_slots: in
 
 def ordered_logits(config: AssistantConfig, params: dict, normed: jax.Array) -> jax.Array:
   """`[B, V]` float32 logits over the tokens of the `centroid_top_k` best centroids of
-  `normed [B, E]`, `-inf` elsewhere (those tokens have probability 0 under the drafter).
+  `normed [B, E]`, `MASKED_LOGIT` elsewhere (probability 0 under the drafter).
   Centroid `c`'s tokens are `token_ordering[c * V / C : (c + 1) * V / C]` (canonical ids)."""
   c = config
   per = c.vocab_size // c.num_centroids
@@ -170,7 +177,7 @@ def ordered_logits(config: AssistantConfig, params: dict, normed: jax.Array) -> 
   selected = clusters[top].reshape(normed.shape[0], -1)  # [B, k * per] canonical ids
   rows = jnp.take(params["head"], selected, axis=0)  # [B, k * per, E]
   values = jnp.einsum("be,bse->bs", normed, rows, preferred_element_type=jnp.float32)
-  out = jnp.full((normed.shape[0], c.vocab_size), -jnp.inf, jnp.float32)
+  out = jnp.full((normed.shape[0], c.vocab_size), MASKED_LOGIT, jnp.float32)
   return out.at[jnp.arange(normed.shape[0])[:, None], selected].set(values)
 
 
