@@ -202,6 +202,7 @@ def test_greedy_decode_equals_generate(world, ordered):
   assert int(np.asarray(out.stats.drafted).sum()) > 0
 
 
+@pytest.mark.costly
 def test_greedy_decode_with_verify_widths(world):
   """Verify widths make the target defer its cache write (a `KVBlock`): the drafter reads the
   block's keys/values from there instead."""
