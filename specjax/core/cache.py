@@ -47,6 +47,14 @@ class KVCache:
     shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
 
+  @classmethod
+  def create_layers(cls, geometry, batch: int, max_len: int, dtype=jnp.float32) -> "KVCache":
+    """Per-layer buffers whose layers differ in shape: `geometry` lists each layer's
+    `(num_kv_heads, head_dim)` (Gemma 4's global layers are wider than its window layers)."""
+    shapes = [(batch, kvh, max_len, d) for kvh, d in geometry]
+    zeros = lambda: tuple(jnp.zeros(shape, dtype) for shape in shapes)
+    return cls(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
   @property
   def per_layer(self) -> bool:
     """Whether `k`/`v` are tuples of per-layer buffers (else stacked arrays)."""

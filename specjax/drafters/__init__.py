@@ -4,8 +4,9 @@ A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt looku
 (`NGramDrafter`), suffix drafting (`SuffixDrafter` over a `SuffixCorpus`), feature heads
 (`EagleDrafter`, `load_eagle3`, `MedusaDrafter`: `specjax.drafters.eagle`,
 `specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`), DFlash block
-drafters (`DFlashDrafter`, `load_dflash`: `specjax.drafters.dflash`, with DDTree trees) and the
-draft of speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`).
+drafters (`DFlashDrafter`, `load_dflash`: `specjax.drafters.dflash`, with DDTree trees), Gemma 4
+assistants (`Gemma4AssistantDrafter`, `load_gemma4_assistant`: `specjax.drafters.gemma4_assistant`)
+and the draft of speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`).
 Adaptive draft length is `specjax.drafters.adaptive`.
 """
 
@@ -13,6 +14,8 @@ from specjax.drafters.base import DEFAULT_MEMBERS, REQUIRED_MEMBERS, Drafter
 from specjax.drafters.dflash.checkpoint import load_dflash
 from specjax.drafters.dflash.drafter import DFlashDrafter
 from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.gemma4_assistant.checkpoint import load_gemma4_assistant
+from specjax.drafters.gemma4_assistant.drafter import Gemma4AssistantDrafter
 from specjax.drafters.eagle.eagle3 import load_eagle3
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
@@ -22,10 +25,10 @@ from specjax.drafters.ssd import SSDDrafter
 from specjax.drafters.proposal import Proposal
 from specjax.drafters.suffix import SuffixCorpus, SuffixDrafter
 
-__all__ = ["DFlashDrafter", "Drafter", "EagleDrafter", "HybridDrafter", "MedusaDrafter",
-           "ModelDrafter", "NGramDrafter", "Proposal", "SSDDrafter", "SuffixCorpus",
-           "SuffixDrafter", "as_drafter", "load_dflash", "load_eagle3", "self_drafter",
-           "with_draft_vocab"]
+__all__ = ["DFlashDrafter", "Drafter", "EagleDrafter", "Gemma4AssistantDrafter", "HybridDrafter",
+           "MedusaDrafter", "ModelDrafter", "NGramDrafter", "Proposal", "SSDDrafter",
+           "SuffixCorpus", "SuffixDrafter", "as_drafter", "load_dflash", "load_eagle3",
+           "load_gemma4_assistant", "self_drafter", "with_draft_vocab"]
 
 
 def as_drafter(draft) -> Drafter:

@@ -16,13 +16,16 @@ Activation = Literal["silu", "gelu_tanh"]
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-  """Llama 3.1-style frequency-dependent RoPE scaling (`rope_type: "llama3"`) or linear scaling."""
+  """Llama 3.1-style frequency-dependent RoPE scaling (`rope_type: "llama3"`), linear scaling, or
+  Gemma 4's proportional RoPE (`"proportional"`: the first `partial_rotary_factor` of the head's
+  frequency pairs rotate, the rest have frequency 0, every frequency divided by `factor`)."""
 
-  kind: Literal["llama3", "linear"] = "llama3"
+  kind: Literal["llama3", "linear", "proportional"] = "llama3"
   factor: float = 8.0
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  partial_rotary_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +58,18 @@ class ModelConfig:
     sliding_window: window of local-attention layers; None = every layer is global.
     sliding_window_pattern: every `pattern`-th layer (1-based) is global, the rest local;
       1 = all layers use the window (Mistral).
+    global_head_dim: head width of the global (non-window) layers when it differs from
+      `head_dim` (Gemma 4); None = `head_dim`.
+    global_kv_heads: key/value heads of the global layers when they differ (Gemma 4); None =
+      `num_kv_heads`.
+    v_norm: RMSNorm without a scale on each value head (Gemma 4).
+    kv_shared_layers: the last this many layers compute queries only and attend to the keys and
+      values of the last earlier layer of their kind (window or global) that has its own (Gemma 4
+      `num_kv_shared_layers`); the cache holds the first `num_layers - kv_shared_layers` only.
+    per_layer_input_dim: width of Gemma 4's per-layer embeddings (PLE); 0 = none.
+    per_layer_vocab_size: rows of the per-layer embedding table (PLE).
+    layer_scalar: each layer's output is multiplied by its own learned scalar (Gemma 4).
+    double_wide_mlp: the KV-shared layers' MLPs are twice `mlp_dim` wide (Gemma 4).
     bos_id / eos_id / pad_id: special ids the tokenizer and decoding agree on.
     family: a label ("llama", "qwen2", "gemma2", ...) for messages and export.
   """
@@ -83,6 +98,14 @@ class ModelConfig:
   query_pre_attn_scalar: float | None = None
   sliding_window: int | None = None
   sliding_window_pattern: int = 1
+  global_head_dim: int | None = None
+  global_kv_heads: int | None = None
+  v_norm: bool = False
+  kv_shared_layers: int = 0
+  per_layer_input_dim: int = 0
+  per_layer_vocab_size: int = 0
+  layer_scalar: bool = False
+  double_wide_mlp: bool = False
   bos_id: int | None = None
   eos_id: int | None = None
   pad_id: int = 0
@@ -106,6 +129,27 @@ class ModelConfig:
       raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
     if self.sliding_window_pattern < 1:
       raise ValueError("sliding_window_pattern must be >= 1")
+    for name in ("global_head_dim", "global_kv_heads"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < 1):
+        raise ValueError(f"ModelConfig.{name} must be a positive int or None, got {value!r}")
+    if self.num_heads % (self.global_kv_heads or self.num_kv_heads):
+      raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of global_kv_heads "
+                       f"({self.global_kv_heads})")
+    if (self.global_head_dim or 2) % 2:
+      raise ValueError(f"global_head_dim must be even for RoPE, got {self.global_head_dim}")
+    if not 0 <= self.kv_shared_layers < self.num_layers:
+      raise ValueError(f"kv_shared_layers must lie in 0..num_layers - 1, got "
+                       f"{self.kv_shared_layers}")
+    if self.kv_shared_layers:
+      owners = self.layer_windows()[:self.num_layers - self.kv_shared_layers]
+      for window in set(self.layer_windows()[self.num_layers - self.kv_shared_layers:]):
+        if (window > 0) not in {w > 0 for w in owners}:
+          raise ValueError("kv_shared_layers: a shared layer's kind (window or global) has no "
+                           "earlier layer with keys and values of its own")
+    if self.per_layer_input_dim < 0 or (self.per_layer_input_dim and
+                                        self.per_layer_vocab_size < 1):
+      raise ValueError("per_layer_input_dim must be >= 0, with per_layer_vocab_size >= 1")
 
   @property
   def attention_scale(self) -> float:
@@ -118,6 +162,53 @@ class ModelConfig:
       return (0,) * self.num_layers
     return tuple(0 if (i + 1) % self.sliding_window_pattern == 0 and self.sliding_window_pattern > 1
                  else self.sliding_window for i in range(self.num_layers))
+
+  def is_global(self, layer: int) -> bool:
+    """Whether `layer` attends globally (no window)."""
+    return self.layer_windows()[layer] == 0
+
+  def layer_kv_heads(self, layer: int) -> int:
+    """Key/value heads of `layer` (`global_kv_heads` on global layers where set)."""
+    return (self.global_kv_heads or self.num_kv_heads) if self.is_global(layer) else (
+        self.num_kv_heads)
+
+  def layer_head_dim(self, layer: int) -> int:
+    """Head width of `layer` (`global_head_dim` on global layers where set)."""
+    return (self.global_head_dim or self.head_dim) if self.is_global(layer) else self.head_dim
+
+  def layer_mlp_dim(self, layer: int) -> int:
+    """MLP width of `layer` (twice `mlp_dim` on KV-shared layers with `double_wide_mlp`)."""
+    return self.mlp_dim * (2 if self.double_wide_mlp and self.kv_source(layer) != layer else 1)
+
+  @property
+  def num_cache_layers(self) -> int:
+    """Layers with keys and values of their own: the first `num_layers - kv_shared_layers`."""
+    return self.num_layers - self.kv_shared_layers
+
+  def kv_source(self, layer: int) -> int:
+    """The layer whose keys and values `layer` attends: itself, or for a KV-shared layer the last
+    layer of its kind (window or global) before the shared ones."""
+    owners = self.num_cache_layers
+    if layer < owners:
+      return layer
+    kind = self.is_global(layer)
+    return max(i for i in range(owners) if self.is_global(i) == kind)
+
+  def kv_store_layer(self, is_global: bool) -> int | None:
+    """The last layer of a kind (global or window) with keys and values of its own: the layer a
+    Gemma 4 assistant reads (`transformers`' "store" layer); None when there is none."""
+    layers = [i for i in range(self.num_cache_layers) if self.is_global(i) == is_global]
+    return layers[-1] if layers else None
+
+  @property
+  def per_layer_only(self) -> bool:
+    """Whether the layers differ in shape or wiring (Gemma 4: global head widths, KV sharing,
+    per-layer embeddings, layer scalars), so that the model runs only in the unstacked layout
+    (`Model.unstacked`): one weight dict and one cache buffer per layer."""
+    return bool(self.global_head_dim not in (None, self.head_dim)
+                or self.global_kv_heads not in (None, self.num_kv_heads)
+                or self.kv_shared_layers or self.per_layer_input_dim or self.layer_scalar
+                or self.double_wide_mlp or self.v_norm)
 
   def num_params(self) -> int:
     """Parameter count (embedding counted once when tied)."""

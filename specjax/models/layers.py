@@ -23,11 +23,16 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float) -> jax.
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
-  """Inverse frequencies, `[head_dim // 2]` float32, with optional Llama 3.1 / linear scaling."""
+  """Inverse frequencies, `[head_dim // 2]` float32, with optional Llama 3.1 / linear /
+  proportional scaling."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   if scaling is None:
     return inv_freq
   if scaling.kind == "linear":
+    return inv_freq / scaling.factor
+  if scaling.kind == "proportional":  # Gemma 4: the leading pairs rotate, the rest stay put
+    rotated = int(scaling.partial_rotary_factor * head_dim // 2)
+    inv_freq = jnp.where(jnp.arange(head_dim // 2) < rotated, inv_freq, 0.0)
     return inv_freq / scaling.factor
   low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor

@@ -118,6 +118,10 @@ class Model:
     take the TPU write kernel's aligned windows (`specjax.models.cache_write`); the extra slots
     are never valid, so they are masked like any unwritten slot."""
     cfg = self.config
+    if cfg.per_layer_only:  # one buffer per layer with keys and values of its own, its own shape
+      return KVCache.create_layers(
+          [(cfg.layer_kv_heads(i), cfg.layer_head_dim(i)) for i in range(cfg.num_cache_layers)],
+          batch, max_len, dtype or self.dtype)
     if self.is_stacked:
       max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
@@ -161,6 +165,10 @@ class Model:
     `lax.scan` over layers: one compiled layer body, and a `layers` axis to shard)."""
     if self.is_stacked:
       return self
+    if self.config.per_layer_only:
+      raise ValueError(f"{self.config.family}: the layers differ in shape or wiring (per-layer "
+                       "head widths, KV sharing, per-layer embeddings), so this model runs only "
+                       "in the unstacked layout")
     params = self.without_fused_projections().params
     layers = params["layers"]
     stacked = {name: jax.tree.map(lambda *ws: jnp.stack(ws), *[lp[name] for lp in layers])
@@ -173,6 +181,9 @@ class Model:
     is not built, an `[E, V]` copy of a tied output projection (`with_output_copy`); elsewhere
     stacked layers (`lax.scan`: TPU/GPU compile time, sharding) and no copy."""
     platform = platform or jax.default_backend()
+    if self.config.per_layer_only:  # the unstacked layout is its only one
+      model = self.unstacked()
+      return model.with_output_copy() if platform == "cpu" else model.without_output_copy()
     if platform == "cpu":
       fused = self.unstacked().with_fused_projections()
       # The kernel reads a tied embedding's panels as the output projection; XLA's dot wants the
@@ -191,6 +202,9 @@ class Model:
     `[out, in]` copies for XLA's dot. Weights in 2 MiB pages (`cpu_layout.fuse_params`)."""
     if self.is_stacked:
       raise ValueError("with_fused_projections needs the unstacked layout (call unstacked() first)")
+    if self.config.per_layer_only:
+      raise ValueError(f"{self.config.family}: fused projections are not built for layers that "
+                       "differ in shape; use the unstacked layout as it is")
     if cpu_kernel is None:
       cpu_kernel = cpu_gemv.available()
     return dataclasses.replace(self, params=cpu_layout.fuse_params(self.params, bool(cpu_kernel)),
@@ -264,7 +278,70 @@ def init_params(config: ModelConfig, rng: jax.Array, dtype=jnp.float32) -> Model
   }
   if not c.tie_embeddings:
     params["lm_head"] = dense((e, c.vocab_size), e)
+  if c.per_layer_only:  # one dict per layer, each of its own shapes
+    params["layers"] = tuple(_layer_params(c, i, jax.random.fold_in(rng, i), dtype)
+                             for i in range(L))
+  if c.per_layer_input_dim:
+    width = L * c.per_layer_input_dim
+    params["embed_per_layer"] = dense((c.per_layer_vocab_size, width), c.per_layer_input_dim)
+    params["per_layer_projection"] = dense((e, width), e)
+    params["per_layer_norm"] = norm_init((c.per_layer_input_dim,), dtype)
   return Model(params, config)
+
+
+def layer_param_shapes(config: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+  """The weight shapes of one layer of a `per_layer_only` config (`[in, out]` projections)."""
+  c = config
+  e, d, kvh, f = c.embed_dim, c.layer_head_dim(layer), c.layer_kv_heads(layer), c.layer_mlp_dim(layer)
+  shapes = {"attn_norm": (e,), "wq": (e, c.num_heads * d), "wo": (c.num_heads * d, e),
+            "mlp_norm": (e,), "w_gate": (e, f), "w_up": (e, f), "w_down": (f, e)}
+  if c.kv_source(layer) == layer:
+    shapes.update(wk=(e, kvh * d), wv=(e, kvh * d))
+  if c.qkv_bias:
+    shapes["bq"] = (c.num_heads * d,)
+    if c.kv_source(layer) == layer:
+      shapes.update(bk=(kvh * d,), bv=(kvh * d,))
+  if c.qk_norm:
+    shapes["q_norm"] = (d,)
+    if c.kv_source(layer) == layer:
+      shapes["k_norm"] = (d,)
+  if c.post_norms:
+    shapes.update(post_attn_norm=(e,), post_mlp_norm=(e,))
+  if c.per_layer_input_dim:
+    p = c.per_layer_input_dim
+    shapes.update(ple_gate=(e, p), ple_proj=(p, e), ple_norm=(e,))
+  if c.layer_scalar:
+    shapes["layer_scalar"] = (1,)
+  return shapes
+
+
+def _layer_params(config: ModelConfig, layer: int, rng: jax.Array, dtype) -> dict:
+  """Random weights of one layer of a `per_layer_only` config."""
+  shapes = layer_param_shapes(config, layer)
+  keys = dict(zip(shapes, jax.random.split(rng, len(shapes))))
+  out = {}
+  for name, shape in shapes.items():
+    if len(shape) == 2:
+      out[name] = (jax.random.normal(keys[name], shape, jnp.float32)
+                   / math.sqrt(shape[0])).astype(dtype)
+    elif name == "layer_scalar" or not config.norm_offset:
+      out[name] = jnp.ones(shape, dtype)
+    else:
+      out[name] = jnp.zeros(shape, dtype)
+  return out
+
+
+def _per_layer_inputs(ops, params: dict, c: ModelConfig, tokens: jax.Array,
+                      embedded: jax.Array) -> jax.Array:
+  """Gemma 4's per-layer inputs `[B, T, L, P]`: the token's per-layer embedding (scaled by
+  `sqrt(P)`) plus the normed projection of the (scaled) input embedding, times `2 ** -0.5`."""
+  b, t = tokens.shape
+  shape = (b, t, c.num_layers, c.per_layer_input_dim)
+  token_part = weights.embed(params["embed_per_layer"], tokens)
+  token_part = token_part * jnp.asarray(math.sqrt(c.per_layer_input_dim), token_part.dtype)
+  context = ops.matmul(embedded, params["per_layer_projection"]) * (c.embed_dim ** -0.5)
+  context = rms_norm(context.reshape(shape), params["per_layer_norm"], c.norm_eps, c.norm_offset)
+  return (context + token_part.reshape(shape)) * (2.0 ** -0.5)
 
 
 def check_taps(taps, num_layers: int) -> tuple[int, ...]:
@@ -327,10 +404,14 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     x = x * jnp.asarray(math.sqrt(c.embed_dim), x.dtype)
   x = constrain(x, RESIDUAL_AXES)  # constrain() is a no-op unless a mesh is active
 
-  global_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling))
+  global_rope = rope_tables(q_pos, rope_inv_freq(c.global_head_dim or c.head_dim, c.rope_theta,
+                                                  c.rope_scaling))
   local_theta = c.rope_local_theta or c.rope_theta
   local_rope = rope_tables(q_pos, rope_inv_freq(c.head_dim, local_theta,
                                                  None if c.rope_local_theta else c.rope_scaling))
+  per_layer_inputs = None
+  if c.per_layer_input_dim:  # Gemma 4's per-layer embeddings: `[B, T, L, P]`
+    per_layer_inputs = _per_layer_inputs(ops, p, c, tokens, x)
 
   unstacked = not model.is_stacked
   if cache is None:
@@ -348,25 +429,42 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     # Cache slots before a row's start hold earlier tokens; the rest is stale or empty.
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
 
-  def block(x, lp, window, layer_k, layer_v):
+  def block(x, lp, window, layer_k, layer_v, layer=None, shared_kv=None, per_layer_input=None):
+    # `layer` (the unrolled loop's index) gives a `per_layer_only` model's per-layer head width
+    # and RoPE; `shared_kv` is the block's `(k, v)` of the layer a KV-shared layer attends.
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
 
     def project_out(a, name, post_norm):  # an output projection, then its post-norm if any
       out = ops.output(a, lp, name)
       return rms_norm(out, lp[post_norm], c.norm_eps, c.norm_offset) if c.post_norms else out
 
-    q, k, v = ops.qkv(h, lp, c)
-    q = q.reshape(b, t, c.num_heads, c.head_dim)
-    k = k.reshape(b, t, c.num_kv_heads, c.head_dim)
-    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    if layer is None or not c.per_layer_only:
+      head_dim, kv_heads = c.head_dim, c.num_kv_heads
+      is_local = window > 0
+      sin = jnp.where(is_local, local_rope[0], global_rope[0])
+      cos = jnp.where(is_local, local_rope[1], global_rope[1])
+    else:
+      head_dim, kv_heads = c.layer_head_dim(layer), c.layer_kv_heads(layer)
+      sin, cos = local_rope if not c.is_global(layer) else global_rope
+    if shared_kv is None:
+      q, k, v = ops.qkv(h, lp, c)
+      k = k.reshape(b, t, kv_heads, head_dim)
+      v = v.reshape(b, t, kv_heads, head_dim)
+    else:
+      q = ops.query(h, lp)
+    q = q.reshape(b, t, c.num_heads, head_dim)
     if c.qk_norm:
       q = rms_norm(q, lp["q_norm"], c.norm_eps, c.norm_offset)
+    if c.qk_norm and shared_kv is None:
       k = rms_norm(k, lp["k_norm"], c.norm_eps, c.norm_offset)
-    q, k, v = constrain(q, QUERY_AXES), constrain(k, KEY_VALUE_AXES), constrain(v, KEY_VALUE_AXES)
-    is_local = window > 0
-    sin = jnp.where(is_local, local_rope[0], global_rope[0])
-    cos = jnp.where(is_local, local_rope[1], global_rope[1])
-    q, k = apply_rope(q, sin, cos), apply_rope(k, sin, cos)
+    if c.v_norm and shared_kv is None:  # a norm without a scale
+      v = rms_norm(v, jnp.ones((), jnp.float32), c.norm_eps, 0.0)
+    q = apply_rope(constrain(q, QUERY_AXES), sin, cos)
+    if shared_kv is None:
+      k, v = constrain(k, KEY_VALUE_AXES), constrain(v, KEY_VALUE_AXES)
+      k = apply_rope(k, sin, cos)
+    else:
+      k, v = shared_kv
     segments = [(k.swapaxes(1, 2), v.swapaxes(1, 2), q_pos, block_mask)]  # the block, causally
     if layer_k is not None:
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
@@ -378,6 +476,12 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     gate, up = ops.gate_up(h, lp, c)
     hidden = constrain(_mlp_activation(gate, c.activation) * up, MLP_AXES)
     x = x + project_out(hidden, "w_down", "post_mlp_norm")
+    if per_layer_input is not None:  # Gemma 4's per-layer embedding enters the residual stream
+      gate = _mlp_activation(ops.matmul(x, lp["ple_gate"]), c.activation) * per_layer_input
+      x = x + rms_norm(ops.matmul(gate, lp["ple_proj"]), lp["ple_norm"], c.norm_eps,
+                       c.norm_offset)
+    if c.layer_scalar:
+      x = x * lp["layer_scalar"].astype(x.dtype)
     return constrain(x, RESIDUAL_AXES), k, v, attn
 
   layers = p["layers"]
@@ -387,12 +491,24 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
   if unstacked:  # one weight dict and one cache buffer per layer, an unrolled Python loop
     # Each layer reads its own cache buffer and writes its block into it after attending (the
     # block itself is attended as its own segment), so every buffer is updated in place.
+    # A KV-shared layer (`config.kv_source`) attends its source layer's buffer as that layer left
+    # it (written or not: the new slots lie past `starts`, masked) and its block's keys/values.
     new_k, new_v = [], []
+    blocks = {}
     for i, (lp, window) in enumerate(zip(layers, c.layer_windows())):
       if i in inner:
         tapped[i] = x
-      layer_kv = (None, None) if cache is None else (cache_k[i], cache_v[i])
-      x, k, v, attn = block(x, lp, jnp.int32(window), *layer_kv)
+      source = c.kv_source(i)
+      current_k = new_k if cache is not None and write_cache and source != i else cache_k
+      current_v = new_v if cache is not None and write_cache and source != i else cache_v
+      layer_kv = (None, None) if cache is None else (current_k[source], current_v[source])
+      layer_input = None if per_layer_inputs is None else per_layer_inputs[:, :, i]
+      x, k, v, attn = block(x, lp, jnp.int32(window), *layer_kv, layer=i,
+                            shared_kv=blocks.get(source) if source != i else None,
+                            per_layer_input=layer_input)
+      if source != i:  # a KV-shared layer writes nothing
+        continue
+      blocks[i] = (k, v)
       if cache is not None and not write_cache:
         new_k.append(k)
         new_v.append(v)

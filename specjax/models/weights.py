@@ -82,6 +82,11 @@ class Ops:
     qkv = self._biased(h, lp["wqkv_t"], lp.get("bqkv"))
     return qkv[..., :n_q], qkv[..., n_q:n_q + n_kv], qkv[..., n_q + n_kv:]
 
+  def query(self, h: jax.Array, lp: dict) -> jax.Array:
+    """`h [B, T, E]` -> the queries `[B, T, H * D]` alone (a KV-shared layer, which has no key or
+    value projection of its own; canonical layout)."""
+    return self._biased(h, lp["wq"], lp.get("bq"))
+
   def gate_up(self, h: jax.Array, lp: dict, c: ModelConfig):
     """`h [B, T, E]` -> the layer's MLP gate and up projections `[B, T, F]`: two products where
     the layer holds them apart, one split in two where it holds them fused."""
