@@ -38,13 +38,17 @@ class KVCache:
 
   @classmethod
   def create(cls, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32, per_layer: bool = False) -> "KVCache":
+             dtype=jnp.float32, per_layer: bool = False, pack: int = 1) -> "KVCache":
+    """Zeroed buffers. `pack` (stacked only; see `head_pack`): key/value heads stored `pack` to a
+    row, `[L, B, KVH / pack, S, pack * D]`."""
     lengths = jnp.zeros((batch,), jnp.int32)
     if per_layer:
       shape = (batch, num_kv_heads, max_len, head_dim)
       zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
       return cls(k=zeros(), v=zeros(), lengths=lengths)
-    shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+    if num_kv_heads % pack:
+      raise ValueError(f"pack={pack} must divide num_kv_heads={num_kv_heads}")
+    shape = (num_layers, batch, num_kv_heads // pack, max_len, pack * head_dim)
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=lengths)
 
   @classmethod
@@ -94,6 +98,46 @@ class KVCache:
     return KVCache(tuple(self.k), tuple(self.v), self.lengths)
 
 
+# A TPU vector register row: 128 lanes. A cache whose head_dim is narrower pads every slot's row
+# to 128 lanes in HBM (twice the memory at head_dim 64) unless heads share a row.
+LANES = 128
+
+
+def head_pack(num_kv_heads: int, head_dim: int) -> int:
+  """Key/value heads a stacked cache stores per row (`KVCache.create(pack=)`): `128 / head_dim`
+  where head_dim is narrower than 128 and divides it, and that many divide the KV heads; else 1.
+
+  Packed, a stacked cache is `[L, B, KVH / p, S, p * D]`: slot `s` of group `c` holds heads
+  `c p .. c p + p - 1` side by side, so a row is 128 lanes wide with no padding (Qwen2.5-0.5B's
+  and Llama-3.2-1B's head_dim 64: p = 2). Attention reads it as it lies
+  (`specjax.models.layers.attention_reference`), writes pack their blocks (`match_block`)."""
+  if head_dim >= LANES or LANES % head_dim:
+    return 1
+  pack = LANES // head_dim
+  return pack if num_kv_heads % pack == 0 else 1
+
+
+def match_block(block: jax.Array, buffer: jax.Array) -> jax.Array:
+  """A `[..., KVH, D]` key/value block in `buffer`'s head packing (`head_pack`): unchanged when
+  the buffer's rows are `D` wide, else `[..., KVH / p, p D]` (`p = buffer's row / D`)."""
+  width, dim = buffer.shape[-1], block.shape[-1]
+  if width == dim:
+    return block
+  pack = width // dim
+  return block.reshape(block.shape[:-2] + (block.shape[-2] // pack, width))
+
+
+def unpack_heads(slab: jax.Array, head_dim: int) -> jax.Array:
+  """A packed `[B, KVH / p, S, p D]` slab (`head_pack`) as `[B, KVH, S, D]` (a copy); an
+  unpacked one unchanged."""
+  b, groups, slots, width = slab.shape
+  if width == head_dim:
+    return slab
+  pack = width // head_dim
+  return (slab.reshape(b, groups, slots, pack, head_dim).transpose(0, 1, 3, 2, 4)
+          .reshape(b, groups * pack, slots, head_dim))
+
+
 def _slots(starts: jax.Array, width: int) -> jax.Array:
   """`[B, T, 1]` int32: the slot entry `t` of row `b` of a block goes to."""
   starts = jnp.asarray(starts, jnp.int32)
@@ -128,7 +172,7 @@ def write_block(buffer: jax.Array, block: jax.Array, starts: jax.Array) -> jax.A
     The updated buffer. Entries that would land at slot `S` or later are dropped (callers size the
     cache so that `starts + T <= S`; `decode` and `generate` reserve that room).
   """
-  return _scatter(buffer, _slots(starts, block.shape[1]), block, _LAYER_DIMS)
+  return _scatter(buffer, _slots(starts, block.shape[1]), match_block(block, buffer), _LAYER_DIMS)
 
 
 def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array) -> jax.Array:
@@ -147,7 +191,8 @@ def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array)
   the write local to the devices holding each row, and a donated cache is updated in place. A
   write costs the block's size, not the cache's.
   """
-  return _scatter(stacked, _slots(starts, block.shape[2]), block, _STACKED_DIMS)
+  return _scatter(stacked, _slots(starts, block.shape[2]), match_block(block, stacked),
+                  _STACKED_DIMS)
 
 
 def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.Array, *,

@@ -63,6 +63,7 @@ def write_stacked(stacked: jax.Array, block: jax.Array, starts: jax.Array) -> ja
   """`specjax.core.cache.write_stacked_block`'s result (`[L, B, KVH, S, D]` with every layer's
   `block[:, b]` (`[L, B, T, KVH, D]`) at slots `starts[b] ..`, entries past `S - 1` dropped),
   written by the platform's best program (see the module docstring)."""
+  block = cache_lib.match_block(block, stacked)  # a packed cache's heads (`head_pack`)
   return jax.lax.platform_dependent(stacked, block, starts, tpu=_tpu_write,
                                     default=cache_lib.write_stacked_block)
 

@@ -11,6 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.core.cache import unpack_heads
 from specjax.models import long_attention
 from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
@@ -72,7 +73,7 @@ def attention_reference(q, keys, values, masks, *, scale: float, softcap: float 
   long cache plus a new block copies neither. Returns `[B, KVH, G, T, D]` float32."""
   all_scores = []
   for k, visible in zip(keys, masks):
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * scale
+    scores = _scores(q, k) * scale
     if softcap is not None:
       scores = softcap * jnp.tanh(scores / softcap)
     all_scores.append(jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min))
@@ -83,9 +84,43 @@ def attention_reference(q, keys, values, masks, *, scale: float, softcap: float 
     part = probs[..., offset:offset + v.shape[2]].astype(v.dtype)
     # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
     # a transposed value slab per layer; the small result is transposed by the caller instead.
-    out = out + jnp.einsum("bkgts,bksd->bkgtd", part, v, preferred_element_type=jnp.float32)
+    out = out + _weighted_values(part, v, q.shape[-1])
     offset += v.shape[2]
   return out
+
+
+# A packed cache segment (`specjax.core.cache.head_pack`: `[B, C, S, p D]`, heads `c p + j` side
+# by side in a row) is read as it lies, with no unpacking copy: each query is placed in its head's
+# lanes of a `p D`-wide row (zeros elsewhere), so the product over the whole row is its head's
+# score; the value product gives every head's `p D`-wide mix, of which a head keeps its own lanes.
+# `p` times the flops of the segment's two products, none of its bytes.
+
+def _scores(q, k):
+  """`[B, KVH, G, T, S]` float32 scores of `q [B, T, KVH, G, D]` against keys `[B, KVH, S, D]`
+  or a packed `[B, KVH / p, S, p D]`."""
+  b, t, kvh, g, d = q.shape
+  if k.shape[-1] == d:
+    return jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
+  groups, pack = k.shape[1], k.shape[-1] // d
+  eye = jnp.eye(pack, dtype=q.dtype)
+  spread = jnp.einsum("btcjgd,ji->btcjgid", q.reshape(b, t, groups, pack, g, d), eye)
+  spread = spread.reshape(b, t, groups, pack, g, pack * d)
+  scores = jnp.einsum("btcjge,bcse->bcjgts", spread, k, preferred_element_type=jnp.float32)
+  return scores.reshape(b, kvh, g, t, k.shape[2])
+
+
+def _weighted_values(probs, v, head_dim: int):
+  """`[B, KVH, G, T, D]` float32: `probs [B, KVH, G, T, S]` times values `[B, KVH, S, D]` or a
+  packed `[B, KVH / p, S, p D]`."""
+  if v.shape[-1] == head_dim:
+    return jnp.einsum("bkgts,bksd->bkgtd", probs, v, preferred_element_type=jnp.float32)
+  b, kvh, g, t, s = probs.shape
+  groups, pack = v.shape[1], v.shape[-1] // head_dim
+  mixed = jnp.einsum("bcjgts,bcse->bcjgte", probs.reshape(b, groups, pack, g, t, s), v,
+                     preferred_element_type=jnp.float32)
+  mixed = mixed.reshape(b, groups, pack, g, t, pack, head_dim)
+  own = jnp.einsum("bcjgtid,ji->bcjgtd", mixed, jnp.eye(pack, dtype=jnp.float32))
+  return own.reshape(b, kvh, g, t, head_dim)
 
 
 def segment_attention(q, keys, values, masks, *, scale: float, softcap: float | None,
@@ -96,7 +131,8 @@ def segment_attention(q, keys, values, masks, *, scale: float, softcap: float | 
   training runs the cache-free forward)."""
   keys, values, masks = tuple(keys), tuple(values), tuple(masks)
   ref = functools.partial(attention_reference, scale=scale, softcap=softcap)
-  if not (kernel and cpu_gemv.attention_usable(q, keys)):
+  packed = any(k.shape[-1] != q.shape[-1] for k in keys)
+  if packed or not (kernel and cpu_gemv.attention_usable(q, keys)):
     return ref(q, keys, values, masks)
   fast = functools.partial(cpu_gemv.attention_kernel, scale=scale, softcap=softcap)
   return jax.lax.platform_dependent(q, keys, values, masks, cpu=fast, default=ref)
@@ -133,10 +169,14 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     `[B, T, H * D]`.
   """
   b, t, h, d = q.shape
-  kvh = segments[0][0].shape[1]
+  kvh = segments[0][0].shape[1] * (segments[0][0].shape[-1] // d)  # a packed cache's heads too
   q = q.reshape(b, t, kvh, h // kvh, d)
   if long_attention.is_long(q, segments):
     keys, values, k_pos, valid = zip(*segments)
+    # The long-block kernels take `[B, KVH, S, D]`: a packed cache segment is unpacked (a
+    # prefill's chunk copies the layer's cache once; its own concatenation copies it anyway).
+    keys = tuple(unpack_heads(k, d) for k in keys)
+    values = tuple(unpack_heads(v, d) for v in values)
     out = long_attention.long_attention(
         q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
         softcap=config.attn_logit_softcap,

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.cpu import kernel as cpu_gemv
-from specjax.core.cache import KVBlock, KVCache
+from specjax.core.cache import KVBlock, KVCache, head_pack
 from specjax.models.cache_write import write_stacked
 from specjax.models.cpu import layout as cpu_layout
 from specjax.models.cpu import panels as panel_layout
@@ -116,7 +116,9 @@ class Model:
     """An empty cache of at least `max_len` slots per row. A stacked model's (the layout TPU
     runs) holds `max_len` rounded up to a multiple of `CACHE_SLOT_MULTIPLE`, so that its writes
     take the TPU write kernel's aligned windows (`specjax.models.cache_write`); the extra slots
-    are never valid, so they are masked like any unwritten slot."""
+    are never valid, so they are masked like any unwritten slot. It also stores heads narrower
+    than 128 lanes two or more to a row (`specjax.core.cache.head_pack`: no lane padding on
+    TPU)."""
     cfg = self.config
     if cfg.per_layer_only:  # one buffer per layer with keys and values of its own, its own shape
       return KVCache.create_layers(
@@ -124,8 +126,9 @@ class Model:
           batch, max_len, dtype or self.dtype)
     if self.is_stacked:
       max_len = -(-max_len // CACHE_SLOT_MULTIPLE) * CACHE_SLOT_MULTIPLE
+    pack = head_pack(cfg.num_kv_heads, cfg.head_dim) if self.is_stacked else 1
     return KVCache.create(cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim,
-                          dtype or self.dtype, per_layer=not self.is_stacked)
+                          dtype or self.dtype, per_layer=not self.is_stacked, pack=pack)
 
   def __call__(self, tokens, starts, cache=None, *, taps=(), return_hidden=False,
                positions=None, block_mask=None, write_cache=True,
