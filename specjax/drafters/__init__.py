@@ -5,7 +5,7 @@ A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt looku
 (`EagleDrafter`, `load_eagle3`, `MedusaDrafter`: `specjax.drafters.eagle`,
 `specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`), DFlash block
 drafters (`DFlashDrafter`, `load_dflash`: `specjax.drafters.dflash`, with DDTree trees) and the
-draft of speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`).
+draft of speculative speculative decoding (`SSDDrafter`: `specjax.decode` runs its own loop).
 Adaptive draft length is `specjax.drafters.adaptive`.
 """
 
