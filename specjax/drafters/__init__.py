@@ -6,7 +6,8 @@ A draft model (`ModelDrafter`, `self_drafter`, `with_draft_vocab`), prompt looku
 `specjax.drafters.medusa`), prompt lookup in front of one (`HybridDrafter`), DFlash block
 drafters (`DFlashDrafter`, `load_dflash`: `specjax.drafters.dflash`, with DDTree trees), Gemma 4
 assistants (`Gemma4AssistantDrafter`, `load_gemma4_assistant`: `specjax.drafters.gemma4_assistant`)
-and the draft of speculative speculative decoding (`SSDDrafter`, run by `specjax.loop.ssd.decode_ssd`).
+and the draft of speculative speculative decoding (`SSDDrafter`: `specjax.decode` runs its own
+loop).
 Adaptive draft length is `specjax.drafters.adaptive`.
 """
 

@@ -57,10 +57,37 @@ from specjax.core.sampling import PURPOSE_DRAFT, Sampling, first_argmax, sample_
 from specjax.drafters.base import OwnModelDrafter
 from specjax.drafters.model import ModelDrafter
 
-__all__ = ["SSDDrafter", "branch_drafts", "candidates", "fan_out_layout", "geometric_fan_out",
-           "pre_speculate", "saguaro_log_q"]
+__all__ = ["ROLE_AXIS", "SSDDrafter", "branch_drafts", "candidates", "check_role_mesh",
+           "fan_out_layout", "geometric_fan_out", "pre_speculate", "saguaro_log_q"]
 
 _STATIC = dict(static=True)
+ROLE_AXIS = "role"
+
+
+def check_role_mesh(mesh) -> jax.sharding.Mesh | None:
+  """None (one device), or `mesh` if it has a `role` axis of size 2. Other axes (a v5e 2x2 slice
+  as `(role, model) = (2, 2)`) are left to XLA's partitioner inside each role: with the
+  replicated inputs SSD's loop passes, each role's devices compute the same thing (tensor
+  parallelism within a role is not done).
+
+  Raises:
+    ValueError: something that is not a mesh, a mesh without a `role` axis, or with one of
+      another size.
+  """
+  if mesh is None:
+    return None
+  if not isinstance(mesh, jax.sharding.Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh with a '{ROLE_AXIS}' axis of size 2 "
+                     f"(jax.make_mesh((2,), ('{ROLE_AXIS}',))), or None, got "
+                     f"{type(mesh).__name__}")
+  names = tuple(mesh.axis_names)
+  if ROLE_AXIS not in names:
+    raise ValueError(f"mesh needs a '{ROLE_AXIS}' axis of size 2 (target devices, draft "
+                     f"devices) for the role split, got axes {names}")
+  size = dict(zip(names, mesh.axis_sizes))[ROLE_AXIS]
+  if size != 2:
+    raise ValueError(f"the mesh's '{ROLE_AXIS}' axis must have size 2 (target, draft), got {size}")
+  return mesh
 
 
 def geometric_fan_out(num_draft: int, budget: int, *, acceptance: float = 0.8,
@@ -112,8 +139,9 @@ def fan_out_layout(fan_out: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
 class SSDDrafter(OwnModelDrafter):
   """A draft model that pre-speculates the next round for the likely outcomes of this one.
 
-  Run it with `specjax.loop.ssd.decode_ssd` (one device, or a mesh with a `role` axis of size 2:
-  the target verifies on one half while the draft pre-speculates on the other).
+  Hand it to `specjax.decode` as the drafter: the call then runs SSD's loop (`specjax.loop.ssd`)
+  on one device, or, with `mesh`, split by role (the target verifies on one half of the mesh
+  while the draft pre-speculates on the other).
 
   Attributes:
     drafter: the draft, a `specjax.drafters.ModelDrafter` (a `specjax.Model` is wrapped; a
@@ -125,6 +153,11 @@ class SSDDrafter(OwnModelDrafter):
     saguaro: `C` in `[0, 1]`, Saguaro sampling's scale on the top-`F_i` probabilities at draft slot
       `i` (1 = plain sampling). Ignored when greedy. Static.
     acceptance, exponent, bonus_factor: the geometric fan-out's `a`, `r` and `k = K` factor.
+    mesh: where the loop runs. None: on one device (the two halves one after the other). A
+      `jax.sharding.Mesh` with a `role` axis of size 2 (`jax.make_mesh((2,), ("role",))`, or
+      `(role, model)` for several devices per role): the devices at `role = 0` run the target
+      half, those at `role = 1` the draft half, at the same time, with one exchange per round;
+      the call replicates the target and the draft on both roles. Static.
   """
 
   drafter: Any
@@ -134,6 +167,7 @@ class SSDDrafter(OwnModelDrafter):
   acceptance: float = dataclasses.field(default=0.8, metadata=_STATIC)
   exponent: float = dataclasses.field(default=1.0, metadata=_STATIC)
   bonus_factor: float = dataclasses.field(default=2.0, metadata=_STATIC)
+  mesh: jax.sharding.Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
 
   def __post_init__(self):
     drafter = self.drafter
@@ -149,6 +183,7 @@ class SSDDrafter(OwnModelDrafter):
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
       raise ValueError(f"saguaro (Saguaro sampling's C) must be a number in [0, 1], got {c!r}")
     object.__setattr__(self, "saguaro", float(c))
+    check_role_mesh(self.mesh)
     if self.fan_out is not None:
       object.__setattr__(self, "fan_out", tuple(self.fan_out))
       object.__setattr__(self, "budget", int(sum(self.fan_out)))
@@ -176,7 +211,8 @@ class SSDDrafter(OwnModelDrafter):
     return self.drafter.init(tokens, lengths, buffer_len, prefill)
 
   def propose(self, *args, **kwargs):
-    raise ValueError("an SSDDrafter runs in specjax.loop.ssd.decode_ssd, not in decode's rounds")
+    raise ValueError("an SSDDrafter runs in SSD's own loop (specjax.decode routes it there), not "
+                     "in ordinary rounds")
 
   def observe(self, state, scored, block, emitted, count, lengths):
     del scored, block, emitted, count, lengths

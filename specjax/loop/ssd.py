@@ -1,4 +1,7 @@
-"""`decode_ssd`: speculative speculative decoding (SSD / Saguaro) in one `lax.while_loop`.
+"""SSD's loop: speculative speculative decoding (Saguaro) in one `lax.while_loop`.
+
+`specjax.decode` runs it when its drafter is a `specjax.drafters.SSDDrafter` (`prepare_ssd`);
+`decode_ssd` is the same call under its earlier name.
 
 Each round has two halves that read the same inputs (the committed sequence and the round's
 served drafts) and never each other's outputs:
@@ -15,19 +18,23 @@ drafts and `q` in the next round; a miss serves none (`num_drafted = 0`): the ne
 plain target step for that row, while the draft half spends its whole budget on that step's
 `k = 0` outcomes. The first round is such a step for every row.
 
-**Placement.** On one device the two halves run one after the other (no overlap, the same
-tokens). With `mesh=` holding a `role` axis of size 2, the loop runs inside `jax.shard_map`: the
-devices at `role = 0` run the target half and those at `role = 1` the draft half (`lax.cond` on
-the role index), at the same time, and the exchange is ONE `psum` over `role` per round (the
-outcomes, the branch keys, drafts and `q` packed into one int32 buffer, each side contributing
-zeros where the other writes). Both roles then hold the same sequence, so the loop's bookkeeping
-runs on both and the output is the single-device output, token for token. Weights and caches are
-replicated across the two roles (each only runs its own); tensor parallelism within a role is not
-done here.
+**Placement** (`SSDDrafter.mesh`). On one device the two halves run one after the other (no
+overlap, the same tokens). With a mesh holding a `role` axis of size 2, the loop runs inside
+`jax.shard_map`: the devices at `role = 0` run the target half and those at `role = 1` the draft
+half (`lax.cond` on the role index), at the same time, and the exchange is ONE `psum` over `role`
+per round (the outcomes, the branch keys, drafts and `q` packed into one int32 buffer, each side
+contributing zeros where the other writes). Both roles then hold the same sequence, so the loop's
+bookkeeping runs on both and the output is the single-device output, token for token. Weights and
+caches are replicated across the two roles (each only runs its own); tensor parallelism within a
+role is not done here.
 
 **Outcome cache in the loop state.** `SSDCarry` holds the served drafts and their `q` (the hit
 branch, chosen at the exchange), and the per-`k` hit counters. The branch keys live only from the
 exchange to the lookup inside one round: the cache is replaced every round.
+
+**Negative controls.** The jitted program takes a static `variant` (`NEGATIVE_CONTROLS`): broken
+twins of the loop that only `specjax.testing.ssd_variants` runs, to prove that the exactness
+tests can fail. The public entry points always run "exact".
 """
 
 from __future__ import annotations
@@ -46,19 +53,21 @@ from specjax.core.outputs import DecodeOutput
 from specjax.core.sampling import GREEDY, Sampling, no_distribution, row_seeds, warp_logits
 from specjax.core.sequence import gather_tokens
 from specjax.core.tracing import TRACE_COUNTS
-from specjax.drafters.ssd import SSDDrafter, pre_speculate, saguaro_log_q
-from specjax.loop.decode import check_decode_arguments
+from specjax.drafters.ssd import (ROLE_AXIS, SSDDrafter, check_role_mesh, pre_speculate,
+                                  saguaro_log_q)
+from specjax.loop.arguments import DecodeArguments, check_decode_arguments
+from specjax.loop.program import Program
 from specjax.loop.round import _advance, _keep, _nonfinite_emitted
 from specjax.loop.state import DecodeState, finish, init_state
 from specjax.verify.rule import verify_reference
 
-__all__ = ["ROLE_AXIS", "SSDCarry", "SSDOutput", "SSDStats", "VARIANTS", "check_role_mesh",
-           "decode_ssd"]
+__all__ = ["ROLE_AXIS", "SSDCarry", "SSDOutput", "SSDProgram", "SSDStats", "check_role_mesh",
+           "decode_ssd", "prepare_ssd"]
 
-ROLE_AXIS = "role"
 T1 = Sampling(temperature=1.0)  # the rule on logits that are already warped (p) or final (q')
 
-# The exact program, and negative controls that only the tests run (tests/loop/test_ssd.py):
+# Broken twins of the loop, run only by `specjax.testing.ssd_variants` (the exactness tests'
+# power checks); the public entry points run "exact":
 #  "k_only": the cache keyed by k alone (a wrong-prefix branch is served) with the q its drafts
 #    were drawn from: still exact (speculative sampling is exact for any proposal used
 #    consistently), fewer accepted drafts;
@@ -66,7 +75,7 @@ T1 = Sampling(temperature=1.0)  # the rule on logits that are already warped (p)
 #    realised prefix: not exact;
 #  "unscaled_q": Saguaro sampling's drafts verified with the unscaled q: not exact for C < 1;
 #  "wrong_branch_q": a hit verified with the q of the next branch slot: not exact.
-VARIANTS = ("exact", "k_only", "k_only_realised_q", "unscaled_q", "wrong_branch_q")
+NEGATIVE_CONTROLS = ("k_only", "k_only_realised_q", "unscaled_q", "wrong_branch_q")
 
 
 @jax.tree_util.register_dataclass
@@ -99,86 +108,103 @@ class SSDCarry:
   stats: SSDStats
 
 
-class SSDOutput(NamedTuple):
-  """`DecodeOutput`'s fields, and the outcome cache's `SSDStats`."""
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SSDOutput(DecodeOutput):
+  """`DecodeOutput` (`tokens`, `num_tokens`, `stats`; `logprobs` is None), and `ssd`: the outcome
+  cache's `SSDStats`."""
 
-  tokens: jax.Array
-  num_tokens: jax.Array
-  stats: Any
-  logprobs: jax.Array | None
-  ssd: SSDStats
+  ssd: SSDStats | None = None
 
 
-def check_role_mesh(mesh) -> jax.sharding.Mesh | None:
-  """None (one device), or `mesh` if it has a `role` axis of size 2. Other axes (a v5e 2x2 slice
-  as `(role, model) = (2, 2)`) are left to XLA's partitioner inside each role: with the
-  replicated inputs `decode_ssd` passes, each role's devices compute the same thing (tensor
-  parallelism within a role is future work).
+@dataclasses.dataclass(frozen=True)
+class SSDProgram(Program):
+  """A checked SSD call: `_decode_ssd` and its inputs (`Program`'s fields), run on the
+  drafter's mesh (replicated on both roles) or on one device."""
+
+  mesh: jax.sharding.Mesh | None = None
+
+  def _placed(self) -> tuple:
+    if self.mesh is None:
+      return self.inputs
+    # Replicated on both roles (a no-op for what is already placed so).
+    return jax.device_put(self.inputs,
+                          jax.sharding.NamedSharding(self.mesh, PartitionSpec()))
+
+  def run(self) -> SSDOutput:
+    """Runs the loop.
+
+    Returns:
+      `SSDOutput(tokens [B, max_new_tokens], num_tokens [B], stats, None, ssd)`.
+    """
+    out = self.jitted(*self._placed(), jnp.int32(self.max_new_tokens), **self.static)
+    return dataclasses.replace(out, tokens=out.tokens[:, :self.max_new_tokens])
+
+  def compile(self) -> jax.stages.Compiled:
+    """Lowers and compiles the loop for these arguments, without running it."""
+    return self.jitted.lower(*self._placed(), jnp.int32(self.max_new_tokens),
+                             **self.static).compile()
+
+
+def prepare_ssd(target, args: DecodeArguments, *, sampling: Sampling, pad_id: int | None,
+                return_logprobs: bool = False) -> SSDProgram:
+  """SSD's program for `decode`'s checked arguments (`args.drafter` an `SSDDrafter`).
 
   Raises:
-    ValueError: a mesh without a `role` axis, or with one of another size.
+    ValueError: `return_logprobs` (not collected by SSD's loop).
   """
-  if mesh is None:
-    return None
-  names = tuple(getattr(mesh, "axis_names", ()))
-  if ROLE_AXIS not in names:
-    raise ValueError(f"mesh needs a '{ROLE_AXIS}' axis of size 2 (target devices, draft "
-                     f"devices) for the role split, got axes {names}")
-  size = dict(zip(names, mesh.axis_sizes))[ROLE_AXIS]
-  if size != 2:
-    raise ValueError(f"the mesh's '{ROLE_AXIS}' axis must have size 2 (target, draft), got {size}")
-  return mesh
+  if return_logprobs:
+    raise ValueError("an SSDDrafter does not return log-probabilities: leave return_logprobs "
+                     "out")
+  static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
+                pad_id=validation.resolve_pad_id(target, pad_id))
+  inputs = (target, args.drafter, args.tokens, args.lengths, args.rng, args.eos_ids)
+  return SSDProgram(_decode_ssd, inputs, static, args.max_new_tokens, mesh=args.drafter.mesh)
 
 
 def decode_ssd(target, drafter: SSDDrafter, tokens, rng, *, lengths=None,
                max_new_tokens: int = 64, num_draft: int = 4, sampling: Sampling = GREEDY,
                eos_id: int | tuple[int, ...] | None = None, pad_id: int | None = None,
-               mesh=None, variant: str = "exact") -> SSDOutput:
-  """Speculative speculative decoding: the target's exact output law, with the next round's
-  drafts prepared while the target verifies.
+               mesh=None) -> SSDOutput:
+  """`specjax.decode(target, drafter, ...)` with an `SSDDrafter`, under its earlier name.
 
   Args:
-    target: the target `specjax.Model`.
-    drafter: a `specjax.drafters.SSDDrafter` (fan-out budget, Saguaro's `C`).
-    tokens, rng, lengths, max_new_tokens, sampling, eos_id, pad_id: as `specjax.decode`.
-    num_draft: `K`, drafts per round and branch.
-    mesh: None (one device) or a mesh with a `role` axis of size 2 (the role split; see the
-      module docstring).
-    variant: "exact"; the others (`VARIANTS`) are the tests' negative controls.
+    target, tokens, rng, lengths, max_new_tokens, num_draft, sampling, eos_id, pad_id: as
+      `specjax.decode`.
+    drafter: a `specjax.drafters.SSDDrafter`.
+    mesh: None (the drafter's own `mesh`), or a mesh with a `role` axis of size 2 for the role
+      split: the same as `SSDDrafter(..., mesh=mesh)`.
 
   Returns:
     `SSDOutput(tokens [B, max_new_tokens], num_tokens [B], stats, logprobs=None, ssd)`.
 
   Raises:
     ValueError: `decode`'s checks, a drafter that is not an `SSDDrafter`, a fan-out budget below
-      `K + 1`, or a mesh without a `role` axis of size 2; before anything is traced.
+      `K + 1`, a mesh without a `role` axis of size 2, or a `mesh` other than the drafter's own;
+      before anything is traced.
   """
   if not isinstance(drafter, SSDDrafter):
     raise ValueError(f"decode_ssd needs a specjax.drafters.SSDDrafter, got "
                      f"{type(drafter).__name__}")
-  if variant not in VARIANTS:
-    raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
   mesh = check_role_mesh(mesh)
-  args = check_decode_arguments(target, drafter.drafter, tokens, rng, lengths=lengths,
+  if mesh is not None and mesh != drafter.mesh:
+    if drafter.mesh is not None:
+      raise ValueError("decode_ssd's mesh= differs from the SSDDrafter's own mesh: give one")
+    drafter = dataclasses.replace(drafter, mesh=mesh)
+  args = check_decode_arguments(target, drafter, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl="reference")
-  drafter.branches(args.num_draft)  # the budget / fan-out check
-  static = dict(sampling=sampling, num_draft=args.num_draft, capacity=args.capacity,
-                pad_id=validation.resolve_pad_id(target, pad_id), mesh=mesh, variant=variant)
-  inputs = (target, drafter, args.tokens, args.lengths, args.rng, args.eos_ids,
-            jnp.int32(args.max_new_tokens))
-  if mesh is not None:  # replicated on both roles (a no-op for what is already placed so)
-    inputs = jax.device_put(inputs, jax.sharding.NamedSharding(mesh, PartitionSpec()))
-  out = _decode_ssd(*inputs, **static)
-  cut = lambda x: x[:, :args.max_new_tokens]
-  return out._replace(tokens=cut(out.tokens))
+  return prepare_ssd(target, args, sampling=sampling, pad_id=pad_id).run()
 
 
 @functools.partial(jax.jit, static_argnames=("sampling", "num_draft", "capacity", "pad_id",
-                                             "mesh", "variant"))
+                                             "variant"))
 def _decode_ssd(target, drafter, tokens, lengths, rng, eos_ids, max_new_tokens, *, sampling,
-                num_draft, capacity, pad_id, mesh, variant) -> SSDOutput:
+                num_draft, capacity, pad_id, variant: str = "exact") -> SSDOutput:
   TRACE_COUNTS["decode_ssd"] += 1
+  if variant != "exact" and variant not in NEGATIVE_CONTROLS:
+    raise ValueError(f"variant must be 'exact' or one of {NEGATIVE_CONTROLS}, got {variant!r}")
+  mesh = drafter.mesh
   seeds = row_seeds(rng, tokens.shape[0])
   run = functools.partial(_loop, sampling=sampling, num_draft=num_draft, capacity=capacity,
                           pad_id=pad_id, variant=variant, split=mesh is not None)

@@ -21,7 +21,8 @@ import numpy as np
 
 from specjax.core import validation
 from specjax.constrain.compile import constraint_inputs
-from specjax.loop.decode import check_decode_arguments
+from specjax.drafters.ssd import SSDDrafter
+from specjax.loop.arguments import check_decode_arguments
 from specjax.loop.generate import GenerateState, generate_start, generate_step
 from specjax.parallel.mesh import call_context
 from specjax.parallel.rules import rules_scope
@@ -123,6 +124,9 @@ def decode_stream(target, draft, tokens, rng, *, lengths=None, max_new_tokens: i
     `specjax.generate`), each yield is one `generate` step and `state` its
     `specjax.loop.generate.GenerateState` (`stats` and `done` as well).
   """
+  if isinstance(draft, SSDDrafter):
+    raise ValueError("decode_stream does not run an SSDDrafter (its rounds are SSD's own loop): "
+                     "call specjax.decode")
   args = check_decode_arguments(target, draft, tokens, rng, lengths=lengths,
                                 max_new_tokens=max_new_tokens, num_draft=num_draft,
                                 sampling=sampling, eos_id=eos_id, verify_impl=verify_impl,

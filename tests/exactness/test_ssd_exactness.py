@@ -1,9 +1,9 @@
-"""SSD (`specjax.loop.ssd.decode_ssd`) emits the target's own distribution, with and without
-Saguaro sampling, and its broken variants are caught by the same test.
+"""SSD (`specjax.decode` with an `SSDDrafter`) emits the target's own distribution, with and
+without Saguaro sampling, and its broken variants are caught by the same test.
 
 **Setup** (`specjax.testing.harness`): the tiny random 4-layer target over V = 64 with its output
 head scaled (about 1 nat of entropy at T = 1), a noisy copy of it (relative noise 0.07) as the
-draft, the three ragged prompts (8, 10, 12 tokens); N rows per prompt in ONE `decode_ssd` call
+draft, the three ragged prompts (8, 10, 12 tokens); N rows per prompt in ONE `decode` call
 (every row its own random stream, seed 0), 24 new tokens per row, K = 4 drafts per round and
 branch, a budget of 8 branches per row (geometric fan-out (2, 1, 1, 1, 3)). The outcome cache hits
 in about 40-75% of the lookups per k, so rows mix hit rounds (served branches), miss rounds (a plain
@@ -16,7 +16,7 @@ ALPHA = 1e-3; a broken variant must be rejected at the same corrected level.
 **Settings:** T = 1 (C = 1), T = 0.7 with top-k 16 / top-p 0.9 (C = 1), and T = 1 with Saguaro
 sampling C = 0.3 (the drafts' top-F_i probabilities scaled by 0.3).
 
-**Variants** (`specjax.loop.ssd.VARIANTS`):
+**Variants** (`specjax.testing.ssd_variants`: the same call with one step of the loop broken):
   * "k_only": the cache keyed by k alone, ignoring t*, so a wrong-prefix branch is served, but
     verified with the q its drafts were drawn from. Speculative sampling is exact for ANY proposal
     distribution used consistently, so this is still exact (the test passes it; it accepts fewer
@@ -46,8 +46,7 @@ import pytest
 
 import specjax as sj
 from specjax.drafters import SSDDrafter
-from specjax.loop import ssd
-from specjax.testing import harness
+from specjax.testing import harness, ssd_variants
 
 N = 600
 N_SMALL = 60
@@ -75,9 +74,12 @@ def _fit(world, setting: str, variant: str, num_samples: int):
   for i, prompt in enumerate(prompts):
     tokens[i * num_samples:(i + 1) * num_samples, :len(prompt)] = prompt
   drafter = SSDDrafter(world["draft"], budget=BUDGET, saguaro=scale)
-  out = ssd.decode_ssd(world["target"], drafter, jnp.asarray(tokens), jax.random.key(0),
-                       lengths=jnp.asarray(lengths), max_new_tokens=NEW, num_draft=K,
-                       sampling=sampling, variant=variant)
+  call = dict(lengths=jnp.asarray(lengths), max_new_tokens=NEW, num_draft=K, sampling=sampling)
+  if variant == "exact":
+    out = sj.decode(world["target"], drafter, jnp.asarray(tokens), jax.random.key(0), **call)
+  else:
+    out = ssd_variants.decode_ssd_variant(world["target"], drafter, jnp.asarray(tokens),
+                                          jax.random.key(0), variant=variant, **call)
   assert np.all(np.asarray(out.num_tokens) == NEW)
   new = np.asarray(out.tokens).reshape(len(prompts), num_samples, NEW)
   fit = harness.goodness_of_fit(prompts, new, sampling, world["scorer"], alpha=ALPHA)

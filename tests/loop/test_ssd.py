@@ -1,7 +1,8 @@
-"""SSD (`specjax.loop.ssd.decode_ssd`, `specjax.drafters.SSDDrafter`): greedy identity with
-`generate` at hit and at miss on ragged batches, on one device and split by role over 2 CPU
-devices (the same tokens, one collective in the program), the fan-out, the candidates, Saguaro's
-q, and the bad-input errors.
+"""SSD (`specjax.decode` with a `specjax.drafters.SSDDrafter`, `specjax.loop.ssd`): greedy
+identity with `generate` at hit and at miss on ragged batches, on one device and split by role over
+2 CPU devices (the same tokens, one collective in the program), `decode_ssd` (the earlier entry
+point) equal to the routed call, the fan-out, the candidates, Saguaro's q, and the bad-input
+errors before anything is traced.
 
 Models: tiny random transformers over V = 64 (`specjax.testing.harness`): the target, and a noisy
 copy of it (relative noise 0.07 on every weight) as the draft, which is accepted often and
@@ -10,6 +11,7 @@ rejected every few tokens, so outcomes of every length happen and some miss the 
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import jax
@@ -21,7 +23,7 @@ import specjax as sj
 from specjax.drafters import SSDDrafter
 from specjax.drafters import ssd as ssd_drafter
 from specjax.loop import ssd
-from specjax.testing import harness
+from specjax.testing import harness, ssd_variants
 
 K = 3
 NEW = 20
@@ -52,8 +54,8 @@ def _generate(target, batch, eos_id=None):
 
 def _ssd(target, drafter, batch, **kwargs):
   tokens, lengths = batch
-  return ssd.decode_ssd(target, drafter, tokens, jax.random.key(0), lengths=lengths,
-                        max_new_tokens=NEW, num_draft=K, **kwargs)
+  return sj.decode(target, drafter, tokens, jax.random.key(0), lengths=lengths,
+                   max_new_tokens=NEW, num_draft=K, **kwargs)
 
 
 def test_greedy_equals_generate_at_hit_and_at_miss(models, batch):
@@ -87,43 +89,102 @@ def test_greedy_eos_on_ragged_rows(models, batch):
   assert int(out.num_tokens[1]) <= 5
 
 
+def test_decode_routes_ssd_and_decode_ssd_is_the_same_call(models, batch):
+  target, draft = models
+  tokens, lengths = batch
+  ref = _generate(target, batch)
+  drafter = SSDDrafter(draft, budget=6)
+  routed = _ssd(target, drafter, batch)
+  assert isinstance(routed, sj.DecodeOutput) and isinstance(routed, ssd.SSDOutput)
+  np.testing.assert_array_equal(routed.tokens, ref.tokens)
+  np.testing.assert_array_equal(routed.num_tokens, ref.num_tokens)
+  assert routed.logprobs is None
+  earlier = ssd.decode_ssd(target, drafter, tokens, jax.random.key(0), lengths=lengths,
+                           max_new_tokens=NEW, num_draft=K)
+  np.testing.assert_array_equal(earlier.tokens, routed.tokens)
+  np.testing.assert_array_equal(earlier.ssd.hits, routed.ssd.hits)
+  np.testing.assert_array_equal(earlier.ssd.outcomes, routed.ssd.outcomes)
+  np.testing.assert_array_equal(earlier.stats.rounds, routed.stats.rounds)
+  assert 0 < np.asarray(routed.ssd.hits).sum() < np.asarray(routed.ssd.outcomes).sum()
+
+
 def test_role_split_gives_the_single_device_tokens_with_one_collective(models, batch):
   target, draft = models
   tokens, lengths = batch
   mesh = _role_mesh()
   ref = _generate(target, batch)
-  split = _ssd(target, SSDDrafter(draft, budget=K + 1), batch, mesh=mesh)
+  # Greedy, through decode_ssd's mesh= (the earlier spelling of SSDDrafter(mesh=)).
+  split = ssd.decode_ssd(target, SSDDrafter(draft, budget=K + 1), tokens, jax.random.key(0),
+                         lengths=lengths, max_new_tokens=NEW, num_draft=K, mesh=mesh)
   np.testing.assert_array_equal(split.tokens, ref.tokens)
   assert 0 < np.asarray(split.ssd.hits).sum() < np.asarray(split.ssd.outcomes).sum()
-  # Sampled, with Saguaro sampling: the split's tokens are the one-device tokens, and its
-  # compiled program holds one collective (the round's exchange).
+  # Sampled, with Saguaro sampling, through specjax.decode with the drafter's mesh: the split's
+  # tokens are the one-device tokens, and its compiled program (specjax.precompile: the program
+  # the call runs) holds one collective (the round's exchange).
   sampling = sj.Sampling(temperature=0.7, top_k=16, top_p=0.9)
   drafter = SSDDrafter(draft, budget=6, saguaro=0.5)
   one = _ssd(target, drafter, batch, sampling=sampling)
-  args = (target, drafter, tokens, lengths, jax.random.key(0), jnp.asarray([-1], jnp.int32),
-          jnp.int32(NEW))
-  static = dict(sampling=sampling, num_draft=K, capacity=32, pad_id=0, variant="exact")
-  two = ssd._decode_ssd.lower(*args, mesh=mesh, **static).compile()
+  on_roles = SSDDrafter(draft, budget=6, saguaro=0.5, mesh=mesh)
+  compiled = sj.precompile(sj.decode, target, on_roles, tokens, jax.random.key(0),
+                           lengths=lengths, max_new_tokens=NEW, num_draft=K, sampling=sampling)
   collectives = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|"
-                           r"reduce-scatter)(?:-start)?\(", two.as_text())
+                           r"reduce-scatter)(?:-start)?\(", compiled.as_text())
   assert collectives == ["all-reduce"], collectives
-  two = two(*args)
-  np.testing.assert_array_equal(two.tokens[:, :NEW], one.tokens)
+  traces = ssd.TRACE_COUNTS["decode_ssd"]
+  two = _ssd(target, on_roles, batch, sampling=sampling)
+  assert ssd.TRACE_COUNTS["decode_ssd"] == traces  # the precompiled program
+  np.testing.assert_array_equal(two.tokens, one.tokens)
   np.testing.assert_array_equal(two.ssd.hits, one.ssd.hits)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(mesh="no_role"), "'role' axis"),
-    (dict(mesh="role3"), "size 2"),
+@pytest.mark.parametrize("make_mesh, message", [
+    (lambda: jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]), "'role' axis"),
+    (lambda: _role_mesh(3), "size 2"),
+    (lambda: "role", "must be a jax.sharding.Mesh"),
 ])
-def test_bad_mesh_is_rejected_before_compiling(models, batch, kwargs, message):
+def test_bad_mesh_is_rejected_when_the_drafter_is_built(models, batch, make_mesh, message):
   target, draft = models
-  mesh = (jax.make_mesh((2,), ("data",), devices=jax.devices()[:2]) if kwargs["mesh"] == "no_role"
-          else _role_mesh(3))
-  before = ssd.TRACE_COUNTS["decode_ssd"]
+  tokens, lengths = batch
   with pytest.raises(ValueError, match=message):
-    _ssd(target, SSDDrafter(draft), batch, mesh=mesh)
+    SSDDrafter(draft, mesh=make_mesh())
+  before = ssd.TRACE_COUNTS["decode_ssd"]
+  with pytest.raises(ValueError, match=message):  # decode_ssd's mesh= checks the same
+    ssd.decode_ssd(target, SSDDrafter(draft), tokens, jax.random.key(0), lengths=lengths,
+                   max_new_tokens=NEW, num_draft=K, mesh=make_mesh())
   assert ssd.TRACE_COUNTS["decode_ssd"] == before
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tree=sj.TreeSpec("static", depth=3, width=2)), "does not support tree="),
+    (dict(constraint="[0-9]+"), "does not support constraint="),
+    (dict(verify_widths=(2,)), "does not support verify_widths="),
+    (dict(verify_impl="kernel"), "verify_impl must be 'auto' or 'reference'"),
+    (dict(return_logprobs=True), "does not return log-probabilities"),
+    (dict(num_draft=7), "budget must be an int >= num_draft \\+ 1 = 8"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+])
+def test_unsupported_decode_options_are_rejected_before_tracing(models, batch, kwargs, message):
+  target, draft = models
+  tokens, lengths = batch
+  call = dict(lengths=lengths, max_new_tokens=NEW, num_draft=K) | kwargs
+  before = dict(ssd.TRACE_COUNTS)
+  with pytest.raises(ValueError, match=message):
+    sj.decode(target, SSDDrafter(draft, budget=6), tokens, jax.random.key(0), **call)
+  with pytest.raises(ValueError, match=message):
+    sj.precompile(sj.decode, target, SSDDrafter(draft, budget=6), tokens, jax.random.key(0),
+                  **call)
+  assert dict(ssd.TRACE_COUNTS) == before
+
+
+def test_other_entry_points_and_mixed_meshes_are_rejected(models, batch):
+  target, draft = models
+  tokens, lengths = batch
+  with pytest.raises(ValueError, match="decode_stream does not run an SSDDrafter"):
+    next(sj.decode_stream(target, SSDDrafter(draft), tokens, jax.random.key(0), lengths=lengths))
+  on_roles = SSDDrafter(draft, mesh=_role_mesh())
+  other = jax.make_mesh((2,), ("role",), devices=jax.devices()[2:4])
+  with pytest.raises(ValueError, match="differs from the SSDDrafter's own mesh"):
+    ssd.decode_ssd(target, on_roles, tokens, jax.random.key(0), lengths=lengths, mesh=other)
 
 
 def test_bad_budget_fan_out_and_saguaro_are_rejected(models, batch):
@@ -137,6 +198,26 @@ def test_bad_budget_fan_out_and_saguaro_are_rejected(models, batch):
       SSDDrafter(draft, saguaro=bad)
   with pytest.raises(ValueError, match="needs a specjax.drafters.SSDDrafter"):
     ssd.decode_ssd(target, draft, batch[0], jax.random.key(0), lengths=batch[1])
+
+
+def test_the_broken_twins_live_behind_specjax_testing(models, batch):
+  assert "variant" not in inspect.signature(sj.decode).parameters
+  assert "variant" not in inspect.signature(ssd.decode_ssd).parameters
+  target, draft = models
+  tokens, lengths = batch
+  call = dict(lengths=lengths, max_new_tokens=NEW, num_draft=K)
+  drafter = SSDDrafter(draft, budget=K + 1)
+  with pytest.raises(ValueError, match="variant must be one of"):
+    ssd_variants.decode_ssd_variant(target, drafter, tokens, jax.random.key(0), variant="exact",
+                                    **call)
+  # The twin runs: keyed by k alone, every lookup finds a branch (more hits than the exact key's,
+  # which misses with this draft), and greedy it still emits the target's tokens.
+  exact = _ssd(target, drafter, batch)
+  k_only = ssd_variants.decode_ssd_variant(target, drafter, tokens, jax.random.key(0),
+                                           variant="k_only", **call)
+  np.testing.assert_array_equal(k_only.tokens, _generate(target, batch).tokens)
+  np.testing.assert_array_equal(k_only.ssd.hits, k_only.ssd.outcomes)
+  assert np.asarray(exact.ssd.hits).sum() < np.asarray(exact.ssd.outcomes).sum()
 
 
 def test_geometric_fan_out():

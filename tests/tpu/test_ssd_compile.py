@@ -1,8 +1,9 @@
 """SSD's role-split program compiles for TPU (libtpu's compiler, ahead of time, no TPU needed).
 
-`specjax.loop.ssd.decode_ssd`'s jitted program on a v5e 2x2 slice as a `(role, model) = (2, 2)`
-mesh (2 chips verify, 2 chips pre-speculate; within a role the inputs are replicated), with the
-Qwen2.5-Coder 1.5B target and 0.5B draft widths at 2 layers each and their real vocabulary
+SSD's jitted program (`specjax.loop.ssd`: what `specjax.decode` runs for an `SSDDrafter` with a
+role mesh) on a v5e 2x2 slice as a `(role, model) = (2, 2)` mesh (2 chips verify, 2 chips
+pre-speculate; within a role the inputs are replicated), with the Qwen2.5-Coder 1.5B target and
+0.5B draft widths at 2 layers each and their real vocabulary
 (151,936), bfloat16 weights, batch 1, a 64-token prompt, 32 new tokens, `Sampling(temperature=0.7,
 top_k=50, top_p=0.9)`, K = 3 and a budget of 4 branches (the smallest: `K + 1`), Saguaro C = 0.5.
 The program must compile, fit a v5e chip's HBM, and hold the round's exchange (an all-reduce).
@@ -48,7 +49,7 @@ def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
       lambda: init_params(setup.config(name), jax.random.key(0), jnp.bfloat16))
   target = tpu.abstract_like(shapes(setup.target), replicated)
   draft = tpu.abstract_like(shapes(setup.draft), replicated)
-  drafter = SSDDrafter(draft, budget=BUDGET, saguaro=0.5)
+  drafter = SSDDrafter(draft, budget=BUDGET, saguaro=0.5, mesh=mesh)
   tokens = jax.ShapeDtypeStruct((1, setup.prompt_len), jnp.int32, sharding=replicated)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32, sharding=replicated)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=replicated)
@@ -58,7 +59,7 @@ def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
   def fn(target, drafter, tokens, lengths, key, eos, new):
     return ssd._decode_ssd(target, drafter, tokens, lengths, key, eos, new,
                            sampling=setup.sampling, num_draft=K, capacity=setup.max_new_tokens,
-                           pad_id=0, mesh=mesh, variant="exact")
+                           pad_id=0)
 
   compiled = tpu.compile_call(fn, target, drafter, tokens, lengths, key, eos, new)
   text = compiled.text()
