@@ -9,13 +9,15 @@ read (slots, then head_dim, minor) - and at the prefill's exit a second copy, a 
 the peak (docs/tpu.md). A Mosaic kernel fixes its operands' layout (row-major, the einsums' own),
 and with the cache aliased to the output it writes only the block's bytes.
 
-What runs. One grid step per row `b`: if the row's block fits (`starts[b] + T <= S`), one DMA of
-`block[:, b]` (`[L, KVH, T, D]`, from HBM) to `cache[:, b, :, starts[b]:starts[b] + T, :]`;
-otherwise one DMA per entry that fits (entries at slot `S` or later are dropped, as the scatter's
-`FILL_OR_DROP` does). `starts` is scalar-prefetched into SMEM. Nothing is staged in VMEM.
+What runs. One grid step per row `b`: a DMA reads the tile-aligned window of slots around the
+row's block (`[L, KVH, span, D]`; Mosaic needs DMA offsets and sizes on the slot axis aligned to
+tiles), the block (padded to `span` rows outside the kernel) is rolled to its offset and merged
+under a mask in VMEM, and a DMA writes the window back. Entries at slot `S` or later are dropped,
+as the scatter's `FILL_OR_DROP` does. `starts` is scalar-prefetched into SMEM.
 
 Interpret mode (`interpret=True`) runs the same kernel on CPU for its numbers
-(tests/core/test_kv_write.py); `specjax.core.cache` calls it only in programs lowered for TPU.
+(tests/models/test_cache_write.py); `specjax.models.cache_write` calls it only in programs lowered
+for TPU.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["alignment", "kv_write", "window_slots"]
+__all__ = ["alignment", "fits", "kv_write", "window_slots"]
 
 
 def alignment(dtype) -> int:
@@ -40,6 +42,12 @@ def window_slots(width: int, dtype) -> int:
   """Slots of the aligned window one row's write reads and writes back (static)."""
   align = alignment(dtype)
   return -(-(width + align - 1) // align) * align
+
+
+def fits(slots: int, width: int, dtype) -> bool:
+  """Whether a cache of `slots` slots takes a `width`-entry write (static): its slots are a
+  multiple of the alignment and hold one window."""
+  return slots % alignment(dtype) == 0 and slots >= window_slots(width, dtype)
 
 
 def _kernel(starts_ref, block_ref, cache_ref, out_ref, window, incoming, sem, *, width: int,
@@ -90,7 +98,7 @@ def kv_write(cache: jax.Array, block: jax.Array, starts: jax.Array, *,
     raise ValueError(f"kv_write: block {block.shape} does not match cache {cache.shape}")
   align = alignment(cache.dtype)
   span = window_slots(width, cache.dtype)
-  if slots % align or slots < span:
+  if not fits(slots, width, cache.dtype):
     raise ValueError(f"kv_write: the cache's {slots} slots must be a multiple of {align} and at "
                      f"least {span}")
   # [L, B, KVH, span, D], zero past T: the DMA's source, whole tiles.

@@ -196,7 +196,7 @@ def write_stacked_block(stacked: jax.Array, block: jax.Array, starts: jax.Array)
 
 
 def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.Array, *,
-            write=None) -> KVCache:
+            write=write_stacked_block) -> KVCache:
   """Moves each row's accepted tree path to contiguous slots (ragged per row, fixed shapes).
 
   Slot `starts[b] + j` receives slot `sources[b, j]` for `j < counts[b]`; the other slots keep
@@ -223,7 +223,7 @@ def compact(cache: KVCache, sources: jax.Array, starts: jax.Array, counts: jax.A
 
   def move(stacked):  # [L, B, KVH, S, D]
     block = jnp.take_along_axis(stacked, src[None, :, None, :, None], axis=3)  # [L, B, KVH, W, D]
-    return (write or write_stacked_block)(stacked, block.swapaxes(2, 3), starts)
+    return write(stacked, block.swapaxes(2, 3), starts)
 
   def move_layer(buffer):  # [B, KVH, S, D]
     block = jnp.take_along_axis(buffer, src[:, None, :, None], axis=2)  # [B, KVH, W, D]
@@ -258,7 +258,7 @@ class KVBlock(NamedTuple):
 
 
 def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array, *,
-                   write=None) -> KVCache:
+                   write=write_stacked_block) -> KVCache:
   """Writes a `KVBlock` into `cache` at slots `starts[b] ..` of every row, in the cache's layout
   (a stacked cache through `write`, default `write_stacked_block`; see `compact`).
 
@@ -276,5 +276,4 @@ def write_kv_block(cache: KVCache, block: KVBlock, starts: jax.Array, *,
                    tuple(write_block(c, x, starts) for c, x in zip(cache.v, vs)), starts + width)
   k = jnp.stack(block.k) if per_layer_block else block.k
   v = jnp.stack(block.v) if per_layer_block else block.v
-  write = write or write_stacked_block
   return KVCache(write(cache.k, k, starts), write(cache.v, v, starts), starts + k.shape[2])

@@ -35,9 +35,7 @@ _BLOCK_AXES = ("layers", "batch", None, "kv_heads", None)
 def kernel_fits(stacked: jax.Array, block: jax.Array) -> bool:
   """Whether the TPU kernel takes this write (static): the cache's slots are a multiple of its
   alignment and hold one write window."""
-  slots = stacked.shape[3]
-  align = kv_kernel.alignment(stacked.dtype)
-  return slots % align == 0 and slots >= kv_kernel.window_slots(block.shape[2], stacked.dtype)
+  return kv_kernel.fits(stacked.shape[3], block.shape[2], stacked.dtype)
 
 
 def _tpu_write(stacked, block, starts):
