@@ -12,7 +12,8 @@ its rows and key/value heads as the sharding rules place them (a Mosaic kernel c
 partitioned automatically).
 
 A cache whose slot count is not a multiple of the kernel's alignment, or shorter than one write
-window, keeps the scatter on TPU too.
+window, keeps the scatter on TPU too. A write wider than one window's VMEM budget (a long
+prompt's prefill) runs as several kernel calls (`specjax.kernels.kv_write.max_width`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ _BLOCK_AXES = ("layers", "batch", None, "kv_heads", None)
 
 def kernel_fits(stacked: jax.Array, block: jax.Array) -> bool:
   """Whether the TPU kernel takes this write (static): the cache's slots are a multiple of its
-  alignment and hold one write window."""
-  return kv_kernel.fits(stacked.shape[3], block.shape[2], stacked.dtype)
+  alignment and hold one write window, and one window fits the kernel's VMEM budget (counted
+  for the whole cache's heads; a shard's are fewer)."""
+  return kv_kernel.fits(stacked.shape, block.shape[2], stacked.dtype)
 
 
 def _tpu_write(stacked, block, starts):

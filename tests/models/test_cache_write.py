@@ -62,6 +62,40 @@ def test_kernel_matches_an_entry_by_entry_write(dtype, width):
   assert changed.tolist() == [s < cache.shape[3] for s in starts]
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_wide_block_is_written_in_chunks(dtype):
+  """A block wider than one window's VMEM budget (a long prompt's prefill) is written as several
+  kernel calls: a budget of 3 aligned slot groups gives chunks of 2 groups + 1 entries, so the
+  40-entry block takes 3 or 2 calls, whose seams must leave nothing out or doubled."""
+  cache, block, starts = _case(dtype, 40)
+  heads, dim = cache.shape[2], cache.shape[4]
+  align = kv_kernel.alignment(dtype)
+  per_slot = heads * 128 * (2 * jnp.dtype(dtype).itemsize + 12)
+  budget = 3 * align * per_slot
+  widest = kv_kernel.max_width(heads, dim, dtype, budget)
+  assert widest == 2 * align + 1 < 40
+  fn = lambda c, b, s: kv_kernel.kv_write(c, b, s, interpret=True, budget=budget)
+  jaxpr = jax.make_jaxpr(fn)(jnp.asarray(cache), jnp.asarray(block), jnp.asarray(starts))
+  calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+  assert len(calls) == -(-40 // widest)  # one call per chunk
+  got = fn(jnp.asarray(cache), jnp.asarray(block), jnp.asarray(starts))
+  np.testing.assert_array_equal(np.asarray(got), _numpy_write(cache, block, starts))
+
+
+def test_the_budget_decides_what_fits():
+  shape = (2, 1, 2, 8256, 128)  # the 8k-prompt prefill the TPU compiler rejected as one window
+  widest = kv_kernel.max_width(2, 128, jnp.bfloat16)
+  assert 16 < widest < 8208
+  assert kv_kernel.fits(shape, 8208, jnp.bfloat16)  # chunked
+  # Heads so many that one aligned window exceeds the budget: the scatter keeps the write.
+  assert kv_kernel.max_width(4096, 128, jnp.bfloat16) == 0
+  assert not kv_kernel.fits((2, 1, 4096, 8256, 128), 1, jnp.bfloat16)
+  with pytest.raises(ValueError, match="VMEM"):
+    kv_kernel.kv_write(jnp.zeros((1, 1, 8, 32, 128), jnp.float32),
+                       jnp.zeros((1, 1, 1, 8, 128), jnp.float32), jnp.zeros((1,), jnp.int32),
+                       interpret=True, budget=1024)
+
+
 def test_scatter_matches_the_same_reference():
   cache, block, starts = _case(jnp.float32, 5)
   got = write_stacked_block(jnp.asarray(cache), jnp.asarray(block), jnp.asarray(starts))
