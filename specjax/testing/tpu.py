@@ -12,6 +12,8 @@ of the abstract devices, so a 28-layer model at a 152k vocabulary costs no memor
 This module is the compile tier's toolkit (tests/tpu, benchmarks/tpu_report.py):
   * `TOPOLOGIES` and `topology_mesh(name, shape)`: the slices the tier covers;
   * `REAL_CONFIGS`: public `config.json` values of the models the issue names;
+  * `GEMMA4_TEXT` and `gemma4_config(text, num_layers)`: Gemma 4 text decoders at real widths,
+    test-sized (window and global layers, KV sharing), as `sj.from_hf` builds them;
   * `abstract_model(config, mesh, dtype)`: a `specjax.Model` of `ShapeDtypeStruct`s;
   * `compile_call(fn, *args)`: lower and compile, returning `Compiled` with the memory and cost
     analyses, or raising `TpuCompileError` with the compiler's own message.
@@ -30,9 +32,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax.models.config import ModelConfig, RopeScaling
 
-__all__ = ["REAL_CONFIGS", "TOPOLOGIES", "Compiled", "TpuCompileError", "abstract_like",
-           "abstract_model", "abstract_tokens", "compile_call", "libtpu_available",
-           "topology_devices", "topology_mesh"]
+__all__ = ["GEMMA4_TEXT", "REAL_CONFIGS", "TOPOLOGIES", "Compiled", "TpuCompileError",
+           "abstract_like", "abstract_model", "abstract_tokens", "compile_call", "gemma4_config",
+           "libtpu_available", "topology_devices", "topology_mesh"]
 
 # The slices the tier compiles for: name -> (topology name, the mesh shape used on it).
 # "v5e-1": one v5e chip, Colab's TPU (16 GiB HBM). "v5e-4x4": 16 chips on 4 hosts.
@@ -110,6 +112,38 @@ REAL_CONFIGS = {
         scale_embeddings=True, qk_norm=True, post_norms=True, query_pre_attn_scalar=256,
         sliding_window=512, sliding_window_pattern=6, family="gemma3"),
 }
+
+
+# Gemma 4 text decoders, as `gemma4_text` config.json fields (what `sj.from_hf` reads): E2B's
+# widths (hidden 1536, the `backbone_hidden_size` `transformers`' `Gemma4AssistantConfig` defaults
+# to for gemma-4-e2b-it; MLP 6144, twice as wide on KV-shared layers; 8 query heads over 1
+# key/value head; head width 256 on window layers, 512 on global ones with proportional RoPE over
+# a quarter of it; 256-wide per-layer embeddings over the whole vocabulary; window 512; logits
+# soft-capped at 30), its 262,144-token vocabulary. The published config.json was not fetched
+# here: these are widths of public descriptions, not checked against the file.
+GEMMA4_TEXT = {
+    "gemma-4-e2b": dict(
+        model_type="gemma4_text", vocab_size=262_144, hidden_size=1536, intermediate_size=6144,
+        num_attention_heads=8, num_key_value_heads=1, head_dim=256, global_head_dim=512,
+        hidden_size_per_layer_input=256, vocab_size_per_layer_input=262_144,
+        use_double_wide_mlp=True, sliding_window=512, final_logit_softcapping=30.0,
+        max_position_embeddings=131_072),
+}
+
+
+def gemma4_config(text: dict, num_layers: int = 4, vocab_size: int | None = None) -> ModelConfig:
+  """The `ModelConfig` `sj.from_hf` builds from Gemma 4 text fields `text` with `num_layers`
+  (even) layers, window and global alternating, the second half KV-shared: both kinds have a
+  layer with keys and values of its own (the store layer a Gemma 4 assistant reads) and a layer
+  that shares them. `vocab_size` replaces the vocabulary (and the per-layer embeddings' rows)."""
+  from specjax.io.hf import hf_config_to_model_config  # pylint: disable=import-outside-toplevel
+  if num_layers < 4 or num_layers % 2:
+    raise ValueError(f"gemma4_config needs an even number of layers >= 4, got {num_layers}")
+  fields = dict(text, num_hidden_layers=num_layers, num_kv_shared_layers=num_layers // 2,
+                layer_types=["sliding_attention", "full_attention"] * (num_layers // 2))
+  if vocab_size is not None:
+    fields.update(vocab_size=vocab_size, vocab_size_per_layer_input=vocab_size)
+  return hf_config_to_model_config(fields)
 
 
 def with_layers(config: ModelConfig, num_layers: int = 2) -> ModelConfig:

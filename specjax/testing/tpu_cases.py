@@ -21,6 +21,11 @@ tokens, `Sampling(temperature=0.7, top_k=50, top_p=0.9)`, `k = 4` drafts a round
     Medusa, a parallel EAGLE-3 head, the hybrid (prompt lookup in front of EAGLE-3), prompt
     lookup (`NGramDrafter`), suffix drafting over a corpus, the adaptive drafter, a draft
     vocabulary (`with_draft_vocab`), a DFlash block drafter (`dflash`, sampled drafts);
+  * a Gemma 4 target (`Case.target`: `tpu.GEMMA4_TEXT`'s E2B widths, `GEMMA4_LAYERS` layers:
+    window and global, the last two KV-shared, per-layer embeddings, proportional RoPE, its
+    262,144-token vocabulary): `sj.generate` (`gemma4_generate`) and `sj.decode` with a
+    `Gemma4AssistantDrafter` (`gemma4_assistant`: 2 layers reading the target's store layers,
+    ordered embeddings over 32 of 2048 centroids, sampled drafts);
   * every tree builder (static, sampled i.i.d. and without replacement, dynamic, n-gram, the
     suffix trie), with the draft model and, where the head supports the builder, an EAGLE-3 or
     Medusa head; DDTree with a DFlash drafter (`tree_ddtree_dflash`);
@@ -57,6 +62,8 @@ from specjax.drafters.dflash import network as dflash_network
 from specjax.drafters.dflash.checkpoint import target_tables
 from specjax.drafters.dflash.drafter import DFlashDrafter
 from specjax.drafters.eagle.drafter import EagleDrafter
+from specjax.drafters.gemma4_assistant import network as gemma4_network
+from specjax.drafters.gemma4_assistant.drafter import Gemma4AssistantDrafter
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.medusa.drafter import MedusaDrafter
 from specjax.drafters.model import ModelDrafter, self_drafter, with_draft_vocab
@@ -80,14 +87,15 @@ from specjax.kernels.fused_verify import fused_verify
 from specjax.kernels.tree_verify import tree_node_results
 from specjax.verify.sharded import sharded_verify
 
-__all__ = ["CASES", "Case", "DRAFT_VOCAB", "NUM_DRAFT", "Program", "SAMPLING", "Setup", "TREES",
-           "VOCABS", "compile_case", "eagle_config"]
+__all__ = ["CASES", "Case", "DRAFT_VOCAB", "GEMMA4_LAYERS", "NUM_DRAFT", "Program", "SAMPLING",
+           "Setup", "TREES", "VOCABS", "case_setup", "compile_case", "eagle_config"]
 
 SAMPLING = Sampling(temperature=0.7, top_k=50, top_p=0.9)
 NUM_DRAFT = 4  # k of the chain cases (decode's default)
 DRAFT_VOCAB = 32_000  # the heads' and `with_draft_vocab`'s reduced vocabulary (EAGLE-3's size)
 SUFFIX_CAPACITY = 65_536  # slots of the suffix corpus
 VOCABS = {"qwen": 151_936, "llama": 128_256, "gemma": 262_144}
+GEMMA4_LAYERS = 4  # a Gemma 4 target's layers: window, global, then both again KV-shared
 
 # The tree specs of the exactness harness (tests/exactness/test_exactness_harness.py).
 TREES = {
@@ -114,8 +122,10 @@ class Setup:
     dtype: the weight dtype of the models and heads (the direct kernel cases take float32
       logits whatever it is, as the models' forward returns them).
     vocab: None (the configs' own, 151,936) or a vocabulary size for target, draft and heads.
-    target, draft: `tpu.REAL_CONFIGS` names.
-    layers: layers of each model (widths and vocabulary stay real).
+    target, draft: `tpu.REAL_CONFIGS` names, or for the target a `tpu.GEMMA4_TEXT` name (a
+      Gemma 4 case sets it: `case_setup`).
+    layers: layers of each model (widths and vocabulary stay real); a Gemma 4 target has
+      `GEMMA4_LAYERS` whatever it is.
     prompt_len, max_new_tokens: tokens per prompt row, new tokens per row.
     sampling: the settings of every call.
   """
@@ -141,6 +151,8 @@ class Setup:
     return dict(zip(self.mesh.axis_names, self.mesh.axis_sizes)).get("model", 1)
 
   def config(self, name: str) -> ModelConfig:
+    if name in tpu.GEMMA4_TEXT:
+      return tpu.gemma4_config(tpu.GEMMA4_TEXT[name], GEMMA4_LAYERS, self.vocab)
     config = tpu.with_layers(tpu.REAL_CONFIGS[name], self.layers)
     return config if self.vocab is None else dataclasses.replace(config, vocab_size=self.vocab)
 
@@ -174,7 +186,8 @@ class Setup:
 
   def describe(self) -> str:
     return (f"{self.topology} B={self.batch} {jnp.dtype(self.dtype).name} "
-            f"V={self.vocab or tpu.REAL_CONFIGS[self.target].vocab_size}")
+            f"V={self.config(self.target).vocab_size}" + (
+                f" {self.target}" if self.target in tpu.GEMMA4_TEXT else ""))
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,6 +224,8 @@ class Case:
     needs_model_axis: only meaningful on a mesh whose "model" axis is > 1 (the vocabulary-
       sharded verify); a setup without one should pick another topology.
     group: "decode", "tree", "stream", "audit" or "kernel".
+    target: None, or the target the case always runs on (a `tpu.GEMMA4_TEXT` name), whatever
+      the setup's (`case_setup`).
   """
 
   name: str
@@ -218,6 +233,13 @@ class Case:
   build: Callable[[Setup], Program]
   needs_model_axis: bool = False
   group: str = "decode"
+  target: str | None = None
+
+
+def case_setup(case: Case | str, setup: Setup) -> Setup:
+  """`setup` as `case` runs it: with the case's own target where it has one."""
+  case = CASES[case] if isinstance(case, str) else case
+  return setup if case.target is None else dataclasses.replace(setup, target=case.target)
 
 
 def compile_case(case: Case | str, setup: Setup = Setup()) -> tpu.Compiled:
@@ -232,7 +254,7 @@ def compile_case(case: Case | str, setup: Setup = Setup()) -> tpu.Compiled:
   if case.needs_model_axis and setup.model_axis == 1:
     raise ValueError(f"{case.name} needs a mesh whose 'model' axis is > 1, {setup.topology} has "
                      "none")
-  program = case.build(setup)
+  program = case.build(case_setup(case, setup))
   return tpu.compile_call(program.fn, *program.args, mesh=program.mesh)
 
 
@@ -240,11 +262,11 @@ CASES: dict[str, Case] = {}
 
 
 def _register(name: str, description: str, *, needs_model_axis: bool = False,
-              group: str = "decode"):
+              group: str = "decode", target: str | None = None):
   def add(build):
     if name in CASES:
       raise ValueError(f"case {name!r} registered twice")
-    CASES[name] = Case(name, description, build, needs_model_axis, group)
+    CASES[name] = Case(name, description, build, needs_model_axis, group, target)
     return build
   return add
 
@@ -551,6 +573,51 @@ def _dflash(setup: Setup) -> Program:
 def _ddtree(setup: Setup) -> Program:
   return _decode_program(setup, _dflash_drafter("argmax"), (_dflash_network(setup),),
                          tree=DDTREE)
+
+
+# ---- Gemma 4: the target alone and with its assistant -----------------------------------------
+
+GEMMA4 = "gemma-4-e2b"
+# The assistant's own widths (the published assistant's config.json was not fetched here): 2
+# layers (a window and a global layer, each attending the target's store layer of its kind),
+# width 1024, 8 query heads, MLP 4096; the head widths, key/value heads, window and RoPE are the
+# target's. Ordered embeddings with `transformers`' defaults (`Gemma4AssistantConfig`): 2048
+# centroids, the tokens of the best 32 scored (4,096 of 262,144), the rest masked.
+GEMMA4_ASSISTANT = dict(embed_dim=1024, num_heads=8, mlp_dim=4096, num_centroids=2048,
+                        centroid_top_k=32)
+
+
+def _gemma4_assistant(setup: Setup):
+  """`(network, source_layers)`: an abstract Gemma 4 assistant (`GEMMA4_ASSISTANT`) for the
+  setup's Gemma 4 target, replicated, and the target layers it reads (global, then window)."""
+  c = setup.target_model().config
+  config = gemma4_network.AssistantConfig(
+      vocab_size=c.vocab_size, backbone_dim=c.embed_dim, layer_global=(False, True),
+      head_dim=c.head_dim, global_head_dim=c.global_head_dim, num_kv_heads=c.num_kv_heads,
+      global_kv_heads=c.global_kv_heads, norm_eps=c.norm_eps, activation=c.activation,
+      sliding_window=c.sliding_window, rope_local_theta=c.rope_local_theta,
+      rope_theta=c.rope_theta, rope_scaling=c.rope_scaling, ordered_embeddings=True,
+      **GEMMA4_ASSISTANT)
+  network = jax.eval_shape(lambda: gemma4_network.init_network(config, jax.random.key(1),
+                                                               setup.dtype))
+  return setup.replicated(network), (c.kv_store_layer(True), c.kv_store_layer(False))
+
+
+@_register("gemma4_generate", f"sj.generate with a {GEMMA4_LAYERS}-layer Gemma 4 target at E2B's "
+           "widths (window and global layers, KV sharing, per-layer embeddings), V = 262,144",
+           target=GEMMA4)
+def _gemma4_generate(setup: Setup) -> Program:
+  return _generate(setup)
+
+
+@_register("gemma4_assistant", f"sj.decode with a 2-layer Gemma4AssistantDrafter (ordered "
+           f"embeddings: {GEMMA4_ASSISTANT['centroid_top_k']} of "
+           f"{GEMMA4_ASSISTANT['num_centroids']} centroids) for the {GEMMA4_LAYERS}-layer Gemma 4 "
+           "target, sampled drafts", target=GEMMA4)
+def _gemma4_assistant_case(setup: Setup) -> Program:
+  network, sources = _gemma4_assistant(setup)
+  return _decode_program(setup, lambda t, network: Gemma4AssistantDrafter(
+      network, t.params["embed"], sources), (network,))
 
 
 # ---- decode_stream's and the audit's programs ---------------------------------------------------

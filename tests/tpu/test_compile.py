@@ -10,7 +10,8 @@ module is skipped without libtpu (`pip install "jax[tpu]"`).
 
 Setup (`tpu_cases.Setup`): Qwen2.5-Coder 1.5B target and 0.5B draft widths, 2 layers each,
 vocabulary 151,936, 64-token prompts, 32 new tokens, `Sampling(temperature=0.7, top_k=50,
-top_p=0.9)`, k = 4.
+top_p=0.9)`, k = 4. The Gemma 4 cases (`gemma4_generate`, `gemma4_assistant`) bring their own
+target (`Case.target`): 4 layers at Gemma 4 E2B's widths, vocabulary 262,144.
 
 Costs: seconds per compile, one process on a 2-core host that other work shared (load average 1
 to 7 while measuring; an idle host is faster): `DEFAULT_SECONDS`, `MATRIX_SECONDS`.
@@ -20,7 +21,8 @@ batch 1, bfloat16, except `verify_sharded`, which needs a mesh that splits the v
 on "v5e-1x4"; the cases in `DEFAULT_COSTLY` (over 20 s, except the dynamic tree and the sharded
 verify) move to `costly`. Measured: about 320 s for the default selection and 360 s for
 `DEFAULT_COSTLY` (all 40 default-setup tests 11:18 in one process; 13:22, about 450 s and 350 s,
-in a run at load average 5).
+in a run at load average 5), before the two Gemma 4 cases joined `DEFAULT_COSTLY` (about 100 s
+more, measured alone at load average 6).
 
 **Costly** (CI step 2, `-m costly`), chosen by measured cost:
   * `test_case_compiles` for `DEFAULT_COSTLY` (the default setup);
@@ -31,6 +33,10 @@ in a run at load average 5).
     VMEM blocks change with the mesh and the chip. A decode compiles 5 to 20 times slower on
     these meshes than on one chip (`MATRIX_SECONDS`), so every other case there is `slow`
     (`-m slow`, before a release; not timed as a whole: at those ratios, hours per topology);
+  * `test_drafter_on_a_mesh`: the Gemma 4 assistant (`gemma4_assistant`, 151.1 s) and DFlash's
+    sampled chain (`dflash`, 97.7 s) on "v5e-1x4" B = 8 at their real vocabularies (262,144 and
+    151,936; load average 6 to 6.5); `test_matrix` keeps them, like every case outside
+    `MATRIX_CASES`, under `-m slow`;
   * `test_dtype_and_vocab`: the draft model with float32 weights and with Llama's 128,256 and
     Gemma's 262,144 vocabularies (at the same widths) on "v5e-1" B = 1 (about 50 s); the same
     on "v6e-2x2" B = 64 (float32) and "v5e-1x4" B = 8 (vocabularies), and generate and the
@@ -71,7 +77,10 @@ DEFAULT_SECONDS: dict[str, float] = {
     "stream_start": 7.6, "suffix": 5.5, "audit_scoring": 4.8, "generate": 4.7, "constrained": 17.0,
     "tree_verify_sampled_without_replacement": 4.4, "ngram": 3.9,
     # Measured at load average 4.3, beside "constrained" in 31.9 s in the same process.
-    "constrained_tree": 33.8}
+    "constrained_tree": 33.8,
+    # The Gemma 4 target (its own `Setup.target`; V = 262,144), at load average 6 to 6.5, in one
+    # process with the two `test_drafter_on_a_mesh` cases.
+    "gemma4_generate": 42.1, "gemma4_assistant": 57.7}
 # Default-setup cases moved to `costly` for the default selection's time budget (every case over
 # 20 s, except the two programs whose VMEM and gathers the tier first caught: the dynamic tree and
 # the vocabulary-sharded verify). All 40 default-setup tests took 11:18 in one process.
@@ -118,6 +127,7 @@ def default_setup(case: tc.Case) -> tc.Setup:
 def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
   """Compiles case `name` for `setup`; a compiler rejection fails the test with its message."""
   start = time.perf_counter()
+  setup = tc.case_setup(name, setup)  # a Gemma 4 case's own target
   try:
     compiled = tc.compile_case(name, setup)
   except tpu.TpuCompileError as error:
@@ -128,7 +138,8 @@ def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
 
 
 # The DFlash drafter keeps one case at the real vocabulary in CI: its sampled chain (`dflash`,
-# 31.6 s at load average 6) in the costly step; its DDTree tree (63.8 s there) under `-m slow`.
+# 31.6 s at load average 6) in the costly step, on one chip and on "v5e-1x4" B = 8
+# (`test_drafter_on_a_mesh`); its DDTree tree (63.8 s there) under `-m slow`.
 DEFAULT_SLOW: frozenset[str] = frozenset({"tree_ddtree_dflash"})
 EXTRA_COSTLY: frozenset[str] = frozenset({"dflash"})
 
@@ -188,6 +199,18 @@ def _variant_params():
 def test_dtype_and_vocab(name, topology, batch, dtype, vocab):
   check_compiles(name, dataclasses.replace(DEFAULT, topology=topology, batch=batch, dtype=dtype,
                                            vocab=vocab))
+
+
+# Drafters outside `MATRIX_CASES` that CI's costly step also compiles on a (1, 4) v5e mesh at
+# B = 8 and their real vocabulary: the Gemma 4 assistant (its store layers' keys/values and
+# ordered-embedding gathers beside the vocabulary split over "model") and DFlash's sampled chain.
+MESH_CASES = ("gemma4_assistant", "dflash")
+
+
+@pytest.mark.costly
+@pytest.mark.parametrize("name", MESH_CASES)
+def test_drafter_on_a_mesh(name):
+  check_compiles(name, dataclasses.replace(DEFAULT, topology="v5e-1x4", batch=8))
 
 
 @pytest.mark.costly
