@@ -57,7 +57,7 @@ def _measure(kind: str):
       second, cache = tpu_traffic.target_step(again, tokens, starts, cache)
       return first + second, cache
   compiled = tpu_traffic.compile_program(fn, *args, mesh=mesh, donate=donate)
-  traffic = tpu_traffic.hbm_traffic(compiled.text())
+  traffic = tpu_traffic.hbm_traffic(compiled.text(), live_slots=live)
   floor = tpu_traffic.floor_bytes(model, cache, live=live, tokens_per_row=length)
   return traffic, floor
 
