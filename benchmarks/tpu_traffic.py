@@ -43,6 +43,9 @@ Two cross-checks of the trip-count handling, both in the JSON:
     extrapolated linearly to the real depth, `f(L) = f(1) + (L - 1) (f(2) - f(1))`, for the HBM
     walk and for XLA's own "bytes accessed" and "flops" (which are then loop-free);
   * with `--unrolled`, the unstacked layout at the real depth, no extrapolation.
+Only the stacked layout attends through the cache attention kernel (the unstacked one keeps the
+dense einsums over every slot), so since that kernel the unstacked HBM figures lie above the
+stacked ones by about the dead half of the cache.
 Flops for the roofline (and XLA's "bytes accessed", reported beside the HBM figure) are XLA's for
 the unstacked layout at the real depth where compiled, else extrapolated (flops are linear in the
 layer count: both agree; at batch 1 XLA:TPU counts a matrix-vector product as about 2.5x its

@@ -219,7 +219,7 @@ def _cache_kernel_attention(q, *, stacked_cache, block, block_mask, q_pos, windo
   """TPU: the cache segment's live slots through `specjax.kernels.cache_attention` (inside
   `jax.shard_map` under a mesh, each device on its rows and key/value heads as the sharding rules
   place them), merged with the block segment's scores; `reference(q)` where the kernel does not
-  fit (VMEM, slot count) or the mesh places the cache and the queries differently.
+  fit (VMEM, slot count) or the mesh splits the cache's layers or slots.
   `[B, KVH, G, T, D]` float32."""
   cache_k, cache_v, layer, starts = stacked_cache
   _, t, _, g, d = q.shape
@@ -233,10 +233,11 @@ def _cache_kernel_attention(q, *, stacked_cache, block, block_mask, q_pos, windo
     rules = active_rules()
     cache_spec = rules.spec(("layers", "batch", "kv_heads", "length", None), cache_k.shape,
                             mesh_shape)
-    q_spec = rules.spec(("batch", None, "kv_heads", None, None), q.shape, mesh_shape)
-    if (cache_spec[0] is not None or cache_spec[3] is not None
-        or (cache_spec[1], cache_spec[2]) != (q_spec[0], q_spec[2])):
+    if cache_spec[0] is not None or cache_spec[3] is not None:
       return reference(q)
+    # The queries follow the cache's placement (a packed cache's groups may not split where the
+    # queries' heads do: each device then attends all heads of its rows).
+    q_spec = jax.sharding.PartitionSpec(cache_spec[1], None, cache_spec[2], None, None)
     size = lambda axes: 1 if axes is None else (
         mesh_shape[axes] if isinstance(axes, str) else math.prod(mesh_shape[a] for a in axes))
     local_groups = groups // size(cache_spec[2])
