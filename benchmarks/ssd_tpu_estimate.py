@@ -100,7 +100,7 @@ def measure(name: str, *, k: int, budget: int, log=print) -> dict:
     compiled = traffic.compile_program(fn, *args, mesh=mesh)
     seconds = time.perf_counter() - start
     cost = compiled.cost()
-    per[layers] = {"hbm_bytes": traffic.hbm_traffic(compiled.text()).hbm_bytes,
+    per[layers] = {"hbm_bytes": traffic.hbm_traffic(compiled.text(), LIVE).hbm_bytes,
                    "flops": float(cost.get("flops", 0.0)), "compile_s": round(seconds, 1)}
     log(f"  {name} at {layers} layer(s): {per[layers]}")
   depth = tpu.REAL_CONFIGS[DRAFT if name.startswith(("draft", "prespec")) else TARGET].num_layers

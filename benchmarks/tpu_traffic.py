@@ -30,7 +30,11 @@ reading VMEM), and "bytes accessed" adds up all three. So the HBM figure here wa
 in HBM (a layout without a `S(n)` memory space, n > 0), where a fusion reads a parameter only
 through `dynamic-slice` / `slice` / `gather` (possibly in a nested fusion) only the sliced bytes, an
 in-place `dynamic-update-slice` / `scatter` only its update, an async copy or slice its HBM side
-once, and `*-done`, tuples, bitcasts and parameters nothing. A `while` body counts its trip count
+once, and `*-done`, tuples, bitcasts and parameters nothing. The two Pallas kernels count what
+their schedules move: the cache write (`specjax_kv_write`) one aligned window per row and layer,
+the cache attention (`specjax_cache_attention_block<n>`) of the stacked keys and values only the
+`n`-slot blocks up to each row's last live one (`LIVE` slots live: the block index is clamped
+there, and a repeated block is not fetched again). A `while` body counts its trip count
 times, read from its condition (`counter < constant`, the start from the loop's initial tuple);
 a `conditional` counts its most expensive branch. Sizes are logical (tile padding left out).
 
@@ -39,6 +43,9 @@ Two cross-checks of the trip-count handling, both in the JSON:
     extrapolated linearly to the real depth, `f(L) = f(1) + (L - 1) (f(2) - f(1))`, for the HBM
     walk and for XLA's own "bytes accessed" and "flops" (which are then loop-free);
   * with `--unrolled`, the unstacked layout at the real depth, no extrapolation.
+Only the stacked layout attends through the cache attention kernel (the unstacked one keeps the
+dense einsums over every slot), so since that kernel the unstacked HBM figures lie above the
+stacked ones by about the dead half of the cache.
 Flops for the roofline (and XLA's "bytes accessed", reported beside the HBM figure) are XLA's for
 the unstacked layout at the real depth where compiled, else extrapolated (flops are linear in the
 layer count: both agree; at batch 1 XLA:TPU counts a matrix-vector product as about 2.5x its
@@ -260,8 +267,9 @@ class Traffic:
 class _Walk:
   """One pass over a module, counting bytes in HBM (or in every memory space: `all_spaces`)."""
 
-  def __init__(self, comps, entry, all_spaces: bool):
+  def __init__(self, comps, entry, all_spaces: bool, live_slots: int | None = None):
     self.comps, self.entry, self.all_spaces = comps, entry, all_spaces
+    self.live_slots = live_slots
     self.tables = {c: {i.name: i for i in instrs} for c, instrs in comps.items()}
     self.loops, self.rows = [], collections.Counter()
     self.collectives = self.collective_bytes = 0
@@ -372,6 +380,24 @@ class _Walk:
         start = int(re.match(r"\((-?\d+)\)", node.args).group(1))
     return max(limit - start + (direction == "LE"), 0)
 
+  def cache_attention(self, comp: str, instr: _Instr) -> tuple[int, int]:
+    """The cache attention kernel (`specjax.kernels.cache_attention`; operands: starts, layer,
+    window, row positions, query rows, then the stacked keys and values `[L, B, C, S, E]`):
+    its small operands and outputs, and of the keys and values only the blocks its schedule
+    fetches, `fetched_slots(live, S, block)` slots of every row (the block index clamped to the
+    row's last live block; `live` = `live_slots`, all `S` where not given), one layer."""
+    from specjax.kernels.cache_attention import fetched_slots  # pylint: disable=C0415
+    block = int(re.search(r"_block(\d+)", instr.name).group(1))
+    read = sum(self.operand(comp, o) for o in instr.operands[:5])
+    for name in instr.operands[5:7]:
+      (cache,) = self.tables[comp][name].leaves
+      _, batch, groups, slots, width = cache.dims
+      live = slots if self.live_slots is None else min(self.live_slots, slots)
+      if self.mem(cache):
+        read += int(batch * groups * fetched_slots(live, slots, block) * width
+                    * DTYPE_BYTES[cache.dtype])
+    return read, sum(self.mem(a) for a in instr.leaves)
+
   def computation(self, comp: str, times: int) -> int:
     return sum(self.instruction(comp, instr, times) for instr in self.comps[comp])
 
@@ -400,6 +426,8 @@ class _Walk:
       window = sum(a.bytes for a in self.tables[comp][instr.operands[1]].leaves)
       read = self.operand(comp, instr.operands[0]) + self.operand(comp, instr.operands[1]) + window
       write = window
+    elif op == "custom-call" and instr.name.startswith("specjax_cache_attention"):
+      read, write = self.cache_attention(comp, instr)
     elif op == "copy-start":  # (destination, source, context)
       read, write = self.operand(comp, instr.operands[0]), self.mem(leaves[0])
     elif op == "slice-start":  # ((source), destination, context): reads the slice
@@ -431,19 +459,21 @@ class _Walk:
     return total
 
 
-def hbm_traffic(text: str) -> Traffic:
+def hbm_traffic(text: str, live_slots: int | None = None) -> Traffic:
   """The bytes one execution of a compiled program moves, from its HLO text (`Compiled.text()`).
 
   Args:
     text: the optimized HLO module (one device's program).
+    live_slots: live slots of every cache row (the cache attention kernel's reads depend on
+      them, a run-time value); None counts every slot.
 
   Returns:
     `Traffic`, with `while` bodies counted their trip count times (read from each loop's
     condition; a condition that is not `counter < constant` raises ValueError).
   """
   comps, entry = _parse_module(text)
-  hbm = _Walk(comps, entry, all_spaces=False)
-  everything = _Walk(comps, entry, all_spaces=True)
+  hbm = _Walk(comps, entry, all_spaces=False, live_slots=live_slots)
+  everything = _Walk(comps, entry, all_spaces=True, live_slots=live_slots)
   hbm_bytes = hbm.computation(entry, 1)
   all_bytes = everything.computation(entry, 1)
   rows = [(b, op, shape, name) for (op, shape, name), b in hbm.rows.most_common()]
@@ -584,7 +614,7 @@ def measure(program: str, *, chip: str, batch: int, unrolled: bool = False, prev
   topology = CHIPS[chip][0]
   layers = _layers(program)
   compiled, model, cache, length, seconds = _compile(program, topology=topology, batch=batch)
-  traffic = hbm_traffic(compiled.text())
+  traffic = hbm_traffic(compiled.text(), live_slots=LIVE)
   floor = floor_bytes(model, cache, live=LIVE, tokens_per_row=length)
   buffer = jax.tree.leaves(cache.k)[0]
   record = {
@@ -611,13 +641,14 @@ def measure(program: str, *, chip: str, batch: int, unrolled: bool = False, prev
     per = {}
     for n in (1, 2):
       small, *_ = _compile(program, topology=topology, batch=batch, num_layers=n, unstacked=True)
-      per[n] = dict(_xla(small), hbm_bytes=hbm_traffic(small.text()).hbm_bytes)
+      per[n] = dict(_xla(small), hbm_bytes=hbm_traffic(small.text(), LIVE).hbm_bytes)
     record["unstacked_1_2"] = {"at_1": per[1], "at_2": per[2]}
   if "unstacked_full" in previous:
     record["unstacked_full"] = previous["unstacked_full"]
   elif unrolled:
     full, *_ = _compile(program, topology=topology, batch=batch, unstacked=True)
-    record["unstacked_full"] = dict(_xla(full), hbm_bytes=hbm_traffic(full.text()).hbm_bytes)
+    record["unstacked_full"] = dict(_xla(full),
+                                    hbm_bytes=hbm_traffic(full.text(), LIVE).hbm_bytes)
   derive(record)
   extrapolated = record["unstacked_1_2"]["extrapolated"]
   log(f"    unstacked 1-2 extrapolated: hbm {extrapolated['hbm_bytes'] / 1e9:.3f} GB, xla bytes "

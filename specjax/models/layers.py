@@ -7,12 +7,15 @@ heads."""
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 
 from specjax.core.cache import unpack_heads
+from specjax.kernels import cache_attention as cache_kernel
 from specjax.models import long_attention
+from specjax.parallel.rules import active_rules, auto_mesh_shape
 from specjax.kernels.cpu import kernel as cpu_gemv
 from specjax.models.config import ModelConfig, RopeScaling
 
@@ -139,7 +142,7 @@ def segment_attention(q, keys, values, masks, *, scale: float, softcap: float | 
 
 
 def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = False,
-              causal_block: bool = False):
+              causal_block: bool = False, stacked_cache=None):
   """Grouped-query attention over one or more key/value segments, with causal and sliding-window
   masking: the masks here, the math in `attention_reference` (one softmax over all segments; only
   the small scores are concatenated, never the keys).
@@ -164,6 +167,12 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
       `k_pos` is `q_pos`, its `valid` None) and that every valid key of the earlier segments lies
       at or before every query's position and inside the window (a cache before the block): a
       long block may then run the TPU kernel, whose masks are static.
+    stacked_cache: `(keys [L, B, C, S, E], values, layer, starts [B])`: the first of two
+      segments is layer `layer` of these stacked buffers, its `k_pos` the slot index and its
+      `valid` exactly `slot < starts[b]` (the forward's cache segment). A short block then runs,
+      on TPU, the cache kernel (`specjax.kernels.cache_attention`: only the live slots' blocks
+      are read, the block segment merged in jnp; same math up to float32 rounding); everywhere
+      else this changes nothing.
 
   Returns:
     `[B, T, H * D]`.
@@ -192,9 +201,72 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
       visible &= valid
     masks.append(visible)
   keys, values = [s[0] for s in segments], [s[1] for s in segments]
-  out = segment_attention(q, keys, values, masks, scale=config.attention_scale,
-                          softcap=config.attn_logit_softcap, kernel=kernel)
+  reference = functools.partial(segment_attention, keys=keys, values=values, masks=masks,
+                                scale=config.attention_scale, softcap=config.attn_logit_softcap,
+                                kernel=kernel)
+  if stacked_cache is None or len(segments) != 2:
+    out = reference(q)
+  else:
+    tpu = functools.partial(_cache_kernel_attention, stacked_cache=stacked_cache,
+                            block=segments[1], block_mask=masks[1], q_pos=q_pos, window=window,
+                            config=config, reference=reference)
+    out = jax.lax.platform_dependent(q, tpu=tpu, default=reference)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h * d).astype(q.dtype)
+
+
+def _cache_kernel_attention(q, *, stacked_cache, block, block_mask, q_pos, window,
+                            config: ModelConfig, reference):
+  """TPU: the cache segment's live slots through `specjax.kernels.cache_attention` (inside
+  `jax.shard_map` under a mesh, each device on its rows and key/value heads as the sharding rules
+  place them), merged with the block segment's scores; `reference(q)` where the kernel does not
+  fit (VMEM, slot count) or the mesh splits the cache's layers or slots.
+  `[B, KVH, G, T, D]` float32."""
+  cache_k, cache_v, layer, starts = stacked_cache
+  _, t, _, g, d = q.shape
+  _, _, groups, slots, width = cache_k.shape
+  scale, softcap = config.attention_scale, config.attn_logit_softcap
+  run = functools.partial(cache_kernel.cache_attention, scale=scale, softcap=softcap)
+  mesh_shape = auto_mesh_shape()
+  if mesh_shape is None:  # one device, or inside the caller's shard_map
+    local_groups = groups
+  else:
+    rules = active_rules()
+    cache_spec = rules.spec(("layers", "batch", "kv_heads", "length", None), cache_k.shape,
+                            mesh_shape)
+    if cache_spec[0] is not None or cache_spec[3] is not None:
+      return reference(q)
+    # The queries follow the cache's placement (a packed cache's groups may not split where the
+    # queries' heads do: each device then attends all heads of its rows).
+    q_spec = jax.sharding.PartitionSpec(cache_spec[1], None, cache_spec[2], None, None)
+    size = lambda axes: 1 if axes is None else (
+        mesh_shape[axes] if isinstance(axes, str) else math.prod(mesh_shape[a] for a in axes))
+    local_groups = groups // size(cache_spec[2])
+  dtype = jnp.promote_types(q.dtype, cache_k.dtype)
+  if not cache_kernel.block_slots(slots, local_groups, (width // d) * g * t, width, dtype,
+                                  cache_k.dtype):
+    return reference(q)
+  layer = jnp.asarray(layer, jnp.int32)
+  window = jnp.asarray(window, jnp.int32)
+  if mesh_shape is None:
+    partials = run(q, cache_k, cache_v, starts, q_pos, layer=layer, window=window)
+  else:
+    rows = jax.sharding.PartitionSpec(cache_spec[1])
+    stat = jax.sharding.PartitionSpec(q_spec[0], q_spec[2], None, None)
+    acc = jax.sharding.PartitionSpec(q_spec[0], q_spec[2], None, None, None)
+    scalar = jax.sharding.PartitionSpec()
+    partials = jax.shard_map(
+        lambda q, k, v, s, p, layer, window: run(q, k, v, s, p, layer=layer, window=window),
+        mesh=jax.sharding.get_abstract_mesh(),
+        in_specs=(q_spec, cache_spec, cache_spec, rows,
+                  jax.sharding.PartitionSpec(cache_spec[1], None), scalar, scalar),
+        out_specs=(stat, stat, acc), check_vma=False)(
+            q, cache_k, cache_v, starts, q_pos, layer, window)
+  block_k, block_v = block[0], block[1]
+  scores = _scores(q, block_k) * scale
+  if softcap is not None:
+    scores = softcap * jnp.tanh(scores / softcap)
+  scores = jnp.where(block_mask[:, None, None], scores, -jnp.inf)
+  return cache_kernel.merge(partials, scores, block_v, d)
 
 
 def _mlp_activation(x, kind):

@@ -432,7 +432,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     # Cache slots before a row's start hold earlier tokens; the rest is stale or empty.
     slot_valid = (slot_pos < starts[:, None])[:, None, :]  # [B, 1, S]
 
-  def block(x, lp, window, layer_k, layer_v, layer=None, shared_kv=None, per_layer_input=None):
+  def block(x, lp, window, layer_k, layer_v, layer=None, shared_kv=None, per_layer_input=None,
+            stacked_cache=None):
     # `layer` (the unrolled loop's index) gives a `per_layer_only` model's per-layer head width
     # and RoPE; `shared_kv` is the block's `(k, v)` of the layer a KV-shared layer attends.
     h = rms_norm(x, lp["attn_norm"], c.norm_eps, c.norm_offset)
@@ -473,7 +474,8 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
       segments.insert(0, (layer_k, layer_v, slot_pos, slot_valid))
     # The block is causal over itself unless a tree's mask or positions say otherwise.
     attn = ops.attention(q, segments, q_pos, window, c,
-                         causal_block=block_mask is None and positions is None)
+                         causal_block=block_mask is None and positions is None,
+                         stacked_cache=stacked_cache)
     x = x + project_out(attn, "wo", "post_attn_norm")
     h = rms_norm(x, lp["mlp_norm"], c.norm_eps, c.norm_offset)
     gate, up = ops.gate_up(h, lp, c)
@@ -529,17 +531,26 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     # Requested taps go into a small [n, B, T, E] carry: slot n (out of range) drops the write.
     slots = jnp.asarray([inner.index(i) if i in inner else len(inner)
                          for i in range(c.num_layers)], jnp.int32)
+    # The stacked cache is a loop invariant and each layer indexes it: a custom call that reads
+    # the cache (the TPU cache attention kernel) then takes the whole buffer and the layer index,
+    # where a per-layer slice (a scanned-over input) could be copied into its own buffer.
     def scan_body(carry, xs):
       x, buffer = carry
-      lp, window, slot, layer_k, layer_v = xs
+      lp, window, slot, layer = xs
       if inner:
         buffer = buffer.at[slot].set(x, mode="drop")
-      x, k, v, _ = block(x, lp, window, layer_k, layer_v)
+      layer_k = layer_v = stacked = None
+      if cache_k is not None:
+        layer_k = jax.lax.dynamic_index_in_dim(cache_k, layer, keepdims=False)
+        layer_v = jax.lax.dynamic_index_in_dim(cache_v, layer, keepdims=False)
+        stacked = (cache_k, cache_v, layer, starts)
+      x, k, v, _ = block(x, lp, window, layer_k, layer_v, stacked_cache=stacked)
       return (x, buffer), (k, v)
     buffer = jnp.zeros((len(inner),) + x.shape, x.dtype)
     windows = jnp.asarray(c.layer_windows(), jnp.int32)
     (x, buffer), (block_k, block_v) = jax.lax.scan(
-        scan_body, (x, buffer), (layers, windows, slots, cache_k, cache_v))
+        scan_body, (x, buffer), (layers, windows, slots, jnp.arange(c.num_layers,
+                                                                    dtype=jnp.int32)))
     tapped = {i: buffer[n] for n, i in enumerate(inner)}
     if cache is not None and not write_cache:
       block_kv = KVBlock(block_k, block_v)

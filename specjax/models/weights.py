@@ -118,10 +118,10 @@ class Ops:
     return jnp.einsum("...i,io->...o", x, head, preferred_element_type=jnp.float32)
 
   def attention(self, q, segments, q_pos, window, config: ModelConfig, *,
-                causal_block: bool = False) -> jax.Array:
+                causal_block: bool = False, stacked_cache=None) -> jax.Array:
     """`specjax.models.layers.attention`, through the CPU kernel where the model uses it."""
     return attention(q, segments, q_pos, window, config, kernel=self.cpu_kernel,
-                     causal_block=causal_block)
+                     causal_block=causal_block, stacked_cache=stacked_cache)
 
   def _biased(self, h, w, bias):
     out = self.matmul(h, w)
