@@ -88,7 +88,13 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
   sequence = jnp.zeros((batch, buffer_len), jnp.int32).at[:, :width].set(tokens)
   out = prefill(target, tokens, target.init_cache(batch, buffer_len), lengths,
                 **target_features(drafter))
-  cache = out.cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
+  # The drafter's prefill (a draft model's own cache) starts after the target's has finished:
+  # without the order XLA:TPU may build the draft cache first, and then the target's prefill
+  # runs with both caches and its own chunk temporaries live at once (the program's peak).
+  # `optimization_barrier` is the identity; it only fixes the order.
+  out_cache, draft_tokens = jax.lax.optimization_barrier((out.cache, tokens))
+  out = out._replace(cache=out_cache) if hasattr(out, "_replace") else out
+  cache = out_cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
   zeros = jnp.zeros((batch,), jnp.int32)
   stats = DecodeStats(rounds=zeros, drafted=zeros, accepted=zeros,
                       accepted_per_position=jnp.zeros((batch, num_draft), jnp.int32),
@@ -100,7 +106,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
                      eos_ids=jnp.atleast_1d(jnp.asarray(eos_ids, jnp.int32)),
                      done=jnp.zeros((batch,), bool), seeds=jnp.asarray(seeds, jnp.uint32),
                      target_cache=cache,
-                     draft_state=drafter.init(tokens, lengths, buffer_len, out), stats=stats,
+                     draft_state=drafter.init(draft_tokens, lengths, buffer_len, out), stats=stats,
                      logprobs=jnp.zeros((batch, buffer_len), jnp.float32) if logprobs else None)
 
 
