@@ -6,6 +6,14 @@ the results with collectives. `PallasVocab` does those local reductions (max, su
 and the threshold search's `sum_at_least`) as tiled Pallas kernels that stream the slice once
 each, with Mosaic on TPU or the Pallas interpreter. Rows are flattened to `[N, Vl]` and tiled in
 blocks of `(8, block_v)`; results come back lane-dense in `[N, 128]`.
+
+The flattening is a view of the logits, not a copy of them (`flatten_order`): XLA:TPU tiles an
+array's two minor dimensions by `(8, 128)`, so a `[B, k + 1, V]` block of logits with `B` a
+multiple of 8 and `k + 1` not is laid out token-major (`{2,0,1}`, physically `[k + 1, B, V]`,
+no padding); its rows are then flattened token-major too (`[k + 1, B, V] -> [(k + 1) B, V]`, a
+bitcast), where a batch-major reshape would copy the logits. The vocabulary is not padded either:
+the last tile is partial and its lanes past `Vl` are masked in the kernels. Only a row count that
+is not a multiple of 8 is padded.
 """
 
 from __future__ import annotations
@@ -18,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from specjax.kernels.common import replaces, tile_argmax
+
 LANES = 128
 ROWS = 8  # rows per block: the (8, 128) tiling rule's second-minor dimension
 MAX_BLOCK_V = 16384  # 8 x 16384 f32 = 512 KiB per input block
@@ -27,14 +37,43 @@ def _round_up(x: int, multiple: int) -> int:
   return -(-x // multiple) * multiple
 
 
-def _flatten(x, fill):
-  """`[..., V]` -> `[N, V]` padded to `(8, block_v)` multiples with `fill`; returns block_v."""
-  rows = x.reshape(-1, x.shape[-1])
+def flatten_order(shape) -> str:
+  """"token" where `[B, T, V]` logits are flattened token-major (`B` a multiple of 8, `T > 1`
+  not: the layout XLA:TPU gives such an array, see the module doc), else "batch"."""
+  if len(shape) == 3 and shape[0] % ROWS == 0 and shape[1] > 1 and shape[1] % ROWS:
+    return "token"
+  return "batch"
+
+
+def _rows(x, order: str):
+  """`[..., V]` -> `[N, V]`, rows in `order` (`flatten_order`)."""
+  if order == "token":
+    x = jnp.swapaxes(x, 0, 1)
+  return x.reshape(-1, x.shape[-1])
+
+
+def _unflatten(out, lead, order: str):
+  """Per-row results `[N, ...]` (rows in `order`) -> `lead + out.shape[1:]`."""
+  tail = out.shape[1:]
+  if order == "token":
+    return jnp.swapaxes(out.reshape((lead[1], lead[0]) + tail), 0, 1)
+  return out.reshape(tuple(lead) + tail)
+
+
+def _flatten(x, fill, order: str):
+  """`[..., V]` -> `([N', V], block_v)`: rows in `order`, padded with `fill` to a multiple of 8
+  (the vocabulary is not padded: the kernels mask the last tile's lanes past `V`)."""
+  rows = _rows(x, order)
   n, v = rows.shape
-  block_v = min(MAX_BLOCK_V, _round_up(v, LANES))
-  rows = jnp.pad(rows, ((0, _round_up(n, ROWS) - n), (0, _round_up(v, block_v) - v)),
-                 constant_values=fill)
+  block_v = v if v <= MAX_BLOCK_V else MAX_BLOCK_V
+  if n % ROWS:
+    rows = jnp.pad(rows, ((0, _round_up(n, ROWS) - n), (0, 0)), constant_values=fill)
   return rows, block_v
+
+
+def _valid(ids, vocab):
+  """Lanes of a tile that hold vocabulary entries (the last tile may run past `vocab`)."""
+  return ids < vocab
 
 
 def _reduce(kernel, inputs, small, *, out_dtypes, block_v, interpret, name):
@@ -47,8 +86,8 @@ def _reduce(kernel, inputs, small, *, out_dtypes, block_v, interpret, name):
     operands.append(small)
   out_spec = pl.BlockSpec((ROWS, LANES), lambda i, j: (i, 0))
   return pl.pallas_call(
-      functools.partial(kernel, block_v=block_v),
-      grid=(n // ROWS, v // block_v),
+      functools.partial(kernel, block_v=block_v, vocab=v),
+      grid=(n // ROWS, pl.cdiv(v, block_v)),
       in_specs=in_specs,
       out_specs=[out_spec for _ in out_dtypes],
       out_shape=[jax.ShapeDtypeStruct((n, LANES), d) for d in out_dtypes],
@@ -58,7 +97,7 @@ def _reduce(kernel, inputs, small, *, out_dtypes, block_v, interpret, name):
   )(*operands)
 
 
-def _max_argmax_kernel(x_ref, max_ref, arg_ref, *, block_v):
+def _max_argmax_kernel(x_ref, max_ref, arg_ref, *, block_v, vocab):
   j = pl.program_id(1)
 
   @pl.when(j == 0)
@@ -68,27 +107,29 @@ def _max_argmax_kernel(x_ref, max_ref, arg_ref, *, block_v):
 
   x = x_ref[...].astype(jnp.float32)  # [8, bv]
   ids = j * block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-  tile_max = jnp.max(x, axis=-1, keepdims=True)
-  tile_arg = jnp.min(jnp.where(x == tile_max, ids, 2**31 - 1), axis=-1, keepdims=True)
+  x = jnp.where(_valid(ids, vocab), x, -jnp.inf)
+  # A NaN is the maximum and the first one wins (`tile_argmax`), as in `first_argmax`.
+  tile_max, tile_arg = tile_argmax(x, ids)
   old = max_ref[:, 0:1]
-  arg_ref[...] = jnp.broadcast_to(jnp.where(tile_max > old, tile_arg, arg_ref[:, 0:1]),
-                                  arg_ref.shape)
-  max_ref[...] = jnp.broadcast_to(jnp.maximum(old, tile_max), max_ref.shape)
+  later = replaces(tile_max, old)
+  arg_ref[...] = jnp.broadcast_to(jnp.where(later, tile_arg, arg_ref[:, 0:1]), arg_ref.shape)
+  max_ref[...] = jnp.broadcast_to(jnp.where(later, tile_max, old), max_ref.shape)
 
 
-def _sum_kernel(x_ref, sum_ref, *, block_v):
-  del block_v
+def _sum_kernel(x_ref, sum_ref, *, block_v, vocab):
+  j = pl.program_id(1)
 
-  @pl.when(pl.program_id(1) == 0)
+  @pl.when(j == 0)
   def _init():
     sum_ref[...] = jnp.zeros(sum_ref.shape, jnp.float32)
 
-  total = jnp.sum(x_ref[...].astype(jnp.float32), axis=-1, keepdims=True)
+  x = x_ref[...].astype(jnp.float32)  # [8, bv]
+  ids = j * block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  total = jnp.sum(jnp.where(_valid(ids, vocab), x, 0.0), axis=-1, keepdims=True)
   sum_ref[...] = sum_ref[...] + jnp.broadcast_to(total, sum_ref.shape)
 
 
-def _sum_at_least_kernel(x_ref, *refs, block_v, count: bool, num_thresholds: int):
-  del block_v
+def _sum_at_least_kernel(x_ref, *refs, block_v, vocab, count: bool, num_thresholds: int):
   if count:
     thresholds_ref, out_ref = refs
     weights = None
@@ -96,21 +137,24 @@ def _sum_at_least_kernel(x_ref, *refs, block_v, count: bool, num_thresholds: int
     weights_ref, thresholds_ref, out_ref = refs
     weights = weights_ref[...].astype(jnp.float32)
 
-  @pl.when(pl.program_id(1) == 0)
+  j = pl.program_id(1)
+
+  @pl.when(j == 0)
   def _init():
     out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
   x = x_ref[...].astype(jnp.float32)  # [8, bv]
+  valid = _valid(j * block_v + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1), vocab)
   thresholds = thresholds_ref[...]  # [8, 128], lanes 0..R-1
   lane = jax.lax.broadcasted_iota(jnp.int32, out_ref.shape, 1)
   acc = out_ref[...]
-  for j in range(num_thresholds):
-    above = x >= thresholds[:, j:j + 1]
+  for t in range(num_thresholds):
+    above = valid & (x >= thresholds[:, t:t + 1])
     if count:
       part = jnp.sum(above.astype(jnp.int32), axis=-1, keepdims=True)
     else:
       part = jnp.sum(jnp.where(above, weights, 0.0), axis=-1, keepdims=True)
-    acc = acc + jnp.where(lane == j, part, 0).astype(acc.dtype)
+    acc = acc + jnp.where(lane == t, part, 0).astype(acc.dtype)
   out_ref[...] = acc
 
 
@@ -129,12 +173,12 @@ class PallasVocab:
     return jnp.arange(x.shape[-1], dtype=jnp.int32)
 
   def max_and_argmax(self, x):
-    lead = x.shape[:-1]
-    rows, block_v = _flatten(x, -jnp.inf)
+    lead, order = x.shape[:-1], flatten_order(x.shape)
+    rows, block_v = _flatten(x, -jnp.inf, order)
     best, arg = _reduce(_max_argmax_kernel, [rows], None, out_dtypes=(jnp.float32, jnp.int32),
                         block_v=block_v, interpret=self.interpret, name="vocab_argmax")
     n = _size(lead)
-    return best[:n, 0].reshape(lead), arg[:n, 0].reshape(lead)
+    return _unflatten(best[:n, 0], lead, order), _unflatten(arg[:n, 0], lead, order)
 
   def max(self, x):
     return self.max_and_argmax(x)[0]
@@ -143,23 +187,23 @@ class PallasVocab:
     return self.max_and_argmax(x)[1]
 
   def sum(self, x):
-    lead = x.shape[:-1]
-    rows, block_v = _flatten(x, 0.0)
+    lead, order = x.shape[:-1], flatten_order(x.shape)
+    rows, block_v = _flatten(x, 0.0, order)
     (total,) = _reduce(_sum_kernel, [rows], None, out_dtypes=(jnp.float32,), block_v=block_v,
                        interpret=self.interpret, name="vocab_sum")
-    return total[:_size(lead), 0].reshape(lead)
+    return _unflatten(total[:_size(lead), 0], lead, order)
 
   def sum_at_least(self, x, weights, thresholds):
-    lead, num = x.shape[:-1], thresholds.shape[-1]
-    rows, block_v = _flatten(x, -jnp.inf)
-    inputs = [rows] if weights is None else [rows, _flatten(weights, 0.0)[0]]
-    small = jnp.pad(thresholds.reshape(-1, num).astype(jnp.float32),
+    lead, num, order = x.shape[:-1], thresholds.shape[-1], flatten_order(x.shape)
+    rows, block_v = _flatten(x, -jnp.inf, order)
+    inputs = [rows] if weights is None else [rows, _flatten(weights, 0.0, order)[0]]
+    small = jnp.pad(_rows(thresholds.astype(jnp.float32), order),
                     ((0, rows.shape[0] - _size(lead)), (0, LANES - num)))
     kernel = functools.partial(_sum_at_least_kernel, count=weights is None, num_thresholds=num)
     (out,) = _reduce(kernel, inputs, small,
                      out_dtypes=(jnp.int32 if weights is None else jnp.float32,),
                      block_v=block_v, interpret=self.interpret, name="vocab_sum_at_least")
-    return out[:_size(lead), :num].reshape(lead + (num,))
+    return _unflatten(out[:_size(lead), :num], lead, order)
 
   def gather_at(self, x, ids):  # B * k scalars: a gather, no reduction
     return jnp.take_along_axis(x, ids[..., None], axis=-1)[..., 0]

@@ -14,6 +14,14 @@ mesh.)
   "auto"       (default) `jax.lax.platform_dependent`: TPU -> the Mosaic kernel, CUDA / ROCm ->
                the Triton kernel, CPU -> the reference.
 
+On TPU (and in "interpret") a greedy rule over `[B, k+1, V]` logits laid out token-major -- `B` a
+multiple of 8 and `k + 1` not, where XLA:TPU lays the logits out as `[k+1, B, V]` to avoid
+padding (`specjax.kernels.vocab_reduce.flatten_order`) -- runs `verify_rule` with the Pallas
+argmax of `PallasVocab` instead of the fused kernel: that argmax reads the logits through a
+bitcast view, one pass, where the fused kernel's `[block_b, k+1, V]` blocks need the batch-major
+layout and XLA copied the whole float32 logits into it (0.54 GB of a 6.2 GB verify at batch 64,
+Qwen2.5 vocabulary; `benchmarks.tpu_traffic`). Greedy needs only the argmax: the same tokens.
+
 The choice follows the platform the computation is *lowered* for, not the host's default backend:
 `jax.export(..., platforms=["tpu"])` from a CPU machine lowers the TPU branch, i.e. the kernel,
 and `platforms=["cuda"]` the Triton kernel. Exporting the Triton kernel needs
@@ -34,8 +42,8 @@ import jax
 
 from specjax.kernels.fused_verify import BlockSizes, fused_verify
 from specjax.kernels.fused_verify_gpu import fused_verify_gpu
-from specjax.kernels.vocab_reduce import PallasVocab
-from specjax.verify.rule import LocalVocab, verify_reference
+from specjax.kernels.vocab_reduce import PallasVocab, flatten_order
+from specjax.verify.rule import LocalVocab, verify_reference, verify_rule
 from specjax.core.sampling import Sampling, VerifyResult
 
 VERIFY_IMPLS = ("auto", "reference", "kernel", "interpret")
@@ -69,7 +77,13 @@ def local_verify(target_logits: jax.Array, draft_logits: jax.Array | None,
   reference = functools.partial(verify_reference, **kwargs)
   if impl == "reference":
     return reference(target_logits, draft_logits, draft_tokens)
-  kernel = functools.partial(fused_verify, block_sizes=block_sizes, **kwargs)
+  def kernel(target_logits, draft_logits, draft_tokens, interpret):
+    if sampling.greedy and flatten_order(target_logits.shape) == "token":
+      return verify_rule(PallasVocab(interpret=interpret), target_logits, draft_logits,
+                         draft_tokens, **kwargs)
+    return fused_verify(target_logits, draft_logits, draft_tokens, interpret=interpret,
+                        block_sizes=block_sizes, **kwargs)
+
   if impl == "interpret":
     return kernel(target_logits, draft_logits, draft_tokens, interpret=True)
 
