@@ -25,7 +25,7 @@ are scaled, then soft-capped (`cap * tanh(x / cap)`) where `softcap` is given.
 What it returns. `(m [B, C, R, 1], l [B, C, R, 1], acc [B, C, R, E])` float32: per row the max
 score `m` over the visible slots (`-inf` where none is visible), `l = sum exp(score - m)` and
 `acc = sum exp(score - m) v` (the probabilities cast to the values' dtype before the product, as
-`attention_reference` does). `merge` (jnp) combines them with the block segment's scores; the
+`attention_reference` does). `specjax.models.layers.merge_cache_partials` (jnp) combines them with the block segment's scores; the
 result equals `specjax.models.layers.attention_reference` to float32 rounding (bfloat16 caches:
 to the rounding of the probabilities cast to bfloat16, normalised after the product here and
 before it in the reference). A row with no visible slot at all contributes nothing; each row
@@ -51,8 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-__all__ = ["BLOCKS", "VMEM_BUDGET", "block_slots", "cache_attention", "cache_attention_reference",
-           "fetched_slots", "merge", "vmem_bytes"]
+__all__ = ["BLOCKS", "VMEM_BUDGET", "block_slots", "cache_attention", "fetched_slots",
+           "vmem_bytes"]
 
 VMEM_BUDGET = 8 << 20
 BLOCKS = (512, 256, 128)  # slots per grid step, largest first
@@ -225,7 +225,7 @@ def cache_attention(q, keys, values, starts, q_pos, *, layer=0, window=0, scale:
     interpret: run the kernel in Pallas interpret mode (any backend).
 
   Returns:
-    `(m, l [B, KVH, G, T], acc [B, KVH, G, T, D])` float32 (module docstring); `merge` finishes.
+    `(m, l [B, KVH, G, T], acc [B, KVH, G, T, D])` float32 (module docstring); `specjax.models.layers.merge_cache_partials` finishes.
   """
   if keys.ndim == 4:
     keys, values = keys[None], values[None]
@@ -250,51 +250,3 @@ def cache_attention(q, keys, values, starts, q_pos, *, layer=0, window=0, scale:
       jnp.asarray(layer, jnp.int32).reshape(1), jnp.asarray(window, jnp.int32).reshape(1),
       row_pos, scale=float(scale), softcap=softcap, block=block, interpret=interpret)
   return _unrows(m, l, acc, q.shape, pack)
-
-
-def cache_attention_reference(q, keys, values, starts, q_pos, *, layer=0, window=0,
-                              scale: float, softcap: float | None = None):
-  """`cache_attention`'s partial results in jnp, over every slot (the kernel's oracle)."""
-  # pylint: disable=import-outside-toplevel
-  from specjax.models.layers import _scores, _weighted_values
-  if keys.ndim == 5:
-    keys, values = keys[layer], values[layer]
-  slots = keys.shape[2]
-  s = _scores(q, keys) * scale  # [B, KVH, G, T, S]
-  if softcap is not None:
-    s = softcap * jnp.tanh(s / softcap)
-  slot = jnp.arange(slots)[None, None, :]
-  pos = jnp.asarray(q_pos)[:, :, None]
-  visible = (slot < jnp.asarray(starts)[:, None, None]) & (slot <= pos)
-  visible &= (window == 0) | (slot > pos - window)  # [B, T, S]
-  s = jnp.where(visible[:, None, None], s, -jnp.inf)
-  m = jnp.max(s, axis=-1)
-  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
-  return m, p.sum(-1), _weighted_values(p.astype(values.dtype), values, q.shape[-1])
-
-
-def merge(partials, block_scores, block_values, head_dim: int):
-  """Attention over the cache and the block: the cache's partial results combined with the
-  block segment's (masked, scaled, soft-capped) scores.
-
-  Args:
-    partials: `(m, l [B, KVH, G, T], acc [B, KVH, G, T, D])` float32 from `cache_attention`.
-    block_scores: `[B, KVH, G, T, T']` float32 scores of the block's keys, an invisible key at
-      `-inf` (every query sees at least its own key).
-    block_values: `[B, KVH, T', D]` the block's values.
-    head_dim: `D`.
-
-  Returns:
-    `[B, KVH, G, T, D]` float32, `attention_reference`'s result over the two segments.
-  """
-  # pylint: disable=import-outside-toplevel
-  from specjax.models.layers import _weighted_values
-  m, l, acc = partials
-  top = jnp.maximum(m, jnp.max(block_scores, axis=-1))
-  top = jnp.where(top == -jnp.inf, 0.0, top)
-  cache_weight = jnp.exp(m - top)  # 0 where the cache showed nothing
-  p = jnp.exp(block_scores - top[..., None])
-  total = cache_weight * l + p.sum(-1)
-  out = cache_weight[..., None] * acc + _weighted_values(p.astype(block_values.dtype),
-                                                          block_values, head_dim)
-  return out / jnp.where(total == 0, 1.0, total)[..., None]  # (0 only where nothing is visible)

@@ -266,7 +266,51 @@ def _cache_kernel_attention(q, *, stacked_cache, block, block_mask, q_pos, windo
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(block_mask[:, None, None], scores, -jnp.inf)
-  return cache_kernel.merge(partials, scores, block_v, d)
+  return merge_cache_partials(partials, scores, block_v, d)
+
+
+def cache_attention_reference(q, keys, values, starts, q_pos, *, layer=0, window=0,
+                              scale: float, softcap: float | None = None):
+  """`specjax.kernels.cache_attention.cache_attention`'s partial results in jnp, over every slot (the kernel's oracle)."""
+  if keys.ndim == 5:
+    keys, values = keys[layer], values[layer]
+  slots = keys.shape[2]
+  s = _scores(q, keys) * scale  # [B, KVH, G, T, S]
+  if softcap is not None:
+    s = softcap * jnp.tanh(s / softcap)
+  slot = jnp.arange(slots)[None, None, :]
+  pos = jnp.asarray(q_pos)[:, :, None]
+  visible = (slot < jnp.asarray(starts)[:, None, None]) & (slot <= pos)
+  visible &= (window == 0) | (slot > pos - window)  # [B, T, S]
+  s = jnp.where(visible[:, None, None], s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
+  return m, p.sum(-1), _weighted_values(p.astype(values.dtype), values, q.shape[-1])
+
+
+def merge_cache_partials(partials, block_scores, block_values, head_dim: int):
+  """Attention over the cache and the block: the cache's partial results combined with the
+  block segment's (masked, scaled, soft-capped) scores.
+
+  Args:
+    partials: `(m, l [B, KVH, G, T], acc [B, KVH, G, T, D])` float32 from `specjax.kernels.cache_attention.cache_attention`.
+    block_scores: `[B, KVH, G, T, T']` float32 scores of the block's keys, an invisible key at
+      `-inf` (every query sees at least its own key).
+    block_values: `[B, KVH, T', D]` the block's values.
+    head_dim: `D`.
+
+  Returns:
+    `[B, KVH, G, T, D]` float32, `attention_reference`'s result over the two segments.
+  """
+  m, l, acc = partials
+  top = jnp.maximum(m, jnp.max(block_scores, axis=-1))
+  top = jnp.where(top == -jnp.inf, 0.0, top)
+  cache_weight = jnp.exp(m - top)  # 0 where the cache showed nothing
+  p = jnp.exp(block_scores - top[..., None])
+  total = cache_weight * l + p.sum(-1)
+  out = cache_weight[..., None] * acc + _weighted_values(p.astype(block_values.dtype),
+                                                          block_values, head_dim)
+  return out / jnp.where(total == 0, 1.0, total)[..., None]  # (0 only where nothing is visible)
 
 
 def _mlp_activation(x, kind):

@@ -532,8 +532,9 @@ def forward(model: Model, tokens: jax.Array, starts: jax.Array, cache: KVCache |
     slots = jnp.asarray([inner.index(i) if i in inner else len(inner)
                          for i in range(c.num_layers)], jnp.int32)
     # The stacked cache is a loop invariant and each layer indexes it: a custom call that reads
-    # the cache (the TPU cache attention kernel) then takes the whole buffer and the layer index,
-    # where a per-layer slice (a scanned-over input) could be copied into its own buffer.
+    # the cache (TPU's cache attention, `specjax.models.layers`) then takes the whole buffer and
+    # the layer index, where a per-layer slice (a scanned-over input) could be copied into its own
+    # buffer.
     def scan_body(carry, xs):
       x, buffer = carry
       lp, window, slot, layer = xs

@@ -2,7 +2,7 @@
 
 `specjax.kernels.cache_attention.cache_attention` attends one layer of a stacked `[L, B, C, S, E]`
 cache over the live slots `slot < starts[b]` only (the key/value block index clamped to the row's
-last live block) and returns flash-decoding partials, which `merge` combines with the block
+last live block) and returns flash-decoding partials, which `specjax.models.layers.merge_cache_partials` combines with the block
 segment's scores. Checked here:
 
   * a hand-worked case: zero queries weigh every visible slot alike;
@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels import cache_attention as ca
+from specjax.models import layers
 from specjax.models.layers import attention, attention_reference
 
 # Tolerances against the reference: float32 rounding; bfloat16 caches also round the
@@ -83,7 +84,7 @@ def _merged(partials, q, block_k, block_v, block_mask, softcap):
   if softcap is not None:
     scores = softcap * jnp.tanh(scores / softcap)
   scores = jnp.where(block_mask[:, None, None], scores, -jnp.inf)
-  return ca.merge(partials, scores, block_v, q.shape[-1])
+  return layers.merge_cache_partials(partials, scores, block_v, q.shape[-1])
 
 
 def test_zero_queries_average_the_visible_slots():
@@ -126,7 +127,7 @@ def test_kernel_matches_the_reference(dtype, t, pack, tree, window, softcap):
   run = functools.partial(ca.cache_attention, layer=layer, window=window, scale=SCALE,
                           softcap=softcap)
   partials = run(q, keys, values, starts, q_pos, block=BLOCK, interpret=True)
-  want_partials = ca.cache_attention_reference(q, keys, values, starts, q_pos, layer=layer,
+  want_partials = layers.cache_attention_reference(q, keys, values, starts, q_pos, layer=layer,
                                                window=window, scale=SCALE, softcap=softcap)
   m, l, acc = (np.asarray(x) for x in partials)
   want_m, want_l, want_acc = (np.asarray(x) for x in want_partials)
