@@ -93,7 +93,7 @@ def init_state(target, drafter, tokens, lengths, max_new_tokens, eos_ids, seeds,
   # runs with both caches and its own chunk temporaries live at once (the program's peak).
   # `optimization_barrier` is the identity; it only fixes the order.
   out_cache, draft_tokens = jax.lax.optimization_barrier((out.cache, tokens))
-  out = out._replace(cache=out_cache) if hasattr(out, "_replace") else out
+  out = out._replace(cache=out_cache)  # a `ForwardOutput` (the model protocol)
   cache = out_cache.with_lengths(lengths - 1)  # the last prompt token is fed with the drafts
   zeros = jnp.zeros((batch,), jnp.int32)
   stats = DecodeStats(rounds=zeros, drafted=zeros, accepted=zeros,
