@@ -101,6 +101,29 @@ def pytest_collection_modifyitems(config, items):
           item.add_marker(skip)
 
 
+# Test files whose tests are independent compiles with no shared fixtures (the TPU compile tier:
+# each test one program, minutes on the wider meshes). Under `--dist loadfile` (the README's
+# command, CI's steps 1 and 2) every other file stays whole in one worker, so its module fixtures
+# are built once; these are handed to whichever worker is free, test by test, so that one worker
+# does not take a whole file of compiles while the other idles.
+PER_TEST_FILES = ("tests/tpu/test_",)
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without xdist
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling
+
+  class FilesWithTpuTestsSpread(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      if nodeid.startswith(PER_TEST_FILES):
+        return nodeid
+      return super()._split_scope(nodeid)
+
+  return FilesWithTpuTestsSpread(config, log)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
   """Drops JAX's compiled programs after each test module, so that one long pytest process does

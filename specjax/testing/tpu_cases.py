@@ -242,8 +242,9 @@ def case_setup(case: Case | str, setup: Setup) -> Setup:
   return setup if case.target is None else dataclasses.replace(setup, target=case.target)
 
 
-def compile_case(case: Case | str, setup: Setup = Setup()) -> tpu.Compiled:
-  """Compiles `case` for `setup` with the TPU compiler.
+def compile_case(case: Case | str, setup: Setup = Setup(), *,
+                 effort: float | None = None) -> tpu.Compiled:
+  """Compiles `case` for `setup` with the TPU compiler (`effort`: `tpu.compile_call`'s).
 
   Raises:
     tpu.TpuCompileError: the compiler rejected the program (its message).
@@ -255,7 +256,7 @@ def compile_case(case: Case | str, setup: Setup = Setup()) -> tpu.Compiled:
     raise ValueError(f"{case.name} needs a mesh whose 'model' axis is > 1, {setup.topology} has "
                      "none")
   program = case.build(case_setup(case, setup))
-  return tpu.compile_call(program.fn, *program.args, mesh=program.mesh)
+  return tpu.compile_call(program.fn, *program.args, mesh=program.mesh, effort=effort)
 
 
 CASES: dict[str, Case] = {}
