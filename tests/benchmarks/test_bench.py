@@ -184,7 +184,7 @@ def test_agent_prompt_file_is_well_formed():
     assert calls and all(set(c) == {"tool", "arguments"} for c in calls)
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # the suite's machinery: 25-210 s each; CI's time budget
 def test_suffix_drafters_of_the_suite_with_a_corpus():
   """`suffix` and `suffix+corpus` (its corpus set by `with_corpus`) are built on request, and greedy
   decode with the corpus equals generate."""
@@ -216,7 +216,7 @@ def test_suffix_drafters_of_the_suite_with_a_corpus():
   assert out.stats.summary()["rounds"] < 12
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # the suite's machinery: 25-210 s each; CI's time budget
 def test_the_suites_vocabulary_self_drafts():
   """`self-int8+vocab` and `self-q4+vocab` are built on request with the target's tokenizer (not
   without one): the int8 and the 4-bit copies over the `draft_vocab_size` ids the target uses most
@@ -256,7 +256,7 @@ def test_the_suites_vocabulary_self_drafts():
     np.testing.assert_array_equal(out.tokens, want.tokens)
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # the suite's machinery: 25-210 s each; CI's time budget
 def test_real_suite_machinery_on_a_tiny_model(tmp_path):
   """The real suite's measurement, summary, table and plots on a tiny random Llama and its
   `transformers` twin (exported weights), with prompts that repeat so lookup drafts get accepted."""
@@ -439,7 +439,7 @@ def test_real_suite_takes_trained_head_checkpoints(tmp_path):
     assert r["draft_ratio"] > 0 and np.isfinite(r["bound"])
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # the suite's machinery: 25-210 s each; CI's time budget
 def test_the_shipped_head_joins_the_suite_at_the_asked_k():
   """With SmolLM2 as the target, `eagle3` (the shipped head alone) and `eagle3+lookup` (the
   shipped hybrid drafter) join the list at the asked k: a sequential head has no bound on k
@@ -450,7 +450,7 @@ def test_the_shipped_head_joins_the_suite_at_the_asked_k():
   assert [(e.name, e.num_draft) for e in entries] == [("eagle3", 5), ("eagle3+lookup", 5)]
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # the suite's machinery: 25-210 s each; CI's time budget
 def test_real_suite_runs_a_drafter_inside_adaptive_drafter():
   """`NAME+adaptive` names build NAME and wrap it in `specjax.adaptive_drafter` (under a given
   calibration here), take the plan's K as their k, and run through the suite like any drafter:

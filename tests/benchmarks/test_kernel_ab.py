@@ -8,7 +8,8 @@ import pytest
 from benchmarks.experiments import kernel_ab
 from specjax.kernels.cpu import kernel
 
-pytestmark = [pytest.mark.costly,
+# `slow`: a benchmark script's machinery, outside CI's time budget.
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not kernel.available(), reason="the CPU kernel is not built here")]
 
 

@@ -13,7 +13,8 @@ from specjax.kernels.cpu import kernel
 from specjax.models.cpu import panels
 from specjax.testing.models import tiny_config
 
-pytestmark = [pytest.mark.costly,
+# `slow`: a benchmark script's machinery, outside CI's time budget.
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not kernel.available(), reason="the CPU kernel is not built here")]
 
 

@@ -66,10 +66,20 @@ def _poisoned(monkeypatch):
   monkeypatch.setattr(sharded, "_candidate_rule", patched)
 
 
-@pytest.mark.costly
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("sampling", SETTINGS + NUCLEUS,
-                         ids=["t0.7-topk20-topp0.9", "t1-topk5", "t0.7-topp0.9", "t1-topp0.8"])
+def _sampling_params():
+  """Every sampling on the (2, 4) mesh in CI's costly step; on (1, 8), one top-k and one top-p
+  setting there and the other two under `-m slow` (CI's time budget)."""
+  ids = ["t0.7-topk20-topp0.9", "t1-topk5", "t0.7-topp0.9", "t1-topp0.8"]
+  params = []
+  for shape in SHAPES:
+    for index, (sampling, name) in enumerate(zip(SETTINGS + NUCLEUS, ids)):
+      slow = shape == (1, 8) and index in (1, 3)
+      params.append(pytest.param(shape, sampling, id=f"{name}-{shape}",
+                                 marks=pytest.mark.slow if slow else pytest.mark.costly))
+  return params
+
+
+@pytest.mark.parametrize("shape, sampling", _sampling_params())
 @pytest.mark.parametrize("vocab,with_draft", [(1000, True), (1000, False), (100, True)],
                          ids=["v1000", "v1000-point-mass", "v100-padded"])
 def test_equals_the_single_device_rule_and_runs_the_candidate_branch(shape, sampling, vocab,
