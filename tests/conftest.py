@@ -109,6 +109,13 @@ def pytest_collection_modifyitems(config, items):
 PER_TEST_FILES = ("tests/tpu/test_",)
 
 
+def work_unit(nodeid: str) -> str:
+  """The scheduler's unit of work for a test: its file, or the test itself in `PER_TEST_FILES`."""
+  if nodeid.startswith(PER_TEST_FILES):
+    return nodeid
+  return nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without xdist
 def pytest_xdist_make_scheduler(config, log):
   if config.getvalue("dist") != "loadfile":
@@ -117,9 +124,7 @@ def pytest_xdist_make_scheduler(config, log):
 
   class FilesWithTpuTestsSpread(LoadFileScheduling):
     def _split_scope(self, nodeid: str) -> str:
-      if nodeid.startswith(PER_TEST_FILES):
-        return nodeid
-      return super()._split_scope(nodeid)
+      return work_unit(nodeid)
 
   return FilesWithTpuTestsSpread(config, log)
 
