@@ -12,7 +12,8 @@ from benchmarks.experiments import body_ab
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow  # CI's time budget; two processes load SmolLM2 and compile decode and generate (~1 min)
+# `slow` for CI's time budget: two processes load SmolLM2 and compile decode and generate (~1 min).
+@pytest.mark.slow
 def test_two_trees_alternate_and_agree(tmp_path):
   from specjax.io.gguf import find_packaged_gguf
   try:

@@ -19,9 +19,9 @@ are tests/constrain/test_speculative_law.py's (imported, not copied).
 * Goodness of fit: N = 20,000 rows of 3 tokens, pooled chi-square against the oracle,
   ALPHA = 1e-3: the sampled tree (3, 2, 1) i.i.d. at T = 1 and at T = 0.7 with top-k 3 and top-p
   0.9 (costly), without replacement at T = 0.7 / top-k / top-p, and the dynamic tree at T = 0.7
-  / top-k / top-p (slow). Power (costly): `specjax.testing.grammar`'s tree variants (children drawn from the
-  unrestricted `q`; `p` unrestricted; `p` restricted with the root's state) fail the same test
-  at the same N with p < POWER_ALPHA = 1e-6.
+  / top-k / top-p (slow). Power (costly): `specjax.testing.grammar`'s tree variants (children
+  drawn from the unrestricted `q`; `p` unrestricted; `p` restricted with the root's state) fail
+  the same test at the same N with p < POWER_ALPHA = 1e-6.
 * `decode_stream` with a tree and a constraint yields `decode`'s tokens; the fused tree kernel
   (interpreted) and a (2, 4) mesh that splits the vocabulary give the reference's tokens; bad
   combinations raise a ValueError before tracing.

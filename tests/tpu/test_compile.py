@@ -54,8 +54,8 @@ the two efforts alternating, twice each: on a quiet host `tree_dynamic` 44 -> 36
 partitioner still runs and memory is still fitted; the buffers differ by under 5% (`draft_model`
 1.370 against 1.367 GiB, `tree_dynamic` 1.395 against 1.382). The negative control, the memory
 bounds (`test_memory.py`), the cache layout (`test_cache_layout.py`), the traffic bars
-(`test_traffic.py`) and the benchmarks compile at
-XLA's default effort, so those programs are also checked as a user's `jax.jit` compiles them.
+(`test_traffic.py`) and the benchmarks compile at XLA's default effort, so those programs are also
+checked as a user's `jax.jit` compiles them.
 
 Scheduling: every test here is one independent compile (no shared fixtures), and
 `tests/conftest.py` has `pytest -n 2 --dist loadfile` hand them to the two workers one at a time,
@@ -230,8 +230,9 @@ def test_dtype_and_vocab(name, topology, batch, dtype, vocab):
                                            vocab=vocab))
 
 
-# Drafters outside `MATRIX_CASES` compiled on a (1, 4) v5e mesh at B = 8 and their real vocabulary: the Gemma 4 assistant (its store layers' keys/values and
-# ordered-embedding gathers beside the vocabulary split over "model") and DFlash's sampled chain.
+# Drafters outside `MATRIX_CASES` compiled on a (1, 4) v5e mesh at B = 8 and their real
+# vocabulary: the Gemma 4 assistant (its store layers' keys/values and ordered-embedding gathers
+# beside the vocabulary split over "model") and DFlash's sampled chain.
 # Under `-m slow` since CI's time budget ran out (235 and 155 s at load average 5 to 6); CI's
 # costly step compiles both on one chip (`test_case_compiles`).
 MESH_CASES = ("gemma4_assistant", "dflash")
