@@ -31,6 +31,11 @@ def _accelerator_run(markexpr: str) -> bool:
 # stays IEEE float32 at every level (no fast-math), two of specjax's programs that a test compares
 # are compiled the same way, and comparisons with torch, NumPy or the C++ kernel carry
 # tolerances. An XLA_FLAGS that names a level wins.
+# At level 0 the tests' programs also compile with XLA:CPU's older fusion emitters
+# (`--xla_cpu_use_fusion_emitters=false`): they generate each fusion's loops directly instead of
+# through the newer MLIR pipeline, and took 43 s of backend compiling where the newer ones took
+# 107 s, on tests/loop/test_generate.py and a hybrid greedy test (154 -> 91 s wall, one process
+# each, load average 5). The same float32 semantics again; an XLA_FLAGS that names it wins.
 
 
 def pytest_configure(config):
@@ -41,7 +46,10 @@ def pytest_configure(config):
     flags = os.environ.get("XLA_FLAGS", "")
     level = os.environ.get("SPECJAX_TEST_XLA_OPT_LEVEL", "0")
     if "xla_backend_optimization_level" not in flags and level != "default":
-      os.environ["XLA_FLAGS"] = f"{flags} --xla_backend_optimization_level={int(level)}".strip()
+      flags = f"{flags} --xla_backend_optimization_level={int(level)}".strip()
+      if "xla_cpu_use_fusion_emitters" not in flags:
+        flags += " --xla_cpu_use_fusion_emitters=false"
+      os.environ["XLA_FLAGS"] = flags
   import jax
   jax.config.update("jax_num_cpu_devices", 8)
 
