@@ -35,7 +35,9 @@ def _accelerator_run(markexpr: str) -> bool:
 # (`--xla_cpu_use_fusion_emitters=false`): they generate each fusion's loops directly instead of
 # through the newer MLIR pipeline, and took 43 s of backend compiling where the newer ones took
 # 107 s, on tests/loop/test_generate.py and a hybrid greedy test (154 -> 91 s wall, one process
-# each, load average 5). The same float32 semantics again; an XLA_FLAGS that names it wins.
+# each, load average 5). Their arithmetic is float32 too, but some transcendental functions are
+# approximated differently, so a comparison with torch can move by a few float32 ulps of the
+# logits' scale; an XLA_FLAGS that names the flag wins.
 
 
 def pytest_configure(config):
@@ -92,9 +94,28 @@ def _has_platform(platform: str) -> bool:
     return False
 
 
+# Parametrizations that CI leaves to `pytest -m slow` for its time: every test function still
+# runs in CI, in its cheapest parametrization and every one measured under 5 s (.ci/thin.py
+# writes the list from measured runs and says which functions keep every parametrization).
+THINNED_FILE = os.path.join(os.path.dirname(__file__), "ci_thinned.txt")
+
+
+def thinned_node_ids() -> frozenset[str]:
+  """The node ids in `THINNED_FILE` (lines "<seconds>\t<node id>"; "#" starts a comment)."""
+  with open(THINNED_FILE, encoding="utf-8") as f:
+    return frozenset(line.rstrip("\n").split("\t", 1)[1] for line in f
+                     if line.strip() and not line.startswith("#"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
-  """Tests marked `tpu` / `gpu` (compiled kernels) run only where that device exists."""
+  """Tests marked `tpu` / `gpu` (compiled kernels) run only where that device exists; the
+  parametrizations in `THINNED_FILE` are `slow`."""
   del config
+  thinned = thinned_node_ids()
+  for item in items:
+    if item.nodeid in thinned:
+      item.add_marker(pytest.mark.slow)
   for platform in ("tpu", "gpu"):
     # The marker itself, not `item.keywords`: those also hold the test's package names, and the
     # TPU compile tier (tests/tpu) runs on any host.

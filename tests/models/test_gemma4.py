@@ -24,7 +24,11 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.gemma4")
 
-LOGIT_ATOL = 2e-4
+# Max abs logit difference from transformers' float32 forward (logit scale about 5): at most
+# 6.4e-5 with XLA:CPU's default fusion emitters, 2.8e-4 with the older ones the tests compile with
+# (tests/conftest.py; `k_eq_v`, about 5e-5 of the logits' scale). A wrong norm, RoPE or mask moves
+# logits by O(1).
+LOGIT_ATOL = 5e-4
 PROMPT_LENGTHS = (9, 4, 13)
 NEW_TOKENS = 8
 
