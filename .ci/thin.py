@@ -12,7 +12,7 @@ Input: logs of one line per test phase, "<seconds> <phase> <nodeid> <outcome>" (
 `pytest_runtest_logreport` hook that appends `report.duration`, `report.when`, `report.nodeid`
 and `report.outcome`), from runs of CI's steps 1 and 2 on one host.
 
-  python .ci/thin.py LOG [LOG ...] [--keep-under 5] > tests/ci_thinned.txt
+  python .ci/thin.py LOG [LOG ...] [--keep-under 2] > tests/ci_thinned.txt
 """
 
 import argparse
@@ -46,7 +46,7 @@ WHOLE = (
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("logs", nargs="+")
-  parser.add_argument("--keep-under", type=float, default=5.0)
+  parser.add_argument("--keep-under", type=float, default=2.0)
   args = parser.parse_args(argv)
   seconds = collections.Counter()
   skipped = set()

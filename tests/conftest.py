@@ -95,7 +95,7 @@ def _has_platform(platform: str) -> bool:
 
 
 # Parametrizations that CI leaves to `pytest -m slow` for its time: every test function still
-# runs in CI, in its cheapest parametrization and every one measured under 5 s (.ci/thin.py
+# runs in CI, in its cheapest parametrization and every one measured under 2 s (.ci/thin.py
 # writes the list from measured runs and says which functions keep every parametrization).
 THINNED_FILE = os.path.join(os.path.dirname(__file__), "ci_thinned.txt")
 

@@ -175,7 +175,9 @@ def test_generate_from_file_with_ngram_drafter_and_sampling(pair_dirs, tmp_path,
   assert "rounds" in captured.err
 
 
-@pytest.mark.costly
+# `slow` for CI's time (59 to 75 s): CI runs `sj.audit` on an exact and a broken pair
+# (tests/exactness/test_audit.py).
+@pytest.mark.slow
 def test_audit_passes_and_fails_a_broken_rule(pair_dirs, capsys, monkeypatch):
   args = ["audit", "--prompt", "def add(a, b):", "--samples", "1000", "--positions", "2",
           "--max-new-tokens", "8", "--temperature", "0.3", "--top-k", "8", "--num-draft", "2"

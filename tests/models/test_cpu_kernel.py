@@ -46,7 +46,9 @@ def test_the_kernel_builds_on_this_machine():
   assert ok, why
 
 
-@pytest.mark.costly
+# `slow` for CI's time (a C++ build from source, 78 to 117 s): the AVX2 build and the
+# every-block-size oracle stay in CI's costly step.
+@pytest.mark.slow
 def test_a_fresh_cache_compiles_the_source(tmp_path, monkeypatch):
   """`build()` into an empty cache runs the compiler (the cache above may already hold the
   library) and gives a library exporting the handler, also when threads build at once (one
