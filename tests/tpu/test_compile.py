@@ -27,14 +27,14 @@ more, measured alone at load average 6).
 **Costly** (CI step 2, `-m costly`), chosen by measured cost:
   * `test_case_compiles` for `DEFAULT_COSTLY` (the default setup);
   * `test_matrix` on the issue's table, "v5e-1x4" B = 8, "v6e-2x2" B = 64, "v5e-4x4" B = 64,
-    plus "v5p-1x4" B = 8, bfloat16: `generate` and the draft model's decode (the chain kernel and
-    the vocabulary-sharded verify inside it) on every topology, and the verify kernels under
-    `shard_map` at the chain's and the largest and dynamic trees' shapes on "v5e-1x4": the
+    plus "v5p-1x4" B = 8, bfloat16: `generate` and the verify kernels under `shard_map` at the
+    chain's and the largest and dynamic trees' shapes on every topology, and the draft model's
+    decode (the chain kernel and the vocabulary-sharded verify inside it) on v5e 4x4: the
     programs whose partitioning, rows per device and VMEM blocks change with the mesh and the
     chip. A decode compiles 5 to 20 times slower on these meshes than on one chip
     (`MATRIX_SECONDS`), so every other case there is `slow` (`-m slow`, before a release; not
-    timed as a whole: at those ratios, hours per topology), as are the kernels and the
-    vocabulary-sharded verify called alone on the other topologies (`MATRIX_SLOW`);
+    timed as a whole: at those ratios, hours per topology), as are the vocabulary-sharded verify
+    called alone and the draft model's decode on the other three (`MATRIX_SLOW`);
   * `test_drafter_on_a_mesh` (under `-m slow`, for CI's time): the Gemma 4 assistant
     (`gemma4_assistant`, 151.1 s) and DFlash's sampled chain (`dflash`, 97.7 s) on "v5e-1x4"
     B = 8 at their real vocabularies (262,144 and 151,936; load average 6 to 6.5);
@@ -157,7 +157,14 @@ def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
 # The DFlash drafter keeps one case at the real vocabulary in CI: its sampled chain (`dflash`,
 # 31.6 s at load average 6) in the costly step, on one chip and on "v5e-1x4" B = 8
 # (`test_drafter_on_a_mesh`); its DDTree tree (63.8 s there) under `-m slow`.
-DEFAULT_SLOW: frozenset[str] = frozenset({"tree_ddtree_dflash"})
+# The EAGLE-3 head's three trees (47 to 140 s each at load average 4) are `slow` too, for CI's time:
+# CI compiles every tree builder over the draft model and a head's static tree with Medusa.
+# So are the constrained tree (75 s; the constrained chain stays), the audit's control program
+# (37 s; its scoring program stays in the default selection) and the Gemma 4 target's `generate`
+# (34 s; the Gemma 4 assistant's decode holds the same target forward).
+DEFAULT_SLOW: frozenset[str] = frozenset({"tree_ddtree_dflash", "tree_static_eagle3",
+                                          "tree_sampled_eagle3", "tree_dynamic_eagle3",
+                                          "constrained_tree", "audit_control", "gemma4_generate"})
 EXTRA_COSTLY: frozenset[str] = frozenset({"dflash"})
 
 
@@ -180,16 +187,15 @@ def test_registry_describes_every_case():
     assert case.description and "\n" not in case.description, name
 
 
-# CI's time (90 minutes for every step on 2 cores) leaves the costly step `generate` and the draft
-# model's decode on every topology, and the kernels under `shard_map` on "v5e-1x4". The
+# CI's time (90 minutes for every step on 2 cores) leaves the costly step `generate` and the
+# kernels under `shard_map` on every topology, and the draft model's decode on the 16-chip v5e 4x4
+# (4 hosts, B = 64); on the others (94 to 179 s each at effort -1) it is `slow`. The
 # vocabulary-sharded verify called alone is `slow` on every topology (94 to 177 s each): the
 # default selection compiles it on "v5e-1x4", and the draft model's decode holds the same verify
-# under the same vocabulary split on every topology. The kernels alone on the other topologies are
-# `slow` too: the draft model's decode there holds the chain kernel.
-MATRIX_SLOW = frozenset(
-    [("verify_sharded", topology) for topology, _ in MATRIX]
-    + [(name, topology) for topology, _ in MATRIX if topology != "v5e-1x4"
-       for name in MATRIX_CASES if name not in ("generate", "draft_model")])
+# under the same vocabulary split.
+MATRIX_SLOW = frozenset([("verify_sharded", topology) for topology, _ in MATRIX]
+                        + [("draft_model", topology) for topology, _ in MATRIX
+                           if topology != "v5e-4x4"])
 
 
 def _matrix_params():

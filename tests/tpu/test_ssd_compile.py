@@ -39,7 +39,7 @@ def _role_mesh():
   return jax.sharding.Mesh(devices, ("role", "model"))
 
 
-@pytest.mark.costly
+@pytest.mark.slow  # 55 to 101 s: CI's time
 def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
   mesh = _role_mesh()
   setup = tc.Setup()
