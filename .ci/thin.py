@@ -10,7 +10,9 @@ tier (tests/tpu) chooses its CI matrix itself (tests/tpu/test_compile.py).
 
 Input: logs of one line per test phase, "<seconds> <phase> <nodeid> <outcome>" (a
 `pytest_runtest_logreport` hook that appends `report.duration`, `report.when`, `report.nodeid`
-and `report.outcome`), from runs of CI's steps 1 and 2 on one host.
+and `report.outcome`), from runs of CI's steps 1 and 2 on one host, with the current marks: a
+function whose parametrizations are all `slow` by their own marks must not be listed, which
+tests/test_scheduling.py checks.
 
   python .ci/thin.py LOG [LOG ...] [--keep-under 2] > tests/ci_thinned.txt
 """
@@ -71,8 +73,9 @@ def main(argv=None):
   for items in groups.values():
     items.sort()
     thinned += [(value, nodeid) for value, nodeid in items[1:] if value > args.keep_under]
-  print("# Parametrizations CI leaves to `pytest -m slow` (written by .ci/thin.py; seconds measured")
-  print("# on a 2-core host, CI's steps 1 and 2). tests/conftest.py marks each one `slow`.")
+  print("# Parametrizations CI leaves to `pytest -m slow` (written by .ci/thin.py; seconds")
+  print("# measured on a 2-core host, CI's steps 1 and 2). tests/conftest.py marks each one")
+  print("# `slow`.")
   for value, nodeid in sorted(thinned, key=lambda x: x[1]):
     print(f"{value:.1f}\t{nodeid}")
   print(f"{len(thinned)} parametrizations, {sum(v for v, _ in thinned):.0f} s of "

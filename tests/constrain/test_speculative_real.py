@@ -57,7 +57,7 @@ def test_greedy_decode_equals_constrained_generate(target, draft_model, tokenize
     assert summary["rounds"] < int(np.sum(want.num_tokens)), name
 
 
-# `slow` for CI's time (90-minute budget on 2 cores; measured 194 s on a 2-core host): CI runs the greedy
+# `slow` for CI's time (90-minute budget on 2 cores; 194 s on a 2-core host): CI runs the greedy
 # constrained decodes here.
 @pytest.mark.slow
 def test_sampled_decode_validates(biased, draft_model, tokenizer, constraints):

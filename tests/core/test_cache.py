@@ -82,7 +82,8 @@ def test_batch_sharded_write_is_local_and_in_place():
   put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
   args = put(stacked, P(None, "data")), put(block, P(None, "data")), put(starts, P("data"))
   with jax.set_mesh(mesh):
-    hlo = jax.jit(write_stacked_block, donate_argnums=0).lower(*args).compile(USERS_EMITTERS).as_text()
+    lowered = jax.jit(write_stacked_block, donate_argnums=0).lower(*args)
+    hlo = lowered.compile(USERS_EMITTERS).as_text()
   assert "input_output_alias" in hlo
   for collective in ("all-gather", "all-to-all", "all-reduce", "collective-permute"):
     assert collective not in hlo

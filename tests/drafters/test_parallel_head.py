@@ -304,8 +304,9 @@ def fit_drafter(target):
   return EagleDrafter(head, target.params["embed"])
 
 
-# `slow` for CI's time (90-minute budget on 2 cores; measured 151 s the pair on a 2-core host): CI checks the parallel
-# head's chain law in its other tests and its tree's greedy identity.
+# `slow` for CI's time (90-minute budget on 2 cores; 151 s the pair on a 2-core host): CI checks
+# that each slot draws from the q it hands verify (with its broken twin) and the tree's greedy
+# identity.
 @pytest.mark.slow
 @pytest.mark.parametrize("broken", [False, True])
 def test_parallel_tree_matches_target_distribution(broken):

@@ -258,8 +258,8 @@ def test_a_self_drafter_over_a_draft_vocabulary_builds_inside_jit(policy, untied
   assert differences(jax.jit(restrict)(model).model.params, restrict(model).model.params) == []
 
 
-# `slow` for CI's time (90-minute budget on 2 cores; measured 89 s on a 2-core host): the TPU compile tier
-# compiles the int8 / int4 / q4 self-drafts built inside the jitted call on one v5e chip.
+# `slow` for CI's time (90-minute budget on 2 cores; 89 s on a 2-core host): the TPU compile
+# tier compiles the int8 / int4 / q4 self-drafts built inside the jitted call on one v5e chip.
 @pytest.mark.slow
 def test_the_jitted_self_draft_step_compiles_for_one_v5e_chip():
   pytest.importorskip("libtpu")

@@ -155,10 +155,10 @@ def check_compiles(name: str, setup: tc.Setup) -> tpu.Compiled:
 
 
 # The DFlash drafter keeps one case at the real vocabulary in CI: its sampled chain (`dflash`,
-# 31.6 s at load average 6) in the costly step, on one chip and on "v5e-1x4" B = 8
-# (`test_drafter_on_a_mesh`); its DDTree tree (63.8 s there) under `-m slow`.
-# The EAGLE-3 head's three trees (47 to 140 s each at load average 4) are `slow` too, for CI's time:
-# CI compiles every tree builder over the draft model and a head's static tree with Medusa.
+# 31.6 s at load average 6) in the costly step on one chip (on "v5e-1x4" B = 8,
+# `test_drafter_on_a_mesh`, under `-m slow`); its DDTree tree (63.8 s there) under `-m slow`.
+# The EAGLE-3 head's three trees (47 to 140 s each at load average 4) are `slow` too, for CI's
+# time: CI compiles every tree builder over the draft model and a head's static tree with Medusa.
 # So are the constrained tree (75 s; the constrained chain stays), the audit's control program
 # (37 s; its scoring program stays in the default selection) and the Gemma 4 target's `generate`
 # (34 s; the Gemma 4 assistant's decode holds the same target forward).
