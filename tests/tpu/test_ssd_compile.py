@@ -8,8 +8,9 @@ pre-speculate; within a role the inputs are replicated), with the Qwen2.5-Coder 
 top_k=50, top_p=0.9)`, K = 3 and a budget of 4 branches (the smallest: `K + 1`), Saguaro C = 0.5.
 The program must compile, fit a v5e chip's HBM, and hold the round's exchange (an all-reduce).
 
-Cost: 70 s for the test (compile included) on a 2-core host at load average 2-5 (145 s at 7-8):
-`costly`, CI's second step, so the role-split program is compiled on every CI run.
+Cost: 70 s for the test (compile included) on a 2-core host at load average 2-5 (145 s at 7-8) at
+the default effort, less at the tier's effort -1: `costly`, CI's second step, so the role-split
+program is compiled on every CI run.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _role_mesh():
   return jax.sharding.Mesh(devices, ("role", "model"))
 
 
-@pytest.mark.slow  # 55 to 101 s: CI's time
+@pytest.mark.costly  # CI's second step: the issue asks for this compile in the tier
 def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
   mesh = _role_mesh()
   setup = tc.Setup()
@@ -61,7 +62,8 @@ def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
                            sampling=setup.sampling, num_draft=K, capacity=setup.max_new_tokens,
                            pad_id=0)
 
-  compiled = tpu.compile_call(fn, target, drafter, tokens, lengths, key, eos, new)
+  # At the tier's compile effort (`tpu.compile_call(effort=)`): every check still runs.
+  compiled = tpu.compile_call(fn, target, drafter, tokens, lengths, key, eos, new, effort=-1)
   text = compiled.text()
   collectives = re.findall(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|"
                            r"reduce-scatter)(?:-start)?\(", text)
