@@ -16,10 +16,13 @@ python -m benchmarks.dflash_smollm2 bench --drafter runs/dflash/drafter \
   layers, trained with `specjax.training.dflash` within a wall-clock budget; saved in the
   published layout and loaded back with `load_dflash` exactly as z-lab's files are.
 * `bench`: the real suite's prompts (`benchmarks/prompts/real.json`), `generate` against the
-  DFlash argmax chain, sampled chain and DDTree, and the shipped EAGLE-3 head, greedy and T = 0.7,
-  timed alternately prompt by prompt (`benchmarks.real.measure_prompts`): tau (emitted tokens per
-  round), speedup (generate's time / the drafter's, whole calls), greedy identity with
-  `generate`, and the load average.
+  DFlash argmax chain, sampled chain and DDTree, the shipped EAGLE-3 head and any `--head`,
+  greedy and T = 0.7, measured as the real suite measures (`benchmarks.real.measure_suite`: the
+  costs of a target step, a verify and each drafter's round, then the calls alternating prompt
+  by prompt): acceptance per token, tau (emitted tokens per round), speedup (the suite's: greedy
+  over the same text, sampled per token), the loop speedup (prefill out of both), the analytic
+  bound and efficiency (loop speedup / bound), greedy identity with `generate`, and the load
+  average.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ def bench(args) -> None:
   import numpy as np
 
   import specjax as sj
-  from benchmarks.drafters import DrafterEntry
-  from benchmarks.real import PromptCase, load_prompts, measure_prompts
+  from benchmarks.drafters import DrafterEntry, load_head_drafter
+  from benchmarks.real import PromptCase, load_prompts, measure_suite
   from benchmarks.real_models import chat_ids
   from specjax.drafters import load_dflash
 
@@ -98,36 +101,45 @@ def bench(args) -> None:
       DrafterEntry("dflash-ddtree", load_dflash(args.drafter, target), k, tree=tree),
       DrafterEntry("eagle3", eagle, 4),
   ]
+  for head in args.head:  # another trained head (e.g. a parallel one), named by its kind
+    entries.append(load_head_drafter(target, head, num_draft=k))
   samplings = {"greedy": sj.Sampling()}
   if args.temperature > 0:
     samplings["t0.7"] = sj.Sampling(temperature=args.temperature)
   load_before = os.getloadavg()
   began = time.perf_counter()
-  records = measure_prompts(target, cases, entries, samplings=samplings,
-                            max_new_tokens=args.max_new_tokens, eos=tuple(tokenizer.eos_ids),
-                            repeats=args.repeats, log=lambda line: print(line, flush=True))
+  # The real suite's own measurement: the costs of a target step, a verify and each drafter's
+  # round (for the analytic bound and efficiency), then the calls, alternating prompt by prompt.
+  measured = measure_suite(target, cases, entries, samplings=samplings,
+                           max_new_tokens=args.max_new_tokens, eos=tuple(tokenizer.eos_ids),
+                           repeats=args.repeats, log=lambda line: print(line, flush=True))
+  records = measured["records"]
   summary = {}
-  for sampling in samplings:
-    rows = [r for r in records if r["sampling"] == sampling]
-    plain = sum(r["calls"]["generate"]["seconds"] for r in rows)
-    for entry in entries:
-      calls = [r["calls"][entry.name] for r in rows]
-      tokens = sum(c["new_tokens"] for c in calls)
-      rounds = sum(c["rounds"] for c in calls)
-      seconds = sum(c["seconds"] for c in calls)
-      item = dict(tau=tokens / max(rounds, 1), speedup=plain / seconds, seconds=seconds,
-                  generate_seconds=plain, new_tokens=tokens, rounds=rounds)
-      if sampling == "greedy":
-        item["identical_to_generate"] = sum(c["first_divergence_from_generate"] is None
-                                            for c in calls)
-        item["prompts"] = len(calls)
-      summary[f"{entry.name}/{sampling}"] = item
+  for row in measured["summary"]:
+    if row["category"] != "all":
+      continue
+    calls = [r["calls"][row["drafter"]] for r in records if r["sampling"] == row["sampling"]]
+    plain = sum(r["calls"]["generate"]["seconds"] for r in records
+                if r["sampling"] == row["sampling"])
+    seconds = sum(c["seconds"] for c in calls)
+    item = dict(tau=row["tokens_per_round"], acceptance_per_token=row["acceptance_per_token"],
+                speedup=row["speedup"], speedup_whole_calls=plain / seconds,
+                speedup_excl_prefill=row["speedup_excl_prefill"], bound=row["bound"],
+                efficiency=row["efficiency"], draft_ratio=row["draft_ratio"],
+                verify_ratio=row["verify_ratio"], seconds=seconds, generate_seconds=plain,
+                new_tokens=row["new_tokens"], rounds=sum(c["rounds"] for c in calls))
+    if row["sampling"] == "greedy":
+      item["identical_to_generate"] = sum(c["first_divergence_from_generate"] is None
+                                          for c in calls)
+      item["prompts"] = len(calls)
+    summary[f"{row['drafter']}/{row['sampling']}"] = item
   result = dict(command="python -m benchmarks.dflash_smollm2 bench " + " ".join(
       f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("command",)),
       drafter=str(args.drafter), k=k, ddtree=dict(depth=tree.depth, width=tree.width,
                                                     num_nodes=tree.size),
       load_average_before=load_before, load_average_after=os.getloadavg(),
-      wall_seconds=round(time.perf_counter() - began, 1), summary=summary, records=records,
+      wall_seconds=round(time.perf_counter() - began, 1), summary=summary,
+      costs=measured["costs"], by_category=measured["summary"], records=records,
       train=json.loads((pathlib.Path(args.drafter).parent / "train.json").read_text())
       if (pathlib.Path(args.drafter).parent / "train.json").is_file() else None)
   out = pathlib.Path(args.json)
@@ -135,7 +147,9 @@ def bench(args) -> None:
   out.write_text(json.dumps(result, indent=1, default=lambda v: v.tolist()
                             if isinstance(v, np.ndarray) else float(v)))
   for name, item in summary.items():
-    print(f"{name:24s} tau {item['tau']:.2f}  speedup {item['speedup']:.2f}x"
+    print(f"{name:24s} a {item['acceptance_per_token']:.2f}  tau {item['tau']:.2f}  speedup "
+          f"{item['speedup']:.2f}x  loop {item['speedup_excl_prefill']:.2f}x  bound "
+          f"{item['bound']:.2f}x  efficiency {item['efficiency']:.2f}"
           + (f"  identical {item['identical_to_generate']}/{item['prompts']}"
              if "identical_to_generate" in item else ""))
   print(f"load average before {load_before}, after {os.getloadavg()}")
@@ -175,6 +189,8 @@ def main(argv=None) -> None:
   p.add_argument("--nodes", type=int, default=12)
   p.add_argument("--temperature", type=float, default=0.7)
   p.add_argument("--repeats", type=int, default=1)
+  p.add_argument("--head", action="append", default=[],
+                 help="another trained head's checkpoint directory (e.g. a parallel EAGLE head)")
   args = parser.parse_args(argv)
   {"data": data, "train": train, "bench": bench}[args.command](args)
 
