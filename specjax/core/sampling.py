@@ -269,6 +269,18 @@ def radix_threshold(low: jax.Array, top: jax.Array, holds_at) -> jax.Array:
   return key_to_float(base)
 
 
+def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """`jax.lax.top_k(x, k)` (values and indices of the `k` largest over the last axis), kept whole.
+
+  Its two outputs pass through an `optimization_barrier`, so that XLA cannot fold a later slice of
+  them (`top[:, 0]`, one depth of a `[B, D, V]` result) into the top-k itself: XLA:CPU then sorts
+  the whole vocabulary instead of running its top-k kernel. Measured on `[1, 4, 49,152]` float32,
+  `k` = 3, the first depth's values kept: 40 ms against 0.34 ms; `[1, 49,152]` with one column of
+  each output kept: 15 ms against 0.11 ms (a 2-core AMD EPYC, load average 4). Same values.
+  """
+  return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+
+
 def first_argmax(x: jax.Array) -> jax.Array:
   """`[..., V] -> [...]` int32 index of the first maximum over the last axis: `jnp.argmax`'s
   answer (a NaN counts as the maximum, the first one wins), as a max and a min-reduction, which

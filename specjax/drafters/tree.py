@@ -43,6 +43,7 @@ from specjax.drafters.base import Drafter, DrafterWrapper, OwnModelDrafter, Text
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.drafters.suffix_tree import SuffixTreeDrafter
+from specjax.core.sampling import top_k
 from specjax.core.sequence import gather_tokens
 from specjax.trees.structure import Tree, TreeSpec
 
@@ -123,7 +124,7 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
         logits = out.logits[:, 0]
         if guide is not None:
           logits = guide.restrict(chain_state, logits)
-        top = jax.lax.top_k(logits, k)[1]
+        top = top_k(logits, k)[1]
         ranked.append(top)
         token = top[:, 0]
         if guide is not None:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.core.sampling import top_k as vocab_top_k
+
 CHUNK_FIELDS = ("tokens", "lengths", "prompt_lengths", "taps", "hidden", "top_logits", "top_ids")
 
 
@@ -38,7 +40,7 @@ def _prefill(target, prompts, starts, cache, *, taps, top_k):
   # `starts` (zeros) is an argument: zeros XLA can see make it constant-fold the attention over
   # the empty cache, for seconds per layer.
   out = target(prompts, starts, cache, taps=taps, return_hidden=True)
-  top_logits, top_ids = jax.lax.top_k(out.logits, top_k)
+  top_logits, top_ids = vocab_top_k(out.logits, top_k)
   return out.cache, out.taps, out.hidden, top_logits, top_ids.astype(jnp.int32)
 
 
@@ -58,7 +60,7 @@ def _decode_recording(target, cache, first_logits, prompt_lengths, key, temperat
     cache, logits, done = carry
     token = jnp.where(done, target.config.pad_id, choose(logits, i))
     out = target(token[:, None], prompt_lengths + i, cache, taps=taps, return_hidden=True)
-    top_logits, top_ids = jax.lax.top_k(out.logits[:, 0], top_k)
+    top_logits, top_ids = vocab_top_k(out.logits[:, 0], top_k)
     record = (token, done, out.taps[:, :, 0] if taps else jnp.zeros((0, batch, 1)),
               out.hidden[:, 0], top_logits, top_ids.astype(jnp.int32))
     return (out.cache, out.logits[:, 0], done | (token == eos_id)), record

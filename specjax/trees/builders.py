@@ -13,7 +13,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from specjax.core.sampling import Sampling, first_argmax, gumbel, warp_logits
+from specjax.core.sampling import Sampling, first_argmax, gumbel, top_k, warp_logits
 from specjax.trees.structure import PURPOSE_TREE_DRAFT, Expand, Tree, TreeSpec, dynamic_pool_size
 
 
@@ -317,7 +317,7 @@ def ddtree(marginals: jax.Array, *, width: int, num_nodes: int) -> Tree:
   """
   batch, depth, _ = marginals.shape
   logq = jax.nn.log_softmax(marginals.astype(jnp.float32), axis=-1)
-  top_logq, top_tokens = jax.lax.top_k(logq, width)  # [B, D, k]
+  top_logq, top_tokens = top_k(logq, width)  # [B, D, k]
   level_scores = top_logq[:, 0]  # [B, k] depth-1 candidates
   level_tokens = top_tokens[:, 0].astype(jnp.int32)
   level_parents = jnp.full((batch, width), -1, jnp.int32)

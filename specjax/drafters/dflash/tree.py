@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.core.sampling import top_k
 from specjax.core.sequence import gather_tokens
 from specjax.drafters.base import DrafterWrapper
 from specjax.drafters.tree import extra_slots
@@ -97,7 +98,7 @@ class DFlashTreeDrafter(DrafterWrapper):
 
     def chain_candidates():
       k = max(c[-1] for c in spec.resolved_choices) + 1
-      return jax.lax.top_k(full, k)[1].astype(jnp.int32)  # [B, D, K]
+      return top_k(full, k)[1].astype(jnp.int32)  # [B, D, K]
 
     tree = tree_builders.build_tree(spec, expand=expand, root=root, sequence=sequence,
                                     lengths=lengths, sampling=sampling, seeds=seeds,

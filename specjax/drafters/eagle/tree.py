@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.core.sampling import top_k
 from specjax.drafters.eagle import network as eagle
 from specjax.drafters.eagle.drafter import EagleDrafter
 from specjax.drafters.eagle.parallel import committed_segment, group_logits
@@ -96,7 +97,7 @@ def guided_chain(logits_at, guide, depth: int, k: int) -> jax.Array:
   chain_state, tokens, ranked = guide.root, [], []
   for d in range(depth):
     chain = jnp.stack(tokens, axis=1) if tokens else None
-    top = jax.lax.top_k(guide.restrict(chain_state, logits_at(d, chain)), k)[1]
+    top = top_k(guide.restrict(chain_state, logits_at(d, chain)), k)[1]
     ranked.append(top.astype(jnp.int32))
     tokens.append(top[:, 0].astype(jnp.int32))
     chain_state = guide.advance(chain_state, tokens[-1])
@@ -218,10 +219,10 @@ def parallel_chain_candidates(drafter: EagleDrafter, state, lengths, depth: int,
                                    chain[:, :1], depth - 1)[:, 0])  # [B, D - 1, N]
       return drafter.full_logits(groups[0][:, d - 1])
     return guided_chain(logits_at, guide, depth, k)
-  ranked = [jax.lax.top_k(state.logits, k)[1]]  # [B, K] draft ids, best first
+  ranked = [top_k(state.logits, k)[1]]  # [B, K] draft ids, best first
   if depth > 1:
     first = jnp.take(drafter.head.draft_ids, ranked[0][:, :1]).astype(jnp.int32)  # [B, 1]
     groups = group_logits(drafter.head, drafter.target_embed, state, lengths, first,
                           depth - 1)[:, 0]
-    ranked += list(jax.lax.top_k(groups, k)[1].swapaxes(0, 1))
+    ranked += list(top_k(groups, k)[1].swapaxes(0, 1))
   return jnp.take(drafter.head.draft_ids, jnp.stack(ranked, axis=1)).astype(jnp.int32)
