@@ -276,7 +276,12 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   them (`top[:, 0]`, one depth of a `[B, D, V]` result) into the top-k itself: XLA:CPU then sorts
   the whole vocabulary instead of running its top-k kernel. Measured on `[1, 4, 49,152]` float32,
   `k` = 3, the first depth's values kept: 40 ms against 0.34 ms; `[1, 49,152]` with one column of
-  each output kept: 15 ms against 0.11 ms (a 2-core AMD EPYC, load average 4). Same values.
+  each output kept: 15 ms against 0.11 ms (a 2-core AMD EPYC, load average 4). Same values
+  (`tests/core/test_top_k.py`, which also reads the compiled program for the sort).
+
+  Not for a program that XLA:CPU partitions (a top-k inside a vocabulary-sharded verify): there
+  it aborts on the barrier (a check failure in `hlo_casting_utils`), so
+  `specjax.verify.candidates` keeps `jax.lax.top_k`.
   """
   return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
 
