@@ -40,7 +40,7 @@ def _role_mesh():
   return jax.sharding.Mesh(devices, ("role", "model"))
 
 
-@pytest.mark.costly  # CI's second step: the issue asks for this compile in the tier
+@pytest.mark.costly  # CI's second step: the role-split program compiles on every CI run
 def test_ssd_role_split_compiles_on_v5e_2x2_at_real_vocabulary():
   mesh = _role_mesh()
   setup = tc.Setup()
