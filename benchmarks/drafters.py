@@ -91,6 +91,10 @@ DRAFT_MODELS = {DRAFT_MODEL: 8, "draft-q4": 4}
 # That draft model over the draft vocabulary (`specjax.drafters.with_draft_vocab`): its output
 # projection (Qwen2.5-Coder-0.5B: 136M of its 494M weights) read for those ids only.
 DRAFT_MODEL_VOCAB = DRAFT_MODEL + "+vocab"
+# That draft model with its KV cache in 8-bit floats (`ModelDrafter(cache_dtype=...)`): what the
+# cache's halved memory costs in acceptance.
+DRAFT_MODEL_FP8 = DRAFT_MODEL + "+fp8-cache"
+FP8_CACHE = "float8_e4m3fn"
 ADAPTIVE = "+adaptive"  # `NAME+adaptive`: NAME's drafter inside `specjax.adaptive_drafter`
 
 
@@ -215,7 +219,8 @@ def library_drafters(target, *, num_draft: int, names=(), heads=(), tokenizer=No
           num_draft, None, f"{draft_model[1]}, drafting over the {len(ids)} ids the target uses "
           f"most and each row's last {DRAFT_CONTEXT} tokens"))
   if not names or set(names) - {"ngram", "suffix", "suffix+corpus", *SUFFIX_TREES, *SELF_DRAFTS,
-                                *VOCAB_DRAFTS, *DRAFT_MODELS, DRAFT_MODEL_VOCAB}:
+                                *VOCAB_DRAFTS, *DRAFT_MODELS, DRAFT_MODEL_VOCAB,
+                                DRAFT_MODEL_FP8}:
     entries += _shipped_heads(target, num_draft)
   entries += [load_head_drafter(target, path, num_draft=num_draft) for path in heads]
   known = ({e.name for e in entries} | set(SELF_DRAFTS) | set(SUFFIX_TREES)

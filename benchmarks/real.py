@@ -319,7 +319,7 @@ def _draft_models(model_name: str, names) -> dict:
   """`{name: (ModelDrafter, description)}`: the model's separate draft model at each width of
   `DRAFT_MODELS` that `names` asks for (every width where `names` is empty; `+vocab` needs
   int8's), or {} where the model has none."""
-  from benchmarks.drafters import DRAFT_MODELS
+  from benchmarks.drafters import DRAFT_MODEL, DRAFT_MODEL_FP8, DRAFT_MODELS, FP8_CACHE
   from benchmarks.real_models import REAL_MODELS, load_draft_model
   model = REAL_MODELS[model_name]
   if model.draft is None:
@@ -328,9 +328,14 @@ def _draft_models(model_name: str, names) -> dict:
   widths = {8: "int8 per 128", 4: "asymmetric int4 per 32 (output projection included)"}
   built = {}
   for name, bits in DRAFT_MODELS.items():
-    if not asked or name in asked or (bits == 8 and name + "+vocab" in asked):
+    if not asked or name in asked or (bits == 8 and (name + "+vocab" in asked
+                                                      or DRAFT_MODEL_FP8 in asked)):
       built[name] = (load_draft_model(model_name, bits),
                      f"{model.draft_description}, quantized to {widths[bits]}")
+  if DRAFT_MODEL_FP8 in asked:
+    drafter, description = built[DRAFT_MODEL]
+    built[DRAFT_MODEL_FP8] = (dataclasses.replace(drafter, cache_dtype=FP8_CACHE),
+                              f"{description}, its KV cache in {FP8_CACHE}")
   return built
 
 

@@ -57,6 +57,8 @@ JSON_PATH = RESULTS / "tpu_memory.json"
 PNG_PATH = RESULTS / "tpu_memory.png"
 GIB = 1 << 30
 NUM_DRAFT = 4
+# `--programs decode-fp8`: `decode` with the draft model's KV cache in this dtype.
+FP8 = "float8_e4m3fn"
 # HBM per chip by `device_kind` (public specifications).
 HBM_BYTES = {"TPU v5 lite": 16 * GIB, "TPU v6 lite": 32 * GIB, "TPU v5": 95 * GIB,
              "TPU v4": 32 * GIB}
@@ -108,11 +110,12 @@ def _classify(message: str) -> str:
   return "error"
 
 
-def _cache_bytes(model, mesh, batch: int, length: int) -> int:
-  """Bytes per device of `model`'s KV cache of `batch` rows and `length` slots, placed by the
-  sharding rules (rows over "data", key/value heads over "model" where they divide)."""
+def _cache_bytes(model, mesh, batch: int, length: int, dtype=None) -> int:
+  """Bytes per device of `model`'s KV cache of `batch` rows and `length` slots (in `dtype`, default
+  the model's), placed by the sharding rules (rows over "data", key/value heads over "model" where
+  they divide)."""
   from specjax.parallel.rules import CACHE_AXES, DEFAULT_RULES
-  cache = jax.eval_shape(lambda: model.init_cache(batch, length))
+  cache = jax.eval_shape(lambda: model.init_cache(batch, length, dtype))
   mesh_shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
   total = 0
   for leaf in (cache.k, cache.v):
@@ -140,7 +143,7 @@ def compile_case(case: Case, program: str, verify_impl: str = "auto") -> dict:
                 draft=case.draft or f"{case.target} int8 (self_drafter)",
                 topology=case.topology, mesh=list(mesh.axis_sizes), devices=mesh.size,
                 batch=case.batch, prompt=case.prompt, new=case.new,
-                verify_impl=verify_impl if program == "decode" else None)
+                verify_impl=verify_impl if program != "generate" else None)
   kind = mesh.devices.flat[0].device_kind
   record["chip"] = kind
   record["hbm_bytes"] = HBM_BYTES.get(kind)
@@ -155,8 +158,12 @@ def compile_case(case: Case, program: str, verify_impl: str = "auto") -> dict:
     record["kv_cache_bytes"] = 2 * _cache_bytes(target, mesh, case.batch, slots)
     if case.draft is not None:
       draft = tpu.abstract_model(tpu.REAL_CONFIGS[case.draft], mesh, jnp.bfloat16)
+      cache_dtype = FP8 if program == "decode-fp8" else None
       record["kv_cache_bytes"] = (_cache_bytes(target, mesh, case.batch, slots)
-                                  + _cache_bytes(draft, mesh, case.batch, slots))
+                                  + _cache_bytes(draft, mesh, case.batch, slots, cache_dtype))
+      if cache_dtype is not None:  # the draft model's cache in 8-bit floats (`ModelDrafter`)
+        record["draft"] += f" ({cache_dtype} cache)"
+        draft = sj.ModelDrafter(draft, cache_dtype=cache_dtype)
 
       def run(target, draft, tokens, rng):
         return sj.decode(target, draft, tokens, rng, max_new_tokens=case.new,

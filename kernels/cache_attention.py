@@ -51,6 +51,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from specjax.core.cache import is_float8, read_dtype
+
 __all__ = ["BLOCKS", "VMEM_BUDGET", "block_slots", "cache_attention", "fetched_slots",
            "vmem_bytes"]
 
@@ -137,6 +139,8 @@ def _kernel(starts_ref, layer_ref, window_ref, pos_ref, q_ref, k_ref, v_ref, m_o
       p = jnp.exp(s - m_safe)
       alpha = jnp.exp(m_prev - m_safe)
       v = v_ref[c]
+      if is_float8(v.dtype):  # an 8-bit float cache: widened to the queries' dtype
+        v = v.astype(q.dtype)
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
       l_scr[c] = alpha * l_scr[c] + jnp.sum(p, axis=1, keepdims=True)
@@ -235,7 +239,7 @@ def cache_attention(q, keys, values, starts, q_pos, *, layer=0, window=0, scale:
   if batch != b or groups * pack != kvh or width != pack * d or values.shape != keys.shape:
     raise ValueError(f"cache_attention: q {q.shape} does not match keys {keys.shape} / values "
                      f"{values.shape}")
-  dtype = jnp.promote_types(q.dtype, keys.dtype)
+  dtype = read_dtype(q.dtype, keys.dtype)
   rows = pack * g * t
   if block is None:
     block = block_slots(slots, groups, rows, width, dtype, keys.dtype)

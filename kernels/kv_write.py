@@ -35,6 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from specjax.core.cache import to_cache
+
 __all__ = ["VMEM_BUDGET", "alignment", "fits", "kv_write", "max_width", "window_slots"]
 
 # Scoped VMEM one grid step may plan on: half of v5e's default 16 MiB scoped limit (v6e's and
@@ -111,7 +113,7 @@ def _write_one(cache, block, starts, *, interpret):
   width = block.shape[2]
   span = window_slots(width, cache.dtype)
   # [L, B, KVH, span, D], zero past T: the DMA's source, whole tiles.
-  block = jnp.pad(jnp.swapaxes(block, 2, 3).astype(cache.dtype),
+  block = jnp.pad(to_cache(jnp.swapaxes(block, 2, 3), cache.dtype),
                   ((0, 0), (0, 0), (0, 0), (0, span - width), (0, 0)))
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   return pl.pallas_call(

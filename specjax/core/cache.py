@@ -138,6 +138,51 @@ def unpack_heads(slab: jax.Array, head_dim: int) -> jax.Array:
           .reshape(b, groups * pack, slots, head_dim))
 
 
+def is_float8(dtype) -> bool:
+  """Whether a cache of `dtype` stores 8-bit floats (`float8_e4m3fn`, `float8_e5m2`): entries
+  are clipped into its range when written (`to_cache`) and widened to the compute dtype when read
+  (`read_dtype`)."""
+  dtype = jnp.dtype(dtype)
+  return jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 1
+
+
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+
+
+def check_cache_dtype(dtype) -> str | None:
+  """A cache dtype option as its name (hashable, static): None, or one of `CACHE_DTYPES`. An
+  integer cache would need per-entry scales, which this cache does not hold: refused here, before
+  anything compiles."""
+  if dtype is None:
+    return None
+  try:
+    name = jnp.dtype(dtype).name
+  except TypeError as error:
+    raise ValueError(f"cache_dtype must be None or one of {CACHE_DTYPES}, got {dtype!r}") from error
+  if name not in CACHE_DTYPES:
+    raise ValueError(f"cache_dtype must be None or one of {CACHE_DTYPES}, got {name!r} (an "
+                     "integer cache would need scales: use float8_e4m3fn for an 8-bit cache)")
+  return name
+
+
+def to_cache(x: jax.Array, dtype) -> jax.Array:
+  """`x` in a cache buffer's `dtype`. An 8-bit float cache's entries are clipped to its largest
+  finite value first: a cast past `float8_e4m3fn`'s range (448) gives NaN, not a saturated
+  entry."""
+  dtype = jnp.dtype(dtype)
+  if is_float8(dtype) and x.dtype != dtype:
+    big = float(jnp.finfo(dtype).max)
+    x = jnp.clip(x, -big, big)
+  return x.astype(dtype)
+
+
+def read_dtype(compute, stored):
+  """The dtype attention's products take over a cache stored as `stored`, with queries in
+  `compute`: an 8-bit float cache is widened to the queries' dtype (JAX does not promote 8-bit
+  floats implicitly), any other the promotion of the two."""
+  return jnp.dtype(compute) if is_float8(stored) else jnp.promote_types(compute, stored)
+
+
 def _slots(starts: jax.Array, width: int) -> jax.Array:
   """`[B, T, 1]` int32: the slot entry `t` of row `b` of a block goes to."""
   starts = jnp.asarray(starts, jnp.int32)
@@ -145,7 +190,7 @@ def _slots(starts: jax.Array, width: int) -> jax.Array:
 
 
 def _scatter(buffer, slots, block, dims):
-  return jax.lax.scatter(buffer, slots, block.astype(buffer.dtype), dims, indices_are_sorted=True,
+  return jax.lax.scatter(buffer, slots, to_cache(block, buffer.dtype), dims, indices_are_sorted=True,
                          unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 

@@ -33,6 +33,7 @@ from specjax.models.cpu import panels as panel_layout
 from specjax.models.layers import _softcap
 from specjax.models.prefill import prefill as model_prefill
 from specjax.drafters.proposal import Proposal, check_confidence, top_probability
+from specjax.core.cache import check_cache_dtype, to_cache
 from specjax.core.sequence import gather_tokens
 
 __all__ = ["ModelDrafter", "draft_chain", "restrict_output", "self_drafter",
@@ -158,6 +159,12 @@ class ModelDrafter(OwnModelDrafter):
     context_head: None, or the model's whole output projection as a `[V, E]` table (float or
       quantized) for `context_vocab`: an untied model's rows, kept when `restrict_output`
       replaced its `lm_head` (`with_draft_vocab`).
+    cache_dtype: None (the model's dtype), or the dtype of the draft model's KV cache, such as
+      `"float8_e4m3fn"`: half a bfloat16 cache's memory, which is what lets a large batch fit a
+      chip (docs/tpu.md). Entries are clipped into the type's range when written and widened to
+      the model's dtype when attention reads them. Exact all the same: the drafts and their q come
+      from the model's forwards over that cache, and q is what the verify uses; only the
+      acceptance rate can change. Static.
   """
 
   model: Any
@@ -166,9 +173,11 @@ class ModelDrafter(OwnModelDrafter):
   draft_ids: jax.Array | None = None
   context_vocab: int = dataclasses.field(default=0, metadata=dict(static=True))
   context_head: Any = None
+  cache_dtype: str | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   def __post_init__(self):
     object.__setattr__(self, "confidence", check_confidence(self.confidence))
+    object.__setattr__(self, "cache_dtype", check_cache_dtype(self.cache_dtype))
     if not isinstance(self.context_vocab, int) or self.context_vocab < 0:
       raise ValueError(f"context_vocab must be an int >= 0, got {self.context_vocab!r}")
     if self.context_vocab and self.draft_ids is None:
@@ -181,15 +190,15 @@ class ModelDrafter(OwnModelDrafter):
     batch = tokens.shape[0]
     if self.share_prompt and prefill is not None:
       target_cache = getattr(prefill, "cache", None)
-      own = jax.eval_shape(lambda: self.model.init_cache(batch, buffer_len))
+      own = jax.eval_shape(lambda: self.model.init_cache(batch, buffer_len, self.cache_dtype))
       same = lambda a, b: (jax.tree.structure(a) == jax.tree.structure(b) and all(
-          x.shape == y.shape and x.dtype == y.dtype
-          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
+          x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))))
       if target_cache is not None and same(target_cache, own):
-        # A copy: the target's cache and this one are separate buffers in the loop state, which
-        # callers donate (`decode_stream`, `specjax.tuning.calibrate`).
-        return jax.tree.map(jnp.copy, target_cache).with_lengths(lengths - 1)
-    cache = self.model.init_cache(batch, buffer_len)
+        # A copy (in this cache's dtype): the target's cache and this one are separate buffers
+        # in the loop state, which callers donate (`decode_stream`, `specjax.tuning.calibrate`).
+        copy = lambda x, o: jnp.copy(x) if x.dtype == o.dtype else to_cache(x, o.dtype)
+        return jax.tree.map(copy, target_cache, own).with_lengths(lengths - 1)
+    cache = self.model.init_cache(batch, buffer_len, self.cache_dtype)
     # The target's prefill (one row of logits, chunks of a long prompt off CPU); only the cache
     # is kept.
     cache = model_prefill(self.model, tokens, cache, lengths).cache

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax.core.cache import unpack_heads
+from specjax.core.cache import is_float8, read_dtype, unpack_heads
 from specjax.kernels import cache_attention as cache_kernel
 from specjax.models import long_attention
 from specjax.parallel.rules import active_rules, auto_mesh_shape
@@ -84,7 +84,7 @@ def attention_reference(q, keys, values, masks, *, scale: float, softcap: float 
   out = 0.0
   offset = 0
   for v in values:
-    part = probs[..., offset:offset + v.shape[2]].astype(v.dtype)
+    part = probs[..., offset:offset + v.shape[2]].astype(read_dtype(q.dtype, v.dtype))
     # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
     # a transposed value slab per layer; the small result is transposed by the caller instead.
     out = out + _weighted_values(part, v, q.shape[-1])
@@ -102,6 +102,8 @@ def _scores(q, k):
   """`[B, KVH, G, T, S]` float32 scores of `q [B, T, KVH, G, D]` against keys `[B, KVH, S, D]`
   or a packed `[B, KVH / p, S, p D]`."""
   b, t, kvh, g, d = q.shape
+  if is_float8(k.dtype):  # an 8-bit float cache: widened to the queries' dtype
+    k = k.astype(q.dtype)
   if k.shape[-1] == d:
     return jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
   groups, pack = k.shape[1], k.shape[-1] // d
@@ -114,7 +116,9 @@ def _scores(q, k):
 
 def _weighted_values(probs, v, head_dim: int):
   """`[B, KVH, G, T, D]` float32: `probs [B, KVH, G, T, S]` times values `[B, KVH, S, D]` or a
-  packed `[B, KVH / p, S, p D]`."""
+  packed `[B, KVH / p, S, p D]`. An 8-bit float `v` is widened to `probs`' dtype."""
+  if is_float8(v.dtype):
+    v = v.astype(probs.dtype)
   if v.shape[-1] == head_dim:
     return jnp.einsum("bkgts,bksd->bkgtd", probs, v, preferred_element_type=jnp.float32)
   b, kvh, g, t, s = probs.shape
@@ -134,8 +138,9 @@ def segment_attention(q, keys, values, masks, *, scale: float, softcap: float | 
   training runs the cache-free forward)."""
   keys, values, masks = tuple(keys), tuple(values), tuple(masks)
   ref = functools.partial(attention_reference, scale=scale, softcap=softcap)
-  packed = any(k.shape[-1] != q.shape[-1] for k in keys)
-  if packed or not (kernel and cpu_gemv.attention_usable(q, keys)):
+  # A packed or 8-bit float cache segment: jnp only (the CPU kernel reads neither).
+  jnp_only = any(k.shape[-1] != q.shape[-1] or is_float8(k.dtype) for k in keys)
+  if jnp_only or not (kernel and cpu_gemv.attention_usable(q, keys)):
     return ref(q, keys, values, masks)
   fast = functools.partial(cpu_gemv.attention_kernel, scale=scale, softcap=softcap)
   return jax.lax.platform_dependent(q, keys, values, masks, cpu=fast, default=ref)
@@ -184,8 +189,9 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     keys, values, k_pos, valid = zip(*segments)
     # The long-block kernels take `[B, KVH, S, D]`: a packed cache segment is unpacked (a
     # prefill's chunk copies the layer's cache once; its own concatenation copies it anyway).
-    keys = tuple(unpack_heads(k, d) for k in keys)
-    values = tuple(unpack_heads(v, d) for v in values)
+    # An 8-bit float cache is widened to the queries' dtype there too.
+    keys = tuple(unpack_heads(k, d).astype(read_dtype(q.dtype, k.dtype)) for k in keys)
+    values = tuple(unpack_heads(v, d).astype(read_dtype(q.dtype, v.dtype)) for v in values)
     out = long_attention.long_attention(
         q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
         softcap=config.attn_logit_softcap,
@@ -241,7 +247,7 @@ def _cache_kernel_attention(q, *, stacked_cache, block, block_mask, q_pos, windo
     size = lambda axes: 1 if axes is None else (
         mesh_shape[axes] if isinstance(axes, str) else math.prod(mesh_shape[a] for a in axes))
     local_groups = groups // size(cache_spec[2])
-  dtype = jnp.promote_types(q.dtype, cache_k.dtype)
+  dtype = read_dtype(q.dtype, cache_k.dtype)
   if not cache_kernel.block_slots(slots, local_groups, (width // d) * g * t, width, dtype,
                                   cache_k.dtype):
     return reference(q)
@@ -285,7 +291,8 @@ def cache_attention_reference(q, keys, values, starts, q_pos, *, layer=0, window
   s = jnp.where(visible[:, None, None], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
-  return m, p.sum(-1), _weighted_values(p.astype(values.dtype), values, q.shape[-1])
+  return m, p.sum(-1), _weighted_values(p.astype(read_dtype(q.dtype, values.dtype)), values,
+                                        q.shape[-1])
 
 
 def merge_cache_partials(partials, block_scores, block_values, head_dim: int):
@@ -308,8 +315,9 @@ def merge_cache_partials(partials, block_scores, block_values, head_dim: int):
   cache_weight = jnp.exp(m - top)  # 0 where the cache showed nothing
   p = jnp.exp(block_scores - top[..., None])
   total = cache_weight * l + p.sum(-1)
-  out = cache_weight[..., None] * acc + _weighted_values(p.astype(block_values.dtype),
-                                                          block_values, head_dim)
+  out = cache_weight[..., None] * acc + _weighted_values(
+      p.astype(read_dtype(jnp.float32, block_values.dtype)
+               if is_float8(block_values.dtype) else block_values.dtype), block_values, head_dim)
   return out / jnp.where(total == 0, 1.0, total)[..., None]  # (0 only where nothing is visible)
 
 

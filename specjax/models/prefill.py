@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from specjax.core.cache import KVCache, match_block
+from specjax.core.cache import KVCache, match_block, to_cache
 
 __all__ = ["PREFILL_TOKENS", "chunk_length", "prefill"]
 
@@ -122,7 +122,7 @@ def _chunked(model, tokens, cache, last, *, chunk: int, features: dict):
 def _write_at(cache, block, start):
   """`cache` with `block` (a `KVBlock`) written at slots `start ..` of every row."""
   write = lambda buffer, x, axis: jax.lax.dynamic_update_slice_in_dim(
-      buffer, jnp.swapaxes(match_block(x, buffer), axis - 1, axis).astype(buffer.dtype), start,
+      buffer, to_cache(jnp.swapaxes(match_block(x, buffer), axis - 1, axis), buffer.dtype), start,
       axis=axis)
   if cache.per_layer:  # per layer: `[B, KVH, S, D]` buffers, `[B, T, KVH, D]` blocks
     ks, vs = tuple(block.k), tuple(block.v)

@@ -381,6 +381,14 @@ def _draft_model_confidence(setup: Setup) -> Program:
                          verify_widths=(1, 2, 4))
 
 
+@_register("draft_model_fp8_cache", "sj.decode with ModelDrafter(cache_dtype='float8_e4m3fn'): "
+           "the draft model's KV cache in 8-bit floats (written by the KV write kernel, read by "
+           "the cache attention kernel)")
+def _draft_model_fp8_cache(setup: Setup) -> Program:
+  return _decode_program(setup, make_draft=lambda t, d: ModelDrafter(d,
+                                                                     cache_dtype="float8_e4m3fn"))
+
+
 @_register("self_int8", "sj.decode with sj.self_drafter(target, bits=8) built in the program")
 def _self_int8(setup: Setup) -> Program:
   return _decode_program(setup, lambda t: self_drafter(t, bits=8), ())

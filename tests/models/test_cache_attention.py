@@ -32,7 +32,8 @@ from specjax.models.layers import attention, attention_reference
 # Tolerances against the reference: float32 rounding; bfloat16 caches also round the
 # probabilities to bfloat16 (normalised after the product in the kernel, before it in the
 # reference).
-TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+# An 8-bit float cache is widened to the queries' float32 on both sides: float32's tolerance.
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2, jnp.float8_e4m3fn: 2e-5}
 SCALE = 0.125
 BLOCK = 128  # 3 blocks of the 384-slot caches below
 SLOTS, LAYERS = 384, 2
@@ -110,6 +111,8 @@ CASES = [  # dtype, T, pack, tree, window, softcap
     (jnp.bfloat16, 5, 1, False, 0, None),
     (jnp.float32, 6, 1, True, 0, None),
     (jnp.float32, 5, 1, False, 100, 20.0),
+    (jnp.float8_e4m3fn, 1, 2, False, 0, None),
+    (jnp.float8_e4m3fn, 5, 1, False, 0, None),
 ]
 
 

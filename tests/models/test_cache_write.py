@@ -48,7 +48,7 @@ def _case(dtype, width, slots=128, layers=2, heads=2, dim=8, seed=0):
   return cache, block, np.asarray(starts, np.int32)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn])
 @pytest.mark.parametrize("width", [1, 5, 40])
 def test_kernel_matches_an_entry_by_entry_write(dtype, width):
   cache, block, starts = _case(dtype, width)

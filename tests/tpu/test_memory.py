@@ -65,3 +65,26 @@ def test_temporaries_grow_linearly_in_the_prompt(program):
       f"{long.temp_bytes / gib:.2f} GiB at {LONG} ({ratio:.1f}x for 4x the prompt; linear is "
       f"about 4x, quadratic 16x)")
   assert long.total_bytes < 16 * gib  # one v5e chip's HBM
+
+
+# Full depth (28 + 24 layers), about 60 s and 135 s of compiling at XLA's default effort: CI's
+# costly step.
+@pytest.mark.costly
+def test_the_batch64_pair_fits_one_v5e_chip_with_an_8bit_draft_cache():
+  """The Qwen2.5-Coder 1.5B + 0.5B decode at batch 64, 3,584 + 512 tokens, on one v5e chip
+  (`benchmarks.tpu_memory`'s case, compiled the same way): with the draft model's KV cache in
+  float8_e4m3fn it fits 16 GiB, KV caches included. Its twin, the same decode with the draft
+  cache in bfloat16, must not fit, and must need at least the bytes the 8-bit cache saves more."""
+  from benchmarks import tpu_memory  # noqa: PLC0415  (a benchmark's case, not the library's)
+  case = next(c for c in tpu_memory.CASES if c.name == "qwen-1.5b+0.5b v5e-1 B=64 3584+512")
+  narrow = tpu_memory.compile_case(case, "decode-fp8")
+  wide = tpu_memory.compile_case(case, "decode")
+  gib = 1 << 30
+  assert narrow["status"] == wide["status"] == "ok", (narrow.get("message"), wide.get("message"))
+  saved = wide["kv_cache_bytes"] - narrow["kv_cache_bytes"]  # half the draft model's cache
+  assert saved > 1.5 * gib
+  assert narrow["fits"], f"{narrow['total_bytes'] / gib:.2f} GiB on a 16 GiB chip"
+  assert not wide["fits"], (
+      f"the bfloat16 draft cache now fits ({wide['total_bytes'] / gib:.2f} GiB): update the "
+      "README's memory table and this twin")
+  assert wide["total_bytes"] - narrow["total_bytes"] >= saved
