@@ -16,6 +16,9 @@ alone) and `sj.decode` (k = 4), both at `Sampling(temperature=0.7, top_k=50, top
     outside the compiled decode, abstractly with `jax.eval_shape`) on one v5e chip: batch 1 at its
     32k context (32,000 + 64) and batch 32 at 4k (3,584 + 512; the copy drafts from its own
     copy of the target's cache, so a batch of 64 would hold two 6.5 GiB caches);
+  * `--programs decode-fp8`: `decode` with the draft's KV cache in float8_e4m3fn
+    (`sj.ModelDrafter(draft, cache_dtype=...)`; for Gemma the int8 copy's own cache, which starts
+    as the target's prompt cache cast to 8 bits), recorded beside the bfloat16 one;
   * `--only brief`: the Qwen pair at the shapes of the earlier measurements (512 + 512 batch 1,
     2,048 + 2,048 batch 64, 8,192 + 64 and 16,384 + 64 batch 1).
 
@@ -174,6 +177,11 @@ def compile_case(case: Case, program: str, verify_impl: str = "auto") -> dict:
       # `jax.eval_shape` of `self_drafter`, its leaves replicated like the target's norms.
       drafter = tpu.abstract_like(jax.eval_shape(lambda t: sj.self_drafter(t, bits=8), target),
                                   NamedSharding(mesh, PartitionSpec()))
+      if program == "decode-fp8":  # the copy's cache (the target's prompt, cast) in 8-bit floats
+        record["draft"] += f" ({FP8} cache)"
+        record["kv_cache_bytes"] = (_cache_bytes(target, mesh, case.batch, slots)
+                                    + _cache_bytes(target, mesh, case.batch, slots, FP8))
+        drafter = dataclasses.replace(drafter, cache_dtype=FP8)
 
       def run(target, drafter, tokens, rng):
         return sj.decode(target, drafter, tokens, rng, max_new_tokens=case.new,
@@ -230,7 +238,9 @@ def plot(data: dict, path: pathlib.Path = PNG_PATH) -> None:
   labels = []
   for i, r in enumerate(records):
     impl = f" [{r['verify_impl']}]" if r.get("verify_impl") not in (None, "auto") else ""
-    labels.append(f"{r['case']}  {r['program']}{impl}")
+    program = ("decode, draft cache in float8_e4m3fn" if r["program"] == "decode-fp8"
+               else r["program"])
+    labels.append(f"{r['case']}  {program}{impl}")
     if r["status"] == "ok":
       left = 0.0
       for part, color in (("argument_bytes", "#4c72b0"), ("temp_bytes", "#dd8452"),

@@ -43,6 +43,7 @@ from specjax.drafters.base import Drafter, DrafterWrapper, OwnModelDrafter, Text
 from specjax.drafters.hybrid import HybridDrafter
 from specjax.drafters.suffix import SuffixDrafter
 from specjax.drafters.suffix_tree import SuffixTreeDrafter
+from specjax.core.cache import check_cache_dtype
 from specjax.core.sampling import top_k
 from specjax.core.sequence import gather_tokens
 from specjax.trees.structure import Tree, TreeSpec
@@ -82,10 +83,15 @@ class _TreeDrafterBase(Drafter):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
-  """A draft `specjax.Model` growing a tree each round (see the module docstring)."""
+  """A draft `specjax.Model` growing a tree each round (see the module docstring). `cache_dtype`:
+  the draft cache's dtype, as `ModelDrafter`'s (None: the model's)."""
 
   model: Any
   spec: TreeSpec = dataclasses.field(metadata=_STATIC)
+  cache_dtype: str | None = dataclasses.field(default=None, metadata=_STATIC)
+
+  def __post_init__(self):
+    object.__setattr__(self, "cache_dtype", check_cache_dtype(self.cache_dtype))
 
   def forwards_per_round(self, num_draft: int) -> int:
     del num_draft
@@ -94,7 +100,8 @@ class ModelTreeDrafter(OwnModelDrafter, _TreeDrafterBase):
   def init(self, tokens, lengths, buffer_len, prefill):
     del prefill
     model = self.model
-    cache = model(tokens, jnp.zeros_like(lengths), model.init_cache(tokens.shape[0], buffer_len))
+    cache = model(tokens, jnp.zeros_like(lengths),
+                  model.init_cache(tokens.shape[0], buffer_len, self.cache_dtype))
     return cache.cache.with_lengths(lengths - 1)
 
   def propose(self, state, sequence, lengths, *, num_draft, sampling, seeds, guide=None):
@@ -233,4 +240,4 @@ def tree_drafter(target, drafter, spec: TreeSpec):
   if model.vocab_size != target.vocab_size:
     raise ValueError(f"draft vocabulary ({model.vocab_size}) does not match the target's "
                      f"({target.vocab_size})")
-  return ModelTreeDrafter(model, spec)
+  return ModelTreeDrafter(model, spec, getattr(drafter, "cache_dtype", None))

@@ -131,3 +131,17 @@ def test_a_self_drafter_copies_the_shared_prompt_into_its_8bit_cache(target):
                                 np.asarray(to_cache(shared.cache.k, jnp.float8_e4m3fn)
                                            .astype(jnp.float32)))
   np.testing.assert_array_equal(np.asarray(cache.lengths), np.asarray(lengths) - 1)
+
+
+def test_a_draft_model_tree_keeps_the_8bit_cache(target):
+  tokens, lengths = _prompt()
+  spec = sj.TreeSpec("static", depth=3, width=2)
+  drafter = sj.ModelDrafter(target, cache_dtype="float8_e4m3fn")
+  from specjax.drafters.tree import tree_drafter  # noqa: PLC0415
+  tree = tree_drafter(target, drafter, spec)
+  assert tree.cache_dtype == "float8_e4m3fn"
+  assert tree.init(tokens, lengths, 48, None).k.dtype == jnp.float8_e4m3fn
+  out = sj.decode(target, drafter, tokens, jax.random.key(5), lengths=lengths,
+                  max_new_tokens=20, tree=spec)
+  want = sj.generate(target, tokens, jax.random.key(5), lengths=lengths, max_new_tokens=20)
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(want.tokens))

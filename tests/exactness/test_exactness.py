@@ -145,6 +145,19 @@ def test_ngram_power(target, name):
   assert chi_square_pvalue(tokens, exact_joint(target, sampling)) < POWER_ALPHA
 
 
+# The draft model over its KV cache in 8-bit floats (`ModelDrafter(cache_dtype=...)`): another
+# q, the same law; its broken twin (the residual skipped) must be rejected at the same N.
+@pytest.mark.costly
+def test_draft_model_with_an_8bit_cache_matches_target_distribution(target, draft):
+  sampling = SETTINGS["t1"]
+  drafter = sj.ModelDrafter(draft, cache_dtype="float8_e4m3fn")
+  tokens, stats = run_decode(target, drafter, sampling)
+  assert 0.05 < stats.summary()["acceptance_rate"] < 0.95
+  assert chi_square_pvalue(tokens, exact_joint(target, sampling)) > ALPHA
+  broken, _ = run_decode(target, drafter, sampling, verify_impl=rule_without_residual)
+  assert chi_square_pvalue(broken, exact_joint(target, sampling)) < POWER_ALPHA
+
+
 def test_plain_generate_matches_target_distribution(target):
   """The baseline itself: sj.generate samples the same exact distribution."""
   sampling = SETTINGS["t0.7_topk3"]
