@@ -190,8 +190,9 @@ def _slots(starts: jax.Array, width: int) -> jax.Array:
 
 
 def _scatter(buffer, slots, block, dims):
-  return jax.lax.scatter(buffer, slots, to_cache(block, buffer.dtype), dims, indices_are_sorted=True,
-                         unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+  return jax.lax.scatter(buffer, slots, to_cache(block, buffer.dtype), dims,
+                         indices_are_sorted=True, unique_indices=True,
+                         mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 # Row b of the indices addresses row b of the buffer (a batching dimension, so each device of a

@@ -84,7 +84,7 @@ def attention_reference(q, keys, values, masks, *, scale: float, softcap: float 
   out = 0.0
   offset = 0
   for v in values:
-    part = probs[..., offset:offset + v.shape[2]].astype(read_dtype(q.dtype, v.dtype))
+    part = probs[..., offset:offset + v.shape[2]].astype(_probs_dtype(q, v))
     # Heads-major output: with a `btkgd` output XLA:CPU computes the transposed product and copies
     # a transposed value slab per layer; the small result is transposed by the caller instead.
     out = out + _weighted_values(part, v, q.shape[-1])
@@ -112,6 +112,12 @@ def _scores(q, k):
   spread = spread.reshape(b, t, groups, pack, g, pack * d)
   scores = jnp.einsum("btcjge,bcse->bcjgts", spread, k, preferred_element_type=jnp.float32)
   return scores.reshape(b, kvh, g, t, k.shape[2])
+
+
+def _probs_dtype(q, v):
+  """The dtype probabilities take before their product with values `v`: the values' own, or for
+  an 8-bit float cache (widened for the product) the queries'."""
+  return q.dtype if is_float8(v.dtype) else v.dtype
 
 
 def _weighted_values(probs, v, head_dim: int):
@@ -190,8 +196,9 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     # The long-block kernels take `[B, KVH, S, D]`: a packed cache segment is unpacked (a
     # prefill's chunk copies the layer's cache once; its own concatenation copies it anyway).
     # An 8-bit float cache is widened to the queries' dtype there too.
-    keys = tuple(unpack_heads(k, d).astype(read_dtype(q.dtype, k.dtype)) for k in keys)
-    values = tuple(unpack_heads(v, d).astype(read_dtype(q.dtype, v.dtype)) for v in values)
+    widen = lambda x: x.astype(q.dtype) if is_float8(x.dtype) else x
+    keys = tuple(widen(unpack_heads(k, d)) for k in keys)
+    values = tuple(widen(unpack_heads(v, d)) for v in values)
     out = long_attention.long_attention(
         q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
         softcap=config.attn_logit_softcap,
@@ -291,8 +298,7 @@ def cache_attention_reference(q, keys, values, starts, q_pos, *, layer=0, window
   s = jnp.where(visible[:, None, None], s, -jnp.inf)
   m = jnp.max(s, axis=-1)
   p = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m)[..., None])
-  return m, p.sum(-1), _weighted_values(p.astype(read_dtype(q.dtype, values.dtype)), values,
-                                        q.shape[-1])
+  return m, p.sum(-1), _weighted_values(p.astype(_probs_dtype(q, values)), values, q.shape[-1])
 
 
 def merge_cache_partials(partials, block_scores, block_values, head_dim: int):
@@ -315,9 +321,8 @@ def merge_cache_partials(partials, block_scores, block_values, head_dim: int):
   cache_weight = jnp.exp(m - top)  # 0 where the cache showed nothing
   p = jnp.exp(block_scores - top[..., None])
   total = cache_weight * l + p.sum(-1)
-  out = cache_weight[..., None] * acc + _weighted_values(
-      p.astype(read_dtype(jnp.float32, block_values.dtype)
-               if is_float8(block_values.dtype) else block_values.dtype), block_values, head_dim)
+  out = cache_weight[..., None] * acc + _weighted_values(p.astype(_probs_dtype(p, block_values)),
+                                                          block_values, head_dim)
   return out / jnp.where(total == 0, 1.0, total)[..., None]  # (0 only where nothing is visible)
 
 
