@@ -158,35 +158,29 @@ def compile_case(case: Case, program: str, verify_impl: str = "auto") -> dict:
     args = (target, tokens, rng)
   else:
     slots = case.prompt + capacity + NUM_DRAFT + 1
-    record["kv_cache_bytes"] = 2 * _cache_bytes(target, mesh, case.batch, slots)
+    cache_dtype = FP8 if program == "decode-fp8" else None
     if case.draft is not None:
       draft = tpu.abstract_model(tpu.REAL_CONFIGS[case.draft], mesh, jnp.bfloat16)
-      cache_dtype = FP8 if program == "decode-fp8" else None
-      record["kv_cache_bytes"] = (_cache_bytes(target, mesh, case.batch, slots)
-                                  + _cache_bytes(draft, mesh, case.batch, slots, cache_dtype))
-      if cache_dtype is not None:  # the draft model's cache in 8-bit floats (`ModelDrafter`)
-        record["draft"] += f" ({cache_dtype} cache)"
-        draft = sj.ModelDrafter(draft, cache_dtype=cache_dtype)
-
-      def run(target, draft, tokens, rng):
-        return sj.decode(target, draft, tokens, rng, max_new_tokens=case.new,
-                         num_draft=NUM_DRAFT, sampling=sampling, verify_impl=verify_impl)
-      args = (target, draft, tokens, rng)
+      # A raw model, or the same model in a `ModelDrafter` that sets its cache's dtype.
+      drafter = draft if cache_dtype is None else sj.ModelDrafter(draft, cache_dtype=cache_dtype)
     else:
       # The int8 copy is built once, outside the decode (as a server would), here abstractly:
-      # `jax.eval_shape` of `self_drafter`, its leaves replicated like the target's norms.
+      # `jax.eval_shape` of `self_drafter`, its leaves replicated like the target's norms. Its
+      # cache has the target's shape and starts as the target's prompt cache (cast, in 8 bits).
+      draft = target
       drafter = tpu.abstract_like(jax.eval_shape(lambda t: sj.self_drafter(t, bits=8), target),
                                   NamedSharding(mesh, PartitionSpec()))
-      if program == "decode-fp8":  # the copy's cache (the target's prompt, cast) in 8-bit floats
-        record["draft"] += f" ({FP8} cache)"
-        record["kv_cache_bytes"] = (_cache_bytes(target, mesh, case.batch, slots)
-                                    + _cache_bytes(target, mesh, case.batch, slots, FP8))
-        drafter = dataclasses.replace(drafter, cache_dtype=FP8)
+      if cache_dtype is not None:
+        drafter = dataclasses.replace(drafter, cache_dtype=cache_dtype)
+    record["kv_cache_bytes"] = (_cache_bytes(target, mesh, case.batch, slots)
+                                + _cache_bytes(draft, mesh, case.batch, slots, cache_dtype))
+    if cache_dtype is not None:
+      record["draft"] += f" ({cache_dtype} cache)"
 
-      def run(target, drafter, tokens, rng):
-        return sj.decode(target, drafter, tokens, rng, max_new_tokens=case.new,
-                         num_draft=NUM_DRAFT, sampling=sampling, verify_impl=verify_impl)
-      args = (target, drafter, tokens, rng)
+    def run(target, drafter, tokens, rng):
+      return sj.decode(target, drafter, tokens, rng, max_new_tokens=case.new,
+                       num_draft=NUM_DRAFT, sampling=sampling, verify_impl=verify_impl)
+    args = (target, drafter, tokens, rng)
   start = time.perf_counter()
   try:
     compiled = tpu.compile_call(run, *args, mesh=mesh)

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from specjax.core.cache import is_float8, read_dtype
+from specjax.core.cache import read_dtype, widen
 
 __all__ = ["BLOCKS", "VMEM_BUDGET", "block_slots", "cache_attention", "fetched_slots",
            "vmem_bytes"]
@@ -138,9 +138,7 @@ def _kernel(starts_ref, layer_ref, window_ref, pos_ref, q_ref, k_ref, v_ref, m_o
       m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row that has seen nothing yet
       p = jnp.exp(s - m_safe)
       alpha = jnp.exp(m_prev - m_safe)
-      v = v_ref[c]
-      if is_float8(v.dtype):  # an 8-bit float cache: widened to the queries' dtype
-        v = v.astype(q.dtype)
+      v = widen(v_ref[c], q.dtype)  # an 8-bit float cache: widened to the queries' dtype
       pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                                preferred_element_type=jnp.float32)
       l_scr[c] = alpha * l_scr[c] + jnp.sum(p, axis=1, keepdims=True)

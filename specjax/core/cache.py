@@ -176,6 +176,12 @@ def to_cache(x: jax.Array, dtype) -> jax.Array:
   return x.astype(dtype)
 
 
+def widen(x: jax.Array, dtype) -> jax.Array:
+  """`x` read from a cache for a product in `dtype`: an 8-bit float cache's entries widened to
+  `dtype` (JAX does not promote 8-bit floats implicitly), any other unchanged."""
+  return x.astype(dtype) if is_float8(x.dtype) else x
+
+
 def read_dtype(compute, stored):
   """The dtype attention's products take over a cache stored as `stored`, with queries in
   `compute`: an 8-bit float cache is widened to the queries' dtype (JAX does not promote 8-bit

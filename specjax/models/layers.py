@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from specjax.core.cache import is_float8, read_dtype, unpack_heads
+from specjax.core.cache import is_float8, read_dtype, unpack_heads, widen
 from specjax.kernels import cache_attention as cache_kernel
 from specjax.models import long_attention
 from specjax.parallel.rules import active_rules, auto_mesh_shape
@@ -102,8 +102,7 @@ def _scores(q, k):
   """`[B, KVH, G, T, S]` float32 scores of `q [B, T, KVH, G, D]` against keys `[B, KVH, S, D]`
   or a packed `[B, KVH / p, S, p D]`."""
   b, t, kvh, g, d = q.shape
-  if is_float8(k.dtype):  # an 8-bit float cache: widened to the queries' dtype
-    k = k.astype(q.dtype)
+  k = widen(k, q.dtype)  # an 8-bit float cache
   if k.shape[-1] == d:
     return jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
   groups, pack = k.shape[1], k.shape[-1] // d
@@ -123,8 +122,7 @@ def _probs_dtype(q, v):
 def _weighted_values(probs, v, head_dim: int):
   """`[B, KVH, G, T, D]` float32: `probs [B, KVH, G, T, S]` times values `[B, KVH, S, D]` or a
   packed `[B, KVH / p, S, p D]`. An 8-bit float `v` is widened to `probs`' dtype."""
-  if is_float8(v.dtype):
-    v = v.astype(probs.dtype)
+  v = widen(v, probs.dtype)
   if v.shape[-1] == head_dim:
     return jnp.einsum("bkgts,bksd->bkgtd", probs, v, preferred_element_type=jnp.float32)
   b, kvh, g, t, s = probs.shape
@@ -196,9 +194,8 @@ def attention(q, segments, q_pos, window, config: ModelConfig, kernel: bool = Fa
     # The long-block kernels take `[B, KVH, S, D]`: a packed cache segment is unpacked (a
     # prefill's chunk copies the layer's cache once; its own concatenation copies it anyway).
     # An 8-bit float cache is widened to the queries' dtype there too.
-    widen = lambda x: x.astype(q.dtype) if is_float8(x.dtype) else x
-    keys = tuple(widen(unpack_heads(k, d)) for k in keys)
-    values = tuple(widen(unpack_heads(v, d)) for v in values)
+    keys = tuple(widen(unpack_heads(k, d), q.dtype) for k in keys)
+    values = tuple(widen(unpack_heads(v, d), q.dtype) for v in values)
     out = long_attention.long_attention(
         q, keys, values, k_pos, valid, q_pos, window, scale=config.attention_scale,
         softcap=config.attn_logit_softcap,
